@@ -1,0 +1,50 @@
+// Framework-free description of one decode-attention call, shared by the CPU kernels
+// (compiled once per instruction set) and the binding that launches them.
+#pragma once
+
+#include <cstdint>
+
+namespace kvcache_ext::cpu {
+
+enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct AttentionProblem {
+  ElemType elem;
+  const void* q;        // [batch, q_heads, num_new, head_dim], any strides
+  const void* k_cache;  // [batch, kv_heads, slots, head_dim], head_dim contiguous
+  const void* v_cache;  // [batch, kv_heads, slots, head_dim], head_dim contiguous
+  const int64_t* lengths;  // [batch] tokens per row, the num_new new ones included
+  int64_t batch, q_heads, kv_heads, num_new, head_dim, slots;
+  int64_t q_stride[4];
+  int64_t k_stride[3];  // batch, head, slot (head_dim stride is 1)
+  int64_t v_stride[3];
+  int64_t window;  // 0: no window
+  float scale;
+};
+
+// First position visible to the earliest new query of row b (see reference_attention).
+inline int64_t first_visible_position(const AttentionProblem& p, int64_t b) {
+  const int64_t n = p.lengths[b];
+  int64_t lo = n > p.slots ? n - p.slots : 0;
+  if (p.window > 0 && n - p.num_new - p.window + 1 > lo) lo = n - p.num_new - p.window + 1;
+  return lo;
+}
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxRowsPerCall = 64;  // group size x new tokens handled by one call
+
+// Unnormalised attention of new tokens [query_begin, query_begin + query_count) of every query
+// head sharing KV head `kv_head` of row `b`, over positions [position_begin, position_end).
+// Row m = g * query_count + (i - query_begin) for group member g and new token i; at most
+// kMaxRowsPerCall rows. Writes acc[m][d] = sum of exp(score - row_max[m]) * v, row_max[m] and
+// row_sum[m] = sum of exp(score - row_max[m]) (0 with row_max -inf if nothing was visible).
+using PartialAttentionFn = void (*)(const AttentionProblem& p, int64_t b, int64_t kv_head,
+                                    int64_t query_begin, int64_t query_count,
+                                    int64_t position_begin, int64_t position_end,
+                                    float* acc,      // [rows, head_dim]
+                                    float* row_max,  // [rows]
+                                    float* row_sum); // [rows]
+using StoreRowFn = void (*)(ElemType elem, const float* values, int64_t count, int64_t stride,
+                            void* out);
+
+}  // namespace kvcache_ext::cpu

@@ -1,0 +1,277 @@
+// CPU implementations of the ops catalogued in csrc/ops.cpp: input checks, the split of the
+// work over threads, and the merge of split-K partial results.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "attention_problem.h"
+#include "cpu_isa.h"
+
+namespace kvcache_ext::cpu {
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+std::string shape_of(const Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + ")";
+}
+
+std::string dtype_name(ScalarType t) { return torch::headeronly::toString(t); }
+
+ElemType elem_type_of(const Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case ScalarType::Float: return ElemType::kFloat32;
+    case ScalarType::BFloat16: return ElemType::kBFloat16;
+    case ScalarType::Half: return ElemType::kFloat16;
+    default:
+      STD_TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", dtype_name(t.scalar_type()));
+  }
+  return ElemType::kFloat32;
+}
+
+void check_cpu(const Tensor& t, const char* what) {
+  STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");
+}
+
+// Checks shared by both ops: the cache pair, its layout and the lengths tensor.
+void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths) {
+  STD_TORCH_CHECK(k_cache.dim() == 4, "k_cache must be (batch, kv_heads, slots, head_dim), got shape ",
+                  shape_of(k_cache));
+  STD_TORCH_CHECK(v_cache.dim() == 4 && v_cache.sizes().equals(k_cache.sizes()),
+                  "v_cache must have k_cache's shape ", shape_of(k_cache), ", got ", shape_of(v_cache));
+  STD_TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must be ",
+                  dtype_name(k_cache.scalar_type()), " like k_cache, got ", dtype_name(v_cache.scalar_type()));
+  elem_type_of(k_cache, "k_cache");
+  const int64_t D = k_cache.size(3);
+  STD_TORCH_CHECK(D % 8 == 0 && D >= 8 && D <= kMaxHeadDim,
+                  "head_dim must be a multiple of 8 between 8 and ", kMaxHeadDim, ", got ", D);
+  STD_TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+                  "k_cache and v_cache need a contiguous last (head_dim) dimension, got strides ",
+                  k_cache.stride(3), " and ", v_cache.stride(3));
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == k_cache.size(0), "lengths must have shape (",
+                  k_cache.size(0), ",), got ", shape_of(lengths));
+  STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
+                  dtype_name(lengths.scalar_type()));
+  check_cpu(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache");
+  check_cpu(lengths, "lengths");
+}
+
+void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
+  check_cache(k_cache, v_cache, lengths);
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name,
+                    " must be (batch=", B, ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ",
+                    shape_of(*t));
+    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ",
+                    dtype_name(k_cache.scalar_type()), " like the cache, got ", dtype_name(t->scalar_type()));
+    check_cpu(*t, name);
+  }
+  const int64_t T = k_new.size(2);
+  STD_TORCH_CHECK(v_new.size(2) == T, "k_new and v_new must hold the same number of tokens, got ", T, " and ",
+                  v_new.size(2));
+  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  const int64_t* len = lengths.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    STD_TORCH_CHECK(len[b] >= 0, "lengths must be >= 0, got ", len[b], " for row ", b);
+
+  const int64_t elem = static_cast<int64_t>(k_cache.element_size());
+  struct Side {
+    char* cache;
+    const char* src;
+    int64_t cache_stride[3];
+    int64_t src_stride[4];
+  };
+  const Side sides[2] = {
+      {static_cast<char*>(k_cache.mutable_data_ptr()), static_cast<const char*>(k_new.const_data_ptr()),
+       {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)}},
+      {static_cast<char*>(v_cache.mutable_data_ptr()), static_cast<const char*>(v_new.const_data_ptr()),
+       {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
+       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
+  };
+  // One work item per (K or V, row, head): T rows of D elements each.
+  torch::stable::parallel_for(0, 2 * B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(T * D, 1)),
+                              [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Side& side = sides[item / (B * H)];
+      const int64_t b = (item % (B * H)) / H, h = item % H;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t slot = (len[b] + t) % S;
+        char* dst = side.cache + (b * side.cache_stride[0] + h * side.cache_stride[1] + slot * side.cache_stride[2]) * elem;
+        const char* src = side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
+        if (side.src_stride[3] == 1) {
+          std::memcpy(dst, src, D * elem);
+        } else {
+          for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
+                                            std::optional<int64_t> window, std::optional<double> scale) {
+  check_cache(k_cache, v_cache, lengths);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
+  check_cpu(q, "q");
+  const int64_t B = k_cache.size(0), H_kv = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  const int64_t H_q = q.size(1), T = q.size(2);
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
+                  ") to match the cache ", shape_of(k_cache), ", got ", shape_of(q));
+  STD_TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q must have the cache's dtype ",
+                  dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  STD_TORCH_CHECK(H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv, ")");
+  const int64_t group = H_q / H_kv;
+  STD_TORCH_CHECK(group <= kMaxRowsPerCall, "at most ", kMaxRowsPerCall, " query heads per KV head, got ", group);
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  const int64_t* len = lengths.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    STD_TORCH_CHECK(len[b] >= T, "lengths must count the ", T, " new tokens (>= ", T, "), got ", len[b],
+                    " for row ", b);
+
+  AttentionProblem p{};
+  p.elem = elem_type_of(q, "q");
+  p.q = q.const_data_ptr();
+  p.k_cache = k_cache.const_data_ptr();
+  p.v_cache = v_cache.const_data_ptr();
+  p.lengths = len;
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = k_cache.stride(i), p.v_stride[i] = v_cache.stride(i);
+  p.window = window.value_or(0);
+  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
+
+  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
+  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
+  void* out_ptr = out.mutable_data_ptr();
+  float* lse_ptr = lse.mutable_data_ptr<float>();
+
+  // Work item: (row, KV head, chunk of new tokens, split of the positions).
+  const int64_t chunk = std::max<int64_t>(1, kMaxRowsPerCall / group);
+  const int64_t chunks = (T + chunk - 1) / chunk;
+  const int64_t groups = B * H_kv * chunks;
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b] - first_visible_position(p, b));
+  // Split the sequence when there are too few groups to keep every thread busy (split-K).
+  constexpr int64_t kMinPositionsPerSplit = 256;
+  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  int64_t splits = 1;
+  if (groups < 4 * threads)
+    splits = std::clamp<int64_t>((4 * threads + groups - 1) / groups, 1,
+                                 std::max<int64_t>(1, longest / kMinPositionsPerSplit));
+
+  const PartialAttentionFn partial = partial_attention_kernel();
+  const StoreRowFn store = store_row_kernel();
+  const int64_t rows_max = group * chunk;
+  std::vector<float> scratch;
+  if (splits > 1) scratch.resize(static_cast<size_t>(groups * splits * rows_max * (D + 2)));
+
+  auto row_range = [&](int64_t b, int64_t query_begin, int64_t query_end, int64_t split) {
+    const int64_t n = len[b];
+    const int64_t lo = std::max(first_visible_position(p, b), p.window > 0 ? n - T + query_begin - p.window + 1 : 0);
+    const int64_t hi = n - T + query_end;  // exclusive
+    const int64_t per_split = (hi - lo + splits - 1) / splits;
+    const int64_t begin = std::min(hi, lo + split * per_split);
+    return std::pair{begin, std::min(hi, begin + per_split)};
+  };
+  auto write_output = [&](int64_t b, int64_t kv_head, int64_t query_begin, int64_t query_count, const float* acc,
+                          const float* row_max, const float* row_sum) {
+    for (int64_t m = 0; m < group * query_count; ++m) {
+      const int64_t h = kv_head * group + m / query_count, i = query_begin + m % query_count;
+      float normalised[kMaxHeadDim];
+      const float inv = 1.0f / row_sum[m];
+      for (int64_t d = 0; d < D; ++d) normalised[d] = acc[m * D + d] * inv;
+      const int64_t offset = ((b * H_q + h) * T + i);
+      const int64_t elem_size = static_cast<int64_t>(q.element_size());
+      store(p.elem, normalised, D, 1, static_cast<char*>(out_ptr) + offset * D * elem_size);
+      lse_ptr[offset] = row_max[m] + std::log(row_sum[m]);
+    }
+  };
+
+  torch::stable::parallel_for(0, groups * splits, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
+    float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t split = item % splits, grp = item / splits;
+      const int64_t c = grp % chunks, kv_head = (grp / chunks) % H_kv, b = grp / (chunks * H_kv);
+      const int64_t query_begin = c * chunk, query_count = std::min(chunk, T - query_begin);
+      const auto [pos_begin, pos_end] = row_range(b, query_begin, query_begin + query_count, split);
+      if (splits == 1) {
+        partial(p, b, kv_head, query_begin, query_count, pos_begin, pos_end, acc, row_max, row_sum);
+        write_output(b, kv_head, query_begin, query_count, acc, row_max, row_sum);
+      } else {
+        float* part = scratch.data() + item * rows_max * (D + 2);
+        partial(p, b, kv_head, query_begin, query_count, pos_begin, pos_end, part, part + rows_max * D,
+                part + rows_max * (D + 1));
+      }
+    }
+  });
+  if (splits == 1) return {out, lse};
+
+  // Merge the splits of each group: rescale every partial to the common maximum.
+  torch::stable::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
+    float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
+    for (int64_t grp = begin; grp < end; ++grp) {
+      const int64_t c = grp % chunks, kv_head = (grp / chunks) % H_kv, b = grp / (chunks * H_kv);
+      const int64_t query_begin = c * chunk, query_count = std::min(chunk, T - query_begin);
+      const int64_t rows = group * query_count;
+      for (int64_t m = 0; m < rows; ++m) {
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < splits; ++s)
+          best = std::max(best, scratch[(grp * splits + s) * rows_max * (D + 2) + rows_max * D + m]);
+        float total = 0.0f;
+        std::fill(acc + m * D, acc + (m + 1) * D, 0.0f);
+        for (int64_t s = 0; s < splits; ++s) {
+          const float* part = scratch.data() + (grp * splits + s) * rows_max * (D + 2);
+          const float part_max = part[rows_max * D + m], part_sum = part[rows_max * (D + 1) + m];
+          if (part_sum == 0.0f) continue;
+          const float weight = std::exp(part_max - best);
+          total += part_sum * weight;
+          for (int64_t d = 0; d < D; ++d) acc[m * D + d] += part[m * D + d] * weight;
+        }
+        row_max[m] = best;
+        row_sum[m] = total;
+      }
+      write_output(b, kv_head, query_begin, query_count, acc, row_max, row_sum);
+    }
+  });
+  return {out, lse};
+}
+
+int64_t cpu_isa() { return static_cast<int64_t>(active_isa()); }
+
+int64_t select_cpu_isa(int64_t isa) {
+  STD_TORCH_CHECK(isa >= 0 && isa <= 2, "isa must be 0 (baseline), 1 (AVX2) or 2 (AVX-512), got ", isa);
+  return static_cast<int64_t>(select_isa(static_cast<Isa>(isa)));
+}
+
+}  // namespace
+}  // namespace kvcache_ext::cpu
+
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
+  m.impl("append_kv", TORCH_BOX(&kvcache_ext::cpu::append_kv));
+  m.impl("decode_attention", TORCH_BOX(&kvcache_ext::cpu::decode_attention));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CompositeExplicitAutograd, m) {
+  m.impl("cpu_isa", TORCH_BOX(&kvcache_ext::cpu::cpu_isa));
+  m.impl("select_cpu_isa", TORCH_BOX(&kvcache_ext::cpu::select_cpu_isa));
+}

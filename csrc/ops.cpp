@@ -1,0 +1,29 @@
+// Every op of the kvcache_ext namespace, its schema and what it does. Implementations register
+// per device in cpu/ops_cpu.cpp and cuda/ops_cuda.cu; fake (meta) implementations for
+// torch.compile live in kvcache_ext/ops.py.
+#include <torch/csrc/stable/library.h>
+
+STABLE_TORCH_LIBRARY(kvcache_ext, m) {
+  // Writes k_new/v_new [batch, kv_heads, num_new, head_dim] (any strides) into
+  // k_cache/v_cache [batch, kv_heads, slots, head_dim] in place: token t of row b goes to slot
+  // (lengths[b] + t) % slots. lengths [batch] int64 counts the tokens already in each row and
+  // is not changed. The caller checks capacity (a non-ring cache must have room).
+  m.def(
+      "append_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
+      "Tensor lengths) -> ()");
+
+  // Attention of q [batch, q_heads, num_new, head_dim] over the cache, lengths [batch] int64
+  // counting each row's tokens with the new ones included; exactly python_ref's
+  // reference_attention: GQA, bottom-right causal, ring-buffer slots, optional sliding window,
+  // scale (default 1/sqrt(head_dim)). Returns out [batch, q_heads, num_new, head_dim] in q's
+  // dtype and the log-sum-exp of the scaled scores [batch, q_heads, num_new] float32.
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, "
+      "int? window=None, float? scale=None) -> (Tensor, Tensor)");
+
+  // CPU instruction set the kernels use: 0 baseline, 1 AVX2, 2 AVX-512.
+  m.def("cpu_isa() -> int");
+  // Asks for an instruction set (same numbering); returns the one used, at most the best the
+  // CPU supports. For tests and benchmarks of every code path.
+  m.def("select_cpu_isa(int isa) -> int");
+}

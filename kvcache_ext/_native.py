@@ -1,0 +1,45 @@
+"""Loads the native library, or explains once why the pure-PyTorch path is used instead."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+_PACKAGE_DIR = Path(__file__).parent
+REQUIRE_NATIVE_ENV = "KVCACHE_EXT_REQUIRE_NATIVE"
+
+
+def _load() -> tuple[bool, str]:
+    libraries = sorted(glob.glob(str(_PACKAGE_DIR / "_C*.so")))
+    if not libraries:
+        return False, f"no native library (_C*.so) in {_PACKAGE_DIR}; the package was installed without building it"
+    try:
+        torch.ops.load_library(libraries[0])
+    except (OSError, RuntimeError) as error:
+        return False, f"{libraries[0]} failed to load under torch {torch.__version__}: {error}"
+    return True, ""
+
+
+available, unavailable_reason = _load()
+if not available:
+    if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
+        raise ImportError(f"kvcache_ext: {REQUIRE_NATIVE_ENV}=1 but {unavailable_reason}")
+    warnings.warn(f"kvcache_ext falls back to the pure-PyTorch path: {unavailable_reason}", RuntimeWarning, stacklevel=3)
+
+
+def build_info() -> dict:
+    """What was built and what runs: torch versions, CPU instruction sets, CUDA."""
+    info_file = _PACKAGE_DIR / "_build_info.json"
+    info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    info["torch_running"] = torch.__version__
+    info["native_loaded"] = available
+    if available:
+        info["cpu_isa_active"] = ("baseline", "avx2", "avx512")[torch.ops.kvcache_ext.cpu_isa()]
+    else:
+        info["native_unavailable_reason"] = unavailable_reason
+    return info

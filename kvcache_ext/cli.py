@@ -1,0 +1,36 @@
+"""The `kvcache-ext` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kvcache-ext", description="KV-cache extension for PyTorch LLM decoding")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from . import demo
+
+    demo_parser = commands.add_parser("demo", help="the article's experiment with every cache")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=demo.run)
+
+    info_parser = commands.add_parser("info", help="what the native extension was built with")
+    info_parser.set_defaults(run=_info)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def _info(_args) -> int:
+    import json
+
+    import kvcache_ext
+
+    print(json.dumps(kvcache_ext.build_info(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""`kvcache-ext demo`: the article's experiment, run with every cache and checked token for token."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from python_ref import ConcatCache, NoCache, PreallocatedCache, build_gpt2, generate
+from python_ref.tokenizer import END_OF_TEXT, gpt2_tokenizer
+from python_ref.weights import load_gpt2
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CACHE_NAMES = ("none", "concat", "prealloc", "native")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", default="Hello, I am")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--model", default="124M", help="GPT-2 size for random weights: 124M, 355M, 774M, 1558M, tiny")
+    parser.add_argument("--weights", help="a GPT-2 .safetensors file in Hugging Face layout (real text instead of random weights)")
+    parser.add_argument("--seed", type=int, default=123, help="seed for the random weights")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=1, help="the prompt repeated in each row")
+    parser.add_argument("--window", type=int, help="sliding window in tokens (every cache applies it)")
+    parser.add_argument("--caches", default=",".join(CACHE_NAMES),
+                        help=f"comma-separated subset of {','.join(CACHE_NAMES)}")
+
+
+def make_cache(name, model, batch_size, max_len, window, dtype, device):
+    if name == "none":
+        return None if window is None else _WindowedNoCache(window)
+    if name == "concat":
+        return ConcatCache(window=window)
+    shape = dict(model.kv_shape, batch_size=batch_size, max_len=max_len, window=window, dtype=dtype, device=device)
+    if name == "prealloc":
+        return PreallocatedCache(**shape)
+    if name == "native":
+        from kvcache_ext import KVCache
+
+        return KVCache(**shape)
+    raise ValueError(f"unknown cache {name!r}; choose from {', '.join(CACHE_NAMES)}")
+
+
+class _WindowedNoCache:
+    """Marks the no-cache run as windowed; `generate` then re-runs with a windowed NoCache."""
+
+    def __init__(self, window):
+        self.window = window
+
+
+def run(args) -> int:
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    for c in caches:
+        if c not in CACHE_NAMES:
+            raise SystemExit(f"unknown cache {c!r}; choose from {', '.join(CACHE_NAMES)}")
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    tokenizer = gpt2_tokenizer()
+    model = load_gpt2(args.weights) if args.weights else build_gpt2(args.model, seed=args.seed)
+    model = model.to(device=device, dtype=dtype)
+    prompt = torch.tensor([tokenizer.encode(args.prompt)] * args.batch_size, device=device)
+    total = prompt.shape[1] + args.max_new_tokens
+    if total > model.cfg.context_length:
+        raise SystemExit(f"prompt ({prompt.shape[1]} tokens) + {args.max_new_tokens} new tokens exceed "
+                         f"GPT-2's {model.cfg.context_length} positions")
+    print(f"GPT-2 {args.weights or args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters), "
+          f"{args.dtype} on {device}, batch {args.batch_size}, {args.max_new_tokens} new tokens"
+          + (f", window {args.window}" if args.window else ""), flush=True)
+
+    results = {}
+    for name in caches:
+        cache = make_cache(name, model, args.batch_size, total, args.window, dtype, device)
+        label = name if name != "native" else f"native ({_native_backend()})"
+        progress = _Progress(label, args.max_new_tokens)
+        start = time.perf_counter()
+        if isinstance(cache, _WindowedNoCache):
+            out = _generate_uncached_windowed(model, prompt, args.max_new_tokens, cache.window, progress)
+        else:
+            out = generate(model, prompt, args.max_new_tokens, cache=cache, eos_id=None, on_token=progress)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        progress.done(seconds)
+        memory = cache.bytes_allocated() if hasattr(cache, "bytes_allocated") else 0
+        results[name] = (out, seconds, memory, label)
+
+    first_out = next(iter(results.values()))[0]
+    text = tokenizer.decode(first_out[0].tolist())
+    print("\nOutput text:", text)
+    print()
+    base = results.get("none")
+    print(f"{'cache':<26}{'tokens/s':>10}{'vs none':>10}{'KV memory':>12}  tokens")
+    all_same = True
+    for name, (out, seconds, memory, label) in results.items():
+        same = torch.equal(out, first_out)
+        all_same &= same
+        rate = args.max_new_tokens * args.batch_size / seconds
+        speedup = f"{base[1] / seconds:.1f}x" if base else "-"
+        print(f"{label:<26}{rate:>10.1f}{speedup:>10}{_megabytes(memory):>12}  {'identical' if same else 'DIFFERENT'}")
+    if not all_same:
+        print("\nERROR: the caches produced different tokens", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _generate_uncached_windowed(model, prompt, max_new_tokens, window, on_token):
+    idx = prompt
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            next_token = model(idx, NoCache(window=window))[:, -1].argmax(dim=-1)
+            idx = torch.cat([idx, next_token.unsqueeze(1)], dim=1)
+            on_token(next_token)
+    return idx
+
+
+def _native_backend() -> str:
+    import kvcache_ext
+
+    return "C++" if kvcache_ext.native_available() else "python fallback"
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 2**20:.2f} MB" if n else "-"
+
+
+class _Progress:
+    """One status line per cache, updated in place on a terminal, at the end otherwise."""
+
+    def __init__(self, label, total):
+        self.label, self.total, self.count = label, total, 0
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def __call__(self, _token):
+        self.count += 1
+        if self.tty and (self.count % 10 == 0 or self.count == self.total):
+            elapsed = time.perf_counter() - self.start
+            print(f"\r  {self.label}: {self.count}/{self.total} tokens, {elapsed:.1f}s", end="", file=sys.stderr, flush=True)
+
+    def done(self, seconds):
+        end = "\r" if self.tty else ""
+        print(f"{end}  {self.label}: {self.count}/{self.total} tokens in {seconds:.1f}s" + " " * 10, file=sys.stderr, flush=True)

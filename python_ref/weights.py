@@ -1,0 +1,75 @@
+"""Build a GPT-2 from a state dict in Hugging Face's layout (``GPT2LMHeadModel`` names).
+
+Hugging Face stores GPT-2's projections as ``Conv1D`` weights of shape (in, out), i.e. the
+transpose of ``nn.Linear``'s, and fuses the query/key/value projections into ``c_attn``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import torch
+
+from .gpt2 import GPT2Config, GPTModel
+
+# GPT-2's published sizes: embedding width -> attention heads (not recoverable from shapes).
+_HEADS_BY_WIDTH = {768: 12, 1024: 16, 1280: 20, 1600: 25}
+
+
+def load_gpt2(source: str | os.PathLike | Mapping[str, torch.Tensor], n_heads: int | None = None) -> GPTModel:
+    """A GPT-2 built from a ``.safetensors`` file path or a state dict in HF layout."""
+    state = _read_state(source)
+    state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    for required in ("wte.weight", "wpe.weight", "ln_f.weight"):
+        if required not in state:
+            raise KeyError(f"not a GPT-2 state dict in Hugging Face layout: {required!r} is missing")
+    vocab, emb = state["wte.weight"].shape
+    n_layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("h."))
+    if n_heads is None:
+        if emb not in _HEADS_BY_WIDTH:
+            raise ValueError(f"embedding width {emb} is not a published GPT-2 size; pass n_heads=")
+        n_heads = _HEADS_BY_WIDTH[emb]
+    cfg = GPT2Config(vocab_size=vocab, context_length=state["wpe.weight"].shape[0], emb_dim=emb,
+                     n_heads=n_heads, n_layers=n_layers, qkv_bias=True)
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    model.load_state_dict(_to_ours(state, cfg), assign=True)
+    return model.eval()
+
+
+def _read_state(source) -> dict[str, torch.Tensor]:
+    if isinstance(source, Mapping):
+        return dict(source)
+    from safetensors.torch import load_file
+
+    return load_file(os.fspath(source))
+
+
+def _to_ours(hf: dict[str, torch.Tensor], cfg: GPT2Config) -> dict[str, torch.Tensor]:
+    ours = {
+        "tok_emb.weight": hf["wte.weight"],
+        "pos_emb.weight": hf["wpe.weight"],
+        "final_norm.scale": hf["ln_f.weight"],
+        "final_norm.shift": hf["ln_f.bias"],
+        # GPT-2 ties the output head to the token embedding.
+        "out_head.weight": hf.get("lm_head.weight", hf["wte.weight"]),
+    }
+    for i in range(cfg.n_layers):
+        h, b = f"h.{i}.", f"trf_blocks.{i}."
+        q_w, k_w, v_w = hf[h + "attn.c_attn.weight"].t().chunk(3, dim=0)
+        q_b, k_b, v_b = hf[h + "attn.c_attn.bias"].chunk(3, dim=0)
+        ours.update({
+            b + "att.W_query.weight": q_w, b + "att.W_query.bias": q_b,
+            b + "att.W_key.weight": k_w, b + "att.W_key.bias": k_b,
+            b + "att.W_value.weight": v_w, b + "att.W_value.bias": v_b,
+            b + "att.out_proj.weight": hf[h + "attn.c_proj.weight"].t(),
+            b + "att.out_proj.bias": hf[h + "attn.c_proj.bias"],
+            b + "ff.layers.0.weight": hf[h + "mlp.c_fc.weight"].t(),
+            b + "ff.layers.0.bias": hf[h + "mlp.c_fc.bias"],
+            b + "ff.layers.2.weight": hf[h + "mlp.c_proj.weight"].t(),
+            b + "ff.layers.2.bias": hf[h + "mlp.c_proj.bias"],
+            b + "norm1.scale": hf[h + "ln_1.weight"], b + "norm1.shift": hf[h + "ln_1.bias"],
+            b + "norm2.scale": hf[h + "ln_2.weight"], b + "norm2.shift": hf[h + "ln_2.bias"],
+        })
+    return {k: v.contiguous() for k, v in ours.items()}

@@ -1,0 +1,72 @@
+"""Builds the kvcache_ext native library against LibTorch's stable ABI.
+
+Environment variables:
+  KVCACHE_EXT_CUDA=1 / =0   force building the CUDA kernels on / off (default: on when the
+                            building torch has CUDA, nvcc is found and a GPU is visible)
+  TORCH_CUDA_ARCH_LIST      GPU architectures to compile for (default "8.0;9.0")
+"""
+
+import json
+import os
+import platform
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+import torch
+
+ROOT = Path(__file__).parent
+# Oldest torch whose stable ABI offers everything csrc/ uses (parallel_for, empty, typed
+# data pointers); the built library loads under this and every later torch.
+MIN_TORCH = (2, 10)
+TORCH_TARGET = f"-DTORCH_TARGET_VERSION=0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
+
+x86 = platform.machine().lower() in ("x86_64", "amd64")
+cpu_sources = ["csrc/ops.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/cpu_isa.cpp", "csrc/cpu/decode_attention_baseline.cpp"]
+isas = ["baseline"]
+if x86:
+    cpu_sources += ["csrc/cpu/decode_attention_avx2.cpp", "csrc/cpu/decode_attention_avx512.cpp"]
+    isas = ["avx512", "avx2", "baseline"]
+# No -march=native: the wheel must run on any CPU of its architecture; the AVX2/AVX-512
+# copies of the kernel are chosen at run time (csrc/cpu/cpu_isa.cpp).
+cxx_flags = ["-O3", "-std=c++17", "-fopenmp-simd", "-fvisibility=hidden", TORCH_TARGET]
+
+ext_modules = [
+    CppExtension("kvcache_ext._C", cpu_sources, py_limited_api=True, extra_compile_args={"cxx": cxx_flags}),
+]
+
+
+def write_build_info():
+    info = {
+        "torch_built_against": torch.__version__.split("+")[0],
+        "torch_min_supported": ".".join(map(str, MIN_TORCH)),
+        "cpu_isas_compiled": isas,
+        "cuda": False,
+        "cuda_archs": [],
+    }
+    (ROOT / "kvcache_ext" / "_build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+write_build_info()
+
+setup(
+    name="kvcache_ext",
+    version="0.1.0",
+    description="Preallocated KV cache with native append and fused decode-attention kernels for PyTorch",
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["kvcache_ext", "kvcache_ext.*", "python_ref", "python_ref.*"]),
+    package_data={"python_ref": ["assets/gpt2.tiktoken"], "kvcache_ext": ["_build_info.json"]},
+    install_requires=[f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}", "tiktoken", "safetensors", "numpy"],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "transformers>=4.56,<6", "matplotlib"],
+        "bench": ["pytest", "pytest-benchmark", "matplotlib"],
+        "hf": ["transformers>=4.56,<6"],
+    },
+    entry_points={"console_scripts": ["kvcache-ext=kvcache_ext.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)
