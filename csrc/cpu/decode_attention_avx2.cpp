@@ -7,7 +7,12 @@
 #include <limits>
 
 #if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__x86_64__)
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #define KVCACHE_EXT_ISA avx2
+#define KVCACHE_EXT_X86_AVX2 1  // AVX2 + F16C intrinsics may be used
 #include "decode_attention_kernel.inc"
 #endif
