@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from python_ref.caches import PreallocatedCache
 
 from . import ops
@@ -16,6 +18,15 @@ class KVCache(PreallocatedCache):
     ``bytes_used()``/``bytes_allocated()``); only storage and attention run natively. It is an
     ``nn.Module`` whose buffers move with ``.to()``.
     """
+
+    def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_len=None, window=None,
+                 chunk_size=128, dtype=torch.float32, device=None):
+        if dtype not in ops.SUPPORTED_DTYPES:
+            raise TypeError(f"KVCache dtype must be one of {ops.SUPPORTED_DTYPES}, got {dtype}")
+        if isinstance(head_dim, int) and (head_dim % 8 or not 8 <= head_dim <= ops.MAX_HEAD_DIM):
+            raise ValueError(f"head_dim must be a multiple of 8 between 8 and {ops.MAX_HEAD_DIM}, got {head_dim}")
+        super().__init__(num_layers, batch_size, kv_heads, head_dim, max_len=max_len, window=window,
+                         chunk_size=chunk_size, dtype=dtype, device=device)
 
     def _append(self, layer, k, v, lengths):
         ops.append_kv(self.k[layer], self.v[layer], k, v, lengths)

@@ -1,0 +1,62 @@
+"""The installed package: what was built, that it loads under the running torch, and (opt-in)
+that a wheel built with pip's build isolation is abi3 and works in a fresh environment."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+import torch
+
+import kvcache_ext
+
+
+def version_tuple(text):
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+
+
+def test_build_info_describes_the_build_and_the_running_torch():
+    info = kvcache_ext.build_info()
+    assert info["torch_running"] == torch.__version__
+    assert version_tuple(info["torch_running"]) >= version_tuple(info["torch_min_supported"])
+    assert info["native_loaded"] == kvcache_ext.native_available()
+    if info["native_loaded"]:
+        assert info["cpu_isa_active"] in info["cpu_isas_compiled"]
+
+
+@pytest.mark.skipif(os.environ.get("KVCACHE_EXT_REQUIRE_NATIVE") != "1", reason="native code not required here")
+def test_native_code_is_what_runs():
+    assert kvcache_ext.native_available(), kvcache_ext.build_info()
+
+
+SMOKE = textwrap.dedent("""
+    import torch, kvcache_ext
+    from python_ref import build_gpt2, generate, ConcatCache
+    model = build_gpt2("tiny", seed=0)
+    prompt = torch.tensor([[1, 2, 3]])
+    cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_len=16)
+    assert torch.equal(generate(model, prompt, 10, cache=cache), generate(model, prompt, 10, cache=ConcatCache()))
+    print(kvcache_ext.build_info())
+""")
+
+
+@pytest.mark.skipif(os.environ.get("KVCACHE_EXT_WHEEL_TEST") != "1",
+                    reason="builds a wheel in an isolated environment (minutes); set KVCACHE_EXT_WHEEL_TEST=1")
+def test_isolated_wheel_is_abi3_and_works_in_a_fresh_environment(tmp_path):
+    source = os.environ.get("KVCACHE_EXT_SOURCE", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "dist"), source],
+                   check=True)
+    wheel = next((tmp_path / "dist").glob("kvcache_ext-*.whl"))
+    assert "-abi3-" in wheel.name, wheel.name
+    assert any(name.startswith("kvcache_ext/_C.abi3") for name in zipfile.ZipFile(wheel).namelist())
+    # A fresh environment that reuses this one's torch (whatever version it is) and nothing of ours.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)], check=True)
+    result = subprocess.run([python, "-c", SMOKE], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "KVCACHE_EXT_REQUIRE_NATIVE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "'native_loaded': True" in result.stdout

@@ -1,0 +1,135 @@
+"""The native ops against python_ref and the float64 oracle, on every dtype and CPU code path."""
+
+import itertools
+
+import pytest
+import torch
+
+import kvcache_ext
+from attention_oracle import attention_float64, attention_plain
+from conftest import FULL_GRID
+from python_ref import reference_attention
+
+pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}
+# Agreement with python_ref in the same dtype: both accumulate in float32, so they differ
+# only by rounding of the output and summation order.
+SAME_DTYPE_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
+
+
+@pytest.fixture(params=list(ISAS))
+def isa(request):
+    chosen = torch.ops.kvcache_ext.select_cpu_isa(ISAS[request.param])
+    try:
+        if chosen != ISAS[request.param]:
+            pytest.skip(f"this CPU has no {request.param}")
+        yield request.param
+    finally:
+        torch.ops.kvcache_ext.select_cpu_isa(2)  # back to the best the CPU has
+
+
+def make_problem(dtype, batch, kv_heads, group, num_new, head_dim, slots, lengths, non_contiguous):
+    q = torch.randn(batch, kv_heads * group, num_new, head_dim, dtype=dtype)
+    if non_contiguous:  # (B, T, H, D) storage viewed as (B, H, T, D): what a model's transpose gives
+        q = torch.randn(batch, num_new, kv_heads * group, head_dim, dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype)
+    v = torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype)
+    return q, k, v, torch.tensor(lengths)
+
+
+def check_against_references(q, k, v, lengths, window):
+    out, lse = kvcache_ext.decode_attention(q, k, v, lengths, window=window, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32
+    exact = attention_float64(q, k, v, lengths, window)
+    same_dtype = reference_attention(q, k, v, lengths, window=window)
+    atol, rtol = SAME_DTYPE_TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.float(), same_dtype.float(), atol=atol, rtol=rtol)
+    native_error = (out.double() - exact).abs().max().item()
+    plain_error = (attention_plain(q, k, v, lengths, window).double() - exact).abs().max().item()
+    assert native_error <= 2 * plain_error + 1e-5, (native_error, plain_error)
+    _, exact_lse = reference_attention(q.double(), k.double(), v.double(), lengths, window=window, return_lse=True)
+    torch.testing.assert_close(lse, exact_lse.float(), atol=1e-4, rtol=1e-5)
+
+
+# head_dim x GQA group x new tokens x window x non-contiguous q; rows of unequal lengths.
+GRID = list(itertools.product([64, 80, 128], [1, 2, 4, 8], [1, 4], [None, 5], [False, True]))
+if not FULL_GRID:
+    GRID = [case for i, case in enumerate(GRID) if i % 4 == 0] + [(96, 2, 1, None, False), (256, 1, 4, 3, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,group,num_new,window,non_contiguous", GRID)
+def test_decode_attention_parity(dtype, head_dim, group, num_new, window, non_contiguous):
+    # Three rows: the shortest possible (num_new tokens: length 1 when T=1), 7, and 1000 tokens.
+    slots = 1000 if window is None else window + num_new - 1  # with a window: a ring that wraps
+    lengths = [num_new, 7, 1000]
+    q, k, v, lengths = make_problem(dtype, 3, 2, group, num_new, head_dim, slots, lengths, non_contiguous)
+    check_against_references(q, k, v, lengths, window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_cpu_code_path(isa, dtype):
+    for head_dim, group, num_new, window in [(64, 1, 1, None), (80, 4, 4, 6), (128, 2, 1, None), (24, 1, 3, None)]:
+        slots = 300 if window is None else window + num_new - 1
+        q, k, v, lengths = make_problem(dtype, 2, 2, group, num_new, head_dim, slots, [num_new + 1, 300], True)
+        check_against_references(q, k, v, lengths, window)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_single_sequence_split_over_threads(threads):
+    """One row, one head, long context: the split-K path and its log-sum-exp merge."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, lengths = make_problem(torch.float32, 1, 1, 1, 1, 64, 5000, [4999], False)
+        check_against_references(q, k, v, lengths, None)
+        check_against_references(q, k, v, lengths, 3000)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_many_new_tokens_and_a_large_group():
+    """More (group x new tokens) rows than one kernel call handles: chunked over new tokens."""
+    q, k, v, lengths = make_problem(torch.float32, 1, 1, 16, 70, 64, 100, [90], False)
+    check_against_references(q, k, v, lengths, None)
+
+
+def test_custom_scale():
+    q, k, v, lengths = make_problem(torch.float32, 1, 2, 2, 1, 64, 10, [10], False)
+    torch.testing.assert_close(kvcache_ext.decode_attention(q, k, v, lengths, scale=0.3),
+                               reference_attention(q, k, v, lengths, scale=0.3), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_new,non_contiguous", [(1, False), (4, True)])
+def test_append_writes_at_each_rows_length_modulo_slots(dtype, num_new, non_contiguous):
+    slots = 9
+    k_cache = torch.randn(3, 2, slots, 80, dtype=dtype)
+    v_cache = torch.randn(3, 2, slots, 80, dtype=dtype)
+    k_new = torch.randn(3, num_new, 2, 80, dtype=dtype).transpose(1, 2) if non_contiguous \
+        else torch.randn(3, 2, num_new, 80, dtype=dtype)
+    v_new = torch.randn(3, 2, 80, num_new, dtype=dtype).transpose(2, 3)  # head_dim not contiguous
+    lengths = torch.tensor([0, 3, 7])  # the last row wraps around the ring
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b in range(3):
+        for t in range(num_new):
+            expected_k[b, :, (int(lengths[b]) + t) % slots] = k_new[b, :, t]
+            expected_v[b, :, (int(lengths[b]) + t) % slots] = v_new[b, :, t]
+    kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert lengths.tolist() == [0, 3, 7]  # lengths are the caller's to advance
+
+
+def test_opcheck_append():
+    k_cache, v_cache = torch.randn(2, 2, 8, 64), torch.randn(2, 2, 8, 64)
+    args = (k_cache, v_cache, torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64), torch.tensor([1, 6]))
+    torch.library.opcheck(torch.ops.kvcache_ext.append_kv.default, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck_decode_attention(dtype):
+    q, k, v, lengths = make_problem(dtype, 2, 2, 2, 3, 64, 16, [3, 16], True)
+    torch.library.opcheck(torch.ops.kvcache_ext.decode_attention.default, (q, k, v, lengths, 5, None))
+    torch.library.opcheck(torch.ops.kvcache_ext.decode_attention.default, (q, k, v, lengths, None, 0.2))
