@@ -9,10 +9,11 @@ Environment variables:
 import json
 import os
 import platform
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 import torch
 
@@ -37,13 +38,42 @@ ext_modules = [
 ]
 
 
+def want_cuda() -> bool:
+    choice = os.environ.get("KVCACHE_EXT_CUDA", "")
+    if choice not in ("", "0", "1"):
+        raise SystemExit(f"KVCACHE_EXT_CUDA must be 0 or 1, got {choice!r}")
+    toolkit = (bool(torch.version.cuda) and CUDA_HOME is not None and Path(CUDA_HOME, "bin", "nvcc").exists()
+               and Path(CUDA_HOME, "include", "cuda_runtime.h").exists())
+    if choice == "1" and not toolkit:
+        raise SystemExit(
+            "KVCACHE_EXT_CUDA=1 needs a CUDA build of torch and the CUDA toolkit (bin/nvcc and "
+            f"include/cuda_runtime.h under CUDA_HOME); found torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda}) and CUDA_HOME={CUDA_HOME} (set CUDA_HOME, e.g. /usr/local/cuda-13.0)")
+    # Without the switch, only where the kernels can also run: a plain `pip install .` on a
+    # machine without a GPU stays a fast CPU-only build.
+    return choice == "1" or (choice == "" and toolkit and torch.cuda.is_available())
+
+
+cuda_archs = []
+if want_cuda():
+    # A separate module, loaded only when CUDA is available, so a CPU-only torch never maps CUDA code.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    cuda_archs = [a for a in re.split(r"[;\s]+", os.environ["TORCH_CUDA_ARCH_LIST"]) if a]
+    cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
+    # USE_CUDA declares aoti_torch_get_current_cuda_stream in the stable C shim.
+    ext_modules.append(CUDAExtension(
+        "kvcache_ext._C_cuda", cuda_sources, py_limited_api=True,
+        extra_compile_args={"cxx": cxx_flags + ["-DUSE_CUDA"],
+                            "nvcc": ["-O3", "-std=c++17", "-DUSE_CUDA", TORCH_TARGET]}))
+
+
 def write_build_info():
     info = {
         "torch_built_against": torch.__version__.split("+")[0],
         "torch_min_supported": ".".join(map(str, MIN_TORCH)),
         "cpu_isas_compiled": isas,
-        "cuda": False,
-        "cuda_archs": [],
+        "cuda": bool(cuda_archs),
+        "cuda_archs": cuda_archs,
     }
     (ROOT / "kvcache_ext" / "_build_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
@@ -61,9 +91,9 @@ setup(
     package_data={"python_ref": ["assets/gpt2.tiktoken"], "kvcache_ext": ["_build_info.json"]},
     install_requires=[f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}", "tiktoken", "safetensors", "numpy"],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "transformers>=4.56,<6", "matplotlib"],
+        "test": ["pytest", "pytest-benchmark", "transformers>=5.24,<6", "matplotlib"],
         "bench": ["pytest", "pytest-benchmark", "matplotlib"],
-        "hf": ["transformers>=4.56,<6"],
+        "hf": ["transformers>=5.24,<6"],
     },
     entry_points={"console_scripts": ["kvcache-ext=kvcache_ext.cli:main"]},
     ext_modules=ext_modules,

@@ -1,4 +1,8 @@
-"""Loads the native library, or explains once why the pure-PyTorch path is used instead."""
+"""Loads the native library, or explains once why the pure-PyTorch path is used instead.
+
+Two libraries: ``_C`` (op schemas and CPU kernels, always) and ``_C_cuda`` (CUDA kernels, only
+when built and only when torch sees a GPU, so a CPU-only torch never maps CUDA code).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,11 @@ _PACKAGE_DIR = Path(__file__).parent
 REQUIRE_NATIVE_ENV = "KVCACHE_EXT_REQUIRE_NATIVE"
 
 
-def _load() -> tuple[bool, str]:
-    libraries = sorted(glob.glob(str(_PACKAGE_DIR / "_C*.so")))
+def _load(pattern: str) -> tuple[bool, str]:
+    # "_C.*.so" (_C.abi3.so, _C.cpython-*.so) must not match "_C_cuda.*.so".
+    libraries = sorted(glob.glob(str(_PACKAGE_DIR / pattern)))
     if not libraries:
-        return False, f"no native library (_C*.so) in {_PACKAGE_DIR}; the package was installed without building it"
+        return False, f"no native library ({pattern}) in {_PACKAGE_DIR}; the package was installed without building it"
     try:
         torch.ops.load_library(libraries[0])
     except (OSError, RuntimeError) as error:
@@ -25,11 +30,23 @@ def _load() -> tuple[bool, str]:
     return True, ""
 
 
-available, unavailable_reason = _load()
+available, unavailable_reason = _load("_C.*.so")
 if not available:
     if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
         raise ImportError(f"kvcache_ext: {REQUIRE_NATIVE_ENV}=1 but {unavailable_reason}")
     warnings.warn(f"kvcache_ext falls back to the pure-PyTorch path: {unavailable_reason}", RuntimeWarning, stacklevel=3)
+
+# The CUDA kernels register implementations for the schemas _C defines, so they load after it.
+if not available:
+    cuda_available, cuda_unavailable_reason = False, "the CPU library did not load"
+elif not torch.cuda.is_available():
+    cuda_available, cuda_unavailable_reason = False, f"torch {torch.__version__} sees no CUDA device"
+else:
+    cuda_available, cuda_unavailable_reason = _load("_C_cuda.*.so")
+    if not cuda_available:
+        if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
+            raise ImportError(f"kvcache_ext: {REQUIRE_NATIVE_ENV}=1 and CUDA is available but {cuda_unavailable_reason}")
+        warnings.warn(f"kvcache_ext has no CUDA kernels: {cuda_unavailable_reason}", RuntimeWarning, stacklevel=3)
 
 
 def build_info() -> dict:
@@ -42,4 +59,7 @@ def build_info() -> dict:
         info["cpu_isa_active"] = ("baseline", "avx2", "avx512")[torch.ops.kvcache_ext.cpu_isa()]
     else:
         info["native_unavailable_reason"] = unavailable_reason
+    info["cuda_loaded"] = cuda_available
+    if not cuda_available:
+        info["cuda_unavailable_reason"] = cuda_unavailable_reason
     return info

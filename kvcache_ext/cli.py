@@ -16,6 +16,12 @@ def main(argv=None) -> int:
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run)
 
+    from . import bench
+
+    bench_parser = commands.add_parser("bench", help="run the benchmark suites; write JSON, a summary and plots")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench.run)
+
     info_parser = commands.add_parser("info", help="what the native extension was built with")
     info_parser.set_defaults(run=_info)
 

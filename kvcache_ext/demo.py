@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from itertools import groupby
 
 import torch
 
-from python_ref import ConcatCache, NoCache, PreallocatedCache, build_gpt2, generate
-from python_ref.tokenizer import END_OF_TEXT, gpt2_tokenizer
+from python_ref import LLAMA_CONFIGS, ConcatCache, NoCache, PreallocatedCache, build_gpt2, build_llama, generate
+from python_ref.tokenizer import gpt2_tokenizer
 from python_ref.weights import load_gpt2
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -19,7 +20,10 @@ CACHE_NAMES = ("none", "concat", "prealloc", "native")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="Hello, I am")
     parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--model", default="124M", help="GPT-2 size for random weights: 124M, 355M, 774M, 1558M, tiny")
+    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                        help="GPT-2, or the Llama/Qwen-style model (GPT-2 tokenizer ids as its input)")
+    parser.add_argument("--model", help="random-weight size: GPT-2 124M (default), 355M, 774M, 1558M, tiny; "
+                        f"with --arch llama: {', '.join(LLAMA_CONFIGS)} (default llama-tiny)")
     parser.add_argument("--weights", help="a GPT-2 .safetensors file in Hugging Face layout (real text instead of random weights)")
     parser.add_argument("--seed", type=int, default=123, help="seed for the random weights")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -32,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_cache(name, model, batch_size, max_len, window, dtype, device):
     if name == "none":
-        return None if window is None else _WindowedNoCache(window)
+        return NoCache(window=window)
     if name == "concat":
         return ConcatCache(window=window)
     shape = dict(model.kv_shape, batch_size=batch_size, max_len=max_len, window=window, dtype=dtype, device=device)
@@ -45,13 +49,6 @@ def make_cache(name, model, batch_size, max_len, window, dtype, device):
     raise ValueError(f"unknown cache {name!r}; choose from {', '.join(CACHE_NAMES)}")
 
 
-class _WindowedNoCache:
-    """Marks the no-cache run as windowed; `generate` then re-runs with a windowed NoCache."""
-
-    def __init__(self, window):
-        self.window = window
-
-
 def run(args) -> int:
     caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     for c in caches:
@@ -59,14 +56,22 @@ def run(args) -> int:
             raise SystemExit(f"unknown cache {c!r}; choose from {', '.join(CACHE_NAMES)}")
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     tokenizer = gpt2_tokenizer()
-    model = load_gpt2(args.weights) if args.weights else build_gpt2(args.model, seed=args.seed)
+    if args.arch == "llama":
+        if args.weights:
+            raise SystemExit("--weights loads GPT-2 checkpoints only; --arch llama runs random weights")
+        args.model = args.model or "llama-tiny"
+        model = build_llama(args.model, seed=args.seed)
+    else:
+        args.model = args.model or "124M"
+        model = load_gpt2(args.weights) if args.weights else build_gpt2(args.model, seed=args.seed)
     model = model.to(device=device, dtype=dtype)
     prompt = torch.tensor([tokenizer.encode(args.prompt)] * args.batch_size, device=device)
     total = prompt.shape[1] + args.max_new_tokens
     if total > model.cfg.context_length:
         raise SystemExit(f"prompt ({prompt.shape[1]} tokens) + {args.max_new_tokens} new tokens exceed "
-                         f"GPT-2's {model.cfg.context_length} positions")
-    print(f"GPT-2 {args.weights or args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters), "
+                         f"the model's {model.cfg.context_length} positions")
+    title = args.model if args.arch == "llama" else f"GPT-2 {args.weights or args.model}"
+    print(f"{title} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters), "
           f"{args.dtype} on {device}, batch {args.batch_size}, {args.max_new_tokens} new tokens"
           + (f", window {args.window}" if args.window else ""), flush=True)
 
@@ -76,19 +81,18 @@ def run(args) -> int:
         label = name if name != "native" else f"native ({_native_backend()})"
         progress = _Progress(label, args.max_new_tokens)
         start = time.perf_counter()
-        if isinstance(cache, _WindowedNoCache):
-            out = _generate_uncached_windowed(model, prompt, args.max_new_tokens, cache.window, progress)
-        else:
-            out = generate(model, prompt, args.max_new_tokens, cache=cache, eos_id=None, on_token=progress)
+        out = generate(model, prompt, args.max_new_tokens, cache=cache, on_token=progress)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         progress.done(seconds)
-        memory = cache.bytes_allocated() if hasattr(cache, "bytes_allocated") else 0
+        memory = cache.bytes_allocated()
         results[name] = (out, seconds, memory, label)
 
     first_out = next(iter(results.values()))[0]
-    text = tokenizer.decode(first_out[0].tolist())
+    # A Llama-style vocabulary is larger than GPT-2's: ids the GPT-2 tokenizer lacks show as <id>.
+    text = "".join(tokenizer.decode(list(ids)) if known else "".join(f"<{t}>" for t in ids)
+                   for known, ids in groupby(first_out[0].tolist(), key=lambda t: t < tokenizer.n_vocab))
     print("\nOutput text:", text)
     print()
     base = results.get("none")
@@ -104,16 +108,6 @@ def run(args) -> int:
         print("\nERROR: the caches produced different tokens", file=sys.stderr)
         return 1
     return 0
-
-
-def _generate_uncached_windowed(model, prompt, max_new_tokens, window, on_token):
-    idx = prompt
-    with torch.inference_mode():
-        for _ in range(max_new_tokens):
-            next_token = model(idx, NoCache(window=window))[:, -1].argmax(dim=-1)
-            idx = torch.cat([idx, next_token.unsqueeze(1)], dim=1)
-            on_token(next_token)
-    return idx
 
 
 def _native_backend() -> str:

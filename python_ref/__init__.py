@@ -1,11 +1,15 @@
-"""Pure-PyTorch reference: GPT-2 from scratch, interchangeable KV caches, reference attention."""
+"""Pure-PyTorch reference: GPT-2 and Llama/Qwen-style models from scratch, interchangeable KV
+caches, reference attention."""
 
 from .attention import reference_attention
 from .caches import CacheOverflowError, ConcatCache, NoCache, PreallocatedCache
 from .generate import generate
 from .gpt2 import GPT2_CONFIGS, GPT2Config, GPTModel, build_gpt2
+from .llama import LLAMA_CONFIGS, Llama3RopeScaling, LlamaConfig, LlamaModel, build_llama
+from .llama_weights import load_llama
 
 __all__ = [
     "reference_attention", "CacheOverflowError", "ConcatCache", "NoCache", "PreallocatedCache",
     "generate", "GPT2_CONFIGS", "GPT2Config", "GPTModel", "build_gpt2",
+    "LLAMA_CONFIGS", "Llama3RopeScaling", "LlamaConfig", "LlamaModel", "build_llama", "load_llama",
 ]

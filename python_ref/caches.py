@@ -116,7 +116,10 @@ class PreallocatedCache(nn.Module):
     at a time. The cache never overflows in this mode.
 
     Row lengths live in a device tensor (``lengths``) and, mirrored, on the host so that
-    capacity checks never read device memory.
+    capacity checks never read device memory. Every step adds the same number of tokens to
+    every row, so the host mirror is one int. (One int, not a list, also lets a compiled decode
+    step treat it as a symbolic value instead of recompiling for each new length; see
+    tests/test_compile.py.)
     """
 
     def __init__(
@@ -150,17 +153,17 @@ class PreallocatedCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device),
                              persistent=False)
-        self._host_lengths = [0] * batch_size
+        self._host_length = 0
         self._num_new = None
 
     # -- protocol -------------------------------------------------------------------------
     @property
     def max_length(self) -> int:
-        return max(self._host_lengths)
+        return self._host_length
 
     def reset(self) -> None:
         self.lengths.zero_()
-        self._host_lengths = [0] * self.batch_size
+        self._host_length = 0
         self._num_new = None
 
     def start_step(self, num_new: int) -> torch.Tensor:
@@ -194,7 +197,7 @@ class PreallocatedCache(nn.Module):
         if self._num_new is None:
             raise RuntimeError("finish_step() without start_step()")
         self.lengths += self._num_new
-        self._host_lengths = [n + self._num_new for n in self._host_lengths]
+        self._host_length = self._host_length + self._num_new
         self._num_new = None
 
     # -- storage and attention; kvcache_ext.KVCache overrides these two with native ops ---
@@ -243,7 +246,7 @@ class PreallocatedCache(nn.Module):
 
     def bytes_used(self) -> int:
         per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * self.k.element_size()
-        return per_token * sum(min(n, self.slots) for n in self._host_lengths)
+        return per_token * self.batch_size * min(self._host_length, self.slots)
 
     def extra_repr(self) -> str:
         mode = f"window={self.window}, slots={self.slots}" if self.window else f"max_len={self.slots}"

@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch
 
+from .caches import NoCache
+
 
 @torch.inference_mode()
 def generate(
@@ -21,7 +23,7 @@ def generate(
 ) -> torch.Tensor:
     """Continue each row of ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens.
 
-    ``cache=None`` re-runs the model over the whole sequence every step (no cache).
+    ``cache=None`` (or a ``NoCache``) re-runs the model over the whole sequence every step.
     With a cache, the prompt is fed once (prefill) and then only the newest token.
     ``temperature=0`` is greedy; otherwise sample from softmax(logits / temperature),
     restricted to the ``top_k`` largest logits if given, using ``generator``.
@@ -40,11 +42,9 @@ def generate(
         cache.reset()
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     logits = None
+    recompute = cache is None or isinstance(cache, NoCache)  # no cache: re-run the whole sequence
     for step in range(max_new_tokens):
-        if cache is None:
-            logits = model(idx)
-        else:
-            logits = model(idx if step == 0 else idx[:, -1:], cache)
+        logits = model(idx if recompute or step == 0 else idx[:, -1:], cache)
         next_token = _choose(logits[:, -1].float(), temperature, top_k, generator)
         if eos_id is not None:
             next_token = torch.where(finished, torch.full_like(next_token, eos_id), next_token)

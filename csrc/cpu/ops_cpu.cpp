@@ -205,7 +205,12 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
     }
   };
 
-  torch::stable::parallel_for(0, groups * splits, 1, [&](int64_t begin, int64_t end) {
+  // Hand work to other threads only in pieces big enough to repay waking them (~100 us).
+  constexpr int64_t kMinRowPositionsPerTask = 16384;
+  const int64_t rows_per_item = group * std::min(chunk, T);
+  const int64_t row_positions_per_item = std::max<int64_t>(1, rows_per_item * ((longest + splits - 1) / splits));
+  const int64_t grain = std::max<int64_t>(1, kMinRowPositionsPerTask / row_positions_per_item);
+  torch::stable::parallel_for(0, groups * splits, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
     float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
     for (int64_t item = begin; item < end; ++item) {
@@ -226,7 +231,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   if (splits == 1) return {out, lse};
 
   // Merge the splits of each group: rescale every partial to the common maximum.
-  torch::stable::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, groups, std::max<int64_t>(1, grain / splits), [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
     float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
     for (int64_t grp = begin; grp < end; ++grp) {

@@ -1,0 +1,13 @@
+"""The benchmark suites' pytest plugin (kvcache_ext/benchmarks/plugin.py), for `pytest bench`.
+
+Quick mode (default, part of the normal `pytest` run): tiny sizes, a few rounds, no speed claims.
+Full mode: `pytest bench --bench-mode=full` or `KVCACHE_EXT_BENCH=full pytest bench`; or
+`kvcache-ext bench`, which also writes the JSON, a Markdown summary and plots.
+"""
+
+import pytest
+
+# The suites are package modules, not test files: ask for pytest's assertion messages anyway.
+pytest.register_assert_rewrite("kvcache_ext.benchmarks")
+
+from kvcache_ext.benchmarks.plugin import *  # noqa: E402,F401,F403  (hooks and fixtures, by name)

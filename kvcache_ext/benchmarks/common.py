@@ -1,0 +1,59 @@
+"""What the suites share: run settings, head shapes, dtypes, and parametrisation by mode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODE_ENV = "KVCACHE_EXT_BENCH"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    full: bool
+    device: torch.device
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so that a timer read afterwards covers it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    name: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    def describe(self) -> str:
+        heads = f"H {self.q_heads}" if self.q_heads == self.kv_heads else f"H_q {self.q_heads} / H_kv {self.kv_heads}"
+        return f"{self.name} ({heads}, D {self.head_dim})"
+
+
+HEAD_SHAPES = {
+    "gpt2": HeadShape("gpt2", q_heads=12, kv_heads=12, head_dim=64),
+    # Llama-3-8B: grouped-query attention, 4 query heads per KV head
+    "llama8b": HeadShape("llama8b", q_heads=32, kv_heads=8, head_dim=128),
+}
+
+
+def cases_by_mode(make_cases):
+    """Parametrise a benchmark by ``case`` from ``make_cases(full)``.
+
+    The sizes depend on the mode, which is known only once pytest has parsed its options, so
+    the plugin's ``pytest_generate_tests`` does the parametrising; this only marks the test.
+    """
+
+    def mark(test):
+        test.make_bench_cases = make_cases
+        return test
+
+    return mark
+
+
+def median_seconds(benchmark) -> float | None:
+    """The median round time, or None when pytest-benchmark is disabled (``--benchmark-disable``)."""
+    return benchmark.stats.stats.median if benchmark.stats else None

@@ -1,0 +1,119 @@
+"""Build a Llama/Qwen-style model from Hugging Face's layout (``LlamaForCausalLM``/``Qwen3ForCausalLM``).
+
+Hugging Face's Llama and Qwen3 checkpoints already use the rotation layout of ``llama.py``
+(Meta's original checkpoints do not; convert those with Hugging Face's script first), so loading
+is renaming: no weight is permuted or transposed. Hyperparameters such as the head count or
+RoPE's base cannot be read off tensor shapes; they come from the checkpoint's ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping
+
+import torch
+
+from .llama import Llama3RopeScaling, LlamaConfig, LlamaModel
+from .weights import _read_state
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+
+
+def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
+    """Our config from a Hugging Face ``config.json`` (a path, a dict, or a transformers config)."""
+    if hasattr(hf_config, "to_dict"):
+        hf_config = hf_config.to_dict()
+    elif not isinstance(hf_config, Mapping):
+        with open(hf_config) as f:
+            hf_config = json.load(f)
+    c = dict(hf_config)
+    model_type = c.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise ValueError(f"{flag}=True is not supported by python_ref's Llama/Qwen model")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"only SiLU-gated feed-forwards are supported, got hidden_act={c['hidden_act']!r}")
+    if c.get("use_sliding_window"):
+        raise ValueError("sliding-window layers from the config are not supported; pass window= to the cache instead")
+
+    # transformers >= 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    rope_base = rope.get("rope_theta", c.get("rope_theta", 10_000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        scaling = Llama3RopeScaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_context_length=int(rope["original_max_position_embeddings"]))
+    elif rope_type == "default":
+        scaling = None
+    else:
+        raise ValueError(f"RoPE type {rope_type!r} is not supported (only 'default' and 'llama3')")
+
+    n_heads = c["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=c["vocab_size"],
+        context_length=c["max_position_embeddings"],
+        emb_dim=c["hidden_size"],
+        n_heads=n_heads,
+        n_kv_heads=c.get("num_key_value_heads") or n_heads,
+        n_layers=c["num_hidden_layers"],
+        hidden_dim=c["intermediate_size"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+        rope_base=float(rope_base),
+        rope_scaling=scaling,
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def load_llama(source: str | os.PathLike | Mapping[str, torch.Tensor],
+               config: LlamaConfig | Mapping | str | os.PathLike) -> LlamaModel:
+    """A model built from a ``.safetensors`` path or a state dict in HF layout.
+
+    ``config`` is a :class:`LlamaConfig` or anything :func:`config_from_hf` reads (the
+    checkpoint's ``config.json``, as a path or dict, or a transformers config object).
+    """
+    cfg = config if isinstance(config, LlamaConfig) else config_from_hf(config)
+    state = _read_state(source)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    ours = _to_ours(state, cfg)
+    if cfg.tie_embeddings:
+        # One tensor serves both; assign=True would otherwise untie the meta parameters.
+        model.load_state_dict(ours, assign=True, strict=False)
+        model.out_head.weight = model.tok_emb.weight
+        missing = {k for k in model.state_dict() if k not in ours and k != "out_head.weight"}
+        if missing:
+            raise KeyError(f"weights missing for {sorted(missing)}")
+    else:
+        model.load_state_dict(ours, assign=True)
+    return model.eval()
+
+
+def _to_ours(hf: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    hf = {k.removeprefix("model."): v for k, v in hf.items()}
+    for required in ("embed_tokens.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"):
+        if required not in hf:
+            raise KeyError(f"not a Llama/Qwen3 state dict in Hugging Face layout: {required!r} is missing")
+    ours = {"tok_emb.weight": hf["embed_tokens.weight"], "final_norm.weight": hf["norm.weight"]}
+    if not cfg.tie_embeddings:
+        if "lm_head.weight" not in hf:
+            raise KeyError("the config says the output head is not tied, but 'lm_head.weight' is missing")
+        ours["out_head.weight"] = hf["lm_head.weight"]
+    names = {
+        "self_attn.q_proj": "att.W_query", "self_attn.k_proj": "att.W_key",
+        "self_attn.v_proj": "att.W_value", "self_attn.o_proj": "att.out_proj",
+        "mlp.gate_proj": "ff.gate", "mlp.up_proj": "ff.up", "mlp.down_proj": "ff.down",
+        "input_layernorm": "norm1", "post_attention_layernorm": "norm2",
+    }
+    if cfg.qk_norm:
+        names.update({"self_attn.q_norm": "att.q_norm", "self_attn.k_norm": "att.k_norm"})
+    for i in range(cfg.n_layers):
+        for theirs, mine in names.items():
+            ours[f"trf_blocks.{i}.{mine}.weight"] = hf[f"layers.{i}.{theirs}.weight"]
+    return {k: v.contiguous() for k, v in ours.items()}
