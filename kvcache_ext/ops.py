@@ -16,6 +16,13 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 
 
+def _native_runs_on(device: torch.device) -> bool:
+    """Whether compiled kernels serve tensors on ``device`` (else the pure-PyTorch path runs)."""
+    if device.type == "cuda":
+        return _native.cuda_available
+    return _native.available
+
+
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be (batch, kv_heads, slots, head_dim), got shape {tuple(k_cache.shape)}")
@@ -55,7 +62,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
     if k_new.shape[2] > S:
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_cache.device)
-    if not _native.available:
+    if not _native_runs_on(k_cache.device):
         slots = (lengths.unsqueeze(1) + torch.arange(k_new.shape[2], device=lengths.device)) % S
         rows = torch.arange(B, device=lengths.device).unsqueeze(1)
         k_cache[rows, :, slots] = k_new.permute(0, 2, 1, 3)
@@ -79,7 +86,7 @@ def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, retu
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of tokens or None, got {window}")
     check_lengths(lengths, B, k_cache.device)
-    if not _native.available:
+    if not _native_runs_on(k_cache.device):
         return reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse)
     out, lse = torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window, scale)
     return (out, lse) if return_lse else out

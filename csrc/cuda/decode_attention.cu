@@ -1,0 +1,96 @@
+// Host side of decode_attention on CUDA: the launch plan (rows per block, Flash-Decoding split
+// count) and the dispatch to the per-dtype kernels.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+
+#include "kernels.h"
+
+namespace kvcache_ext::cuda {
+namespace {
+
+// Used when the occupancy query fails: split-kernel blocks an SM keeps resident.
+constexpr int kFallbackBlocksPerSm = 3;
+// A split shorter than this costs more in partial writes and combining than it gains.
+constexpr int64_t kMinPositionsPerSplit = 256;
+
+int64_t ceil_div_host(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
+  const int64_t group = p.q_heads / p.kv_heads;
+  const int64_t rows = group * p.num_new;
+  // KVCACHE_EXT_CUDA_MAX_ROWS=1 or 4 caps the query rows per block (tuning: 8 rows read K/V
+  // once per group but hold more registers, fewer blocks per SM).
+  int max_rows = 8;
+  if (const char* forced = std::getenv("KVCACHE_EXT_CUDA_MAX_ROWS")) {
+    const long n = std::strtol(forced, nullptr, 10);
+    if (n == 1 || n == 4) max_rows = static_cast<int>(n);
+  }
+  p.rows_per_block = rows <= 1 || max_rows == 1 ? 1 : (rows <= 4 || max_rows == 4 ? 4 : 8);
+  p.row_chunks = static_cast<int>(ceil_div_host(rows, p.rows_per_block));
+
+  // Positions one block may have to cover: a row never holds more than `slots`, and a window
+  // limits a chunk of queries to window + num_new - 1. Lengths are on the device, so the plan
+  // (and the scratch size that follows from it) uses this bound, never the actual lengths.
+  int64_t span = p.slots;
+  if (p.window > 0) span = std::min(span, p.window + p.num_new - 1);
+  const int64_t max_splits = std::clamp<int64_t>(ceil_div_host(span, kMinPositionsPerSplit), 1, kMaxSplits);
+  // KVCACHE_EXT_CUDA_SPLITS=N forces N splits: for tuning this heuristic on a new GPU
+  // (bench/cuda_bench.py sweeps it).
+  if (const char* forced = std::getenv("KVCACHE_EXT_CUDA_SPLITS")) {
+    const long n = std::strtol(forced, nullptr, 10);
+    if (n >= 1) {
+      p.splits = static_cast<int>(std::min<long>(n, kMaxSplits));
+      return;
+    }
+  }
+  const int64_t units = p.batch * p.kv_heads * p.row_chunks;
+  // One "wave": the blocks the whole GPU keeps resident at once.
+  int blocks_per_sm = split_kernel_blocks_per_sm(p);
+  if (blocks_per_sm <= 0) blocks_per_sm = kFallbackBlocksPerSm;
+  const int64_t wave = int64_t{std::max(1, sm_count)} * blocks_per_sm;
+  p.splits = 1;
+  if (max_splits == 1 || 5 * units >= 4 * wave) return;  // already ~a wave of blocks
+
+  // Flash-Decoding split count: how well units * splits blocks fill whole waves; take the
+  // smallest count within 85% of the best efficiency (fewer splits, less combine traffic).
+  double efficiency[kMaxSplits + 1] = {};
+  double best = 0.0;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const double waves = static_cast<double>(units * s) / static_cast<double>(wave);
+    efficiency[s] = waves / std::ceil(waves);
+    best = std::max(best, efficiency[s]);
+  }
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    if (efficiency[s] >= 0.85 * best) {
+      p.splits = static_cast<int>(s);
+      break;
+    }
+  }
+}
+
+int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {
+  switch (p.elem) {
+    case ElemType::kFloat32: return split_kernel_blocks_per_sm_f32(p);
+    case ElemType::kBFloat16: return split_kernel_blocks_per_sm_bf16(p);
+    case ElemType::kFloat16: return split_kernel_blocks_per_sm_f16(p);
+  }
+  return 0;
+}
+
+cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream) {
+  if (p.batch * p.q_heads * p.num_new == 0) return cudaSuccess;
+  switch (p.elem) {
+    case ElemType::kFloat32: return launch_decode_attention_f32(p, stream);
+    case ElemType::kBFloat16: return launch_decode_attention_bf16(p, stream);
+    case ElemType::kFloat16: return launch_decode_attention_f16(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace kvcache_ext::cuda

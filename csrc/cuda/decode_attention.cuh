@@ -1,0 +1,432 @@
+// Flash-Decoding attention over the KV cache, templated on element type, head size and the
+// number of query rows a block serves. Semantics: python_ref.reference_attention (GQA,
+// bottom-right causal for num_new >= 1, ring-buffer slots, optional sliding window).
+//
+// Work split. A block serves one (batch row, KV head, chunk of query rows, split):
+//  * query rows are the (new token, group member) pairs of all query heads sharing the KV head,
+//    so each K/V byte the block loads serves up to `kRows` queries (GQA read once per group);
+//  * the positions visible to those rows are cut into `splits` equal pieces so that short
+//    batches still fill the GPU; each split writes a partial output and its log-sum-exp and a
+//    second kernel combines them (skipped when splits == 1).
+// Inside a block, a key row of head_dim elements is read by a group of kLanesPerKey lanes,
+// 16 bytes per lane per load; the dot products are summed over the group with shuffles. Each
+// lane group runs its own online softmax over every kKeyGroups-th key, so the main loop has no
+// block-wide synchronisation; the groups are merged once at the end through shared memory.
+// Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so exp2 is a single
+// instruction; all accumulation is in float32.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace kvcache_ext::cuda {
+
+constexpr int kAttentionThreads = 128;
+constexpr int kCombineThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+// How far (in log2 units) the running maximum may trail the true one before the accumulator
+// is rescaled. Exact either way (the final division uses the same reference); it only bounds
+// the weights by 2^8 and saves the rescale on almost every step.
+constexpr float kRescaleThreshold = 8.0f;
+
+// ---- element types ------------------------------------------------------------------------------
+template <typename E>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float to_float(float x) { return x; }
+  static __device__ __forceinline__ float from_float(float x) { return x; }
+  // 16 bytes -> 4 floats
+  static __device__ __forceinline__ void unpack(const uint4& raw, float* out) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+  }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  // 16 bytes -> 8 floats; a bfloat16 is the top half of a float32, so two bit operations.
+  static __device__ __forceinline__ void unpack(const uint4& raw, float* out) {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __uint_as_float(words[i] << 16);
+      out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+  }
+};
+
+template <>
+struct Elem<__half> {
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ void unpack(const uint4& raw, float* out) {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(words[i] & 0xffffu)));
+      out[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(words[i] >> 16)));
+    }
+  }
+};
+
+__host__ __device__ constexpr int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// How one block maps threads onto keys for element type E and head size kHeadDim.
+template <typename E, int kHeadDim, int kRows>
+struct AttentionLayout {
+  static constexpr int kElemsPerVec = 16 / static_cast<int>(sizeof(E));  // per 16-byte load
+  static constexpr int kVecsPerRow = kHeadDim / kElemsPerVec;
+  static constexpr int kLanesPerKey = kVecsPerRow >= 32 ? 32 : next_pow2(kVecsPerRow);
+  static constexpr int kVecsPerLane = (kVecsPerRow + kLanesPerKey - 1) / kLanesPerKey;
+  static constexpr int kLaneElems = kVecsPerLane * kElemsPerVec;  // head_dim slice of a lane
+  static constexpr int kKeyGroups = kAttentionThreads / kLanesPerKey;
+  // Keys each lane group loads before using any: enough bytes in flight to cover memory
+  // latency, few enough registers for the query rows' slices and accumulators.
+  static constexpr int kKeysPerStep = kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2);
+  static constexpr int kTileKeys = kKeyGroups * kKeysPerStep;  // keys per block per step
+  // Resident blocks per SM to ask the compiler for (caps registers at 65536 / (128 * this)):
+  // left alone it takes ~170 registers for 4 rows, 3 blocks per SM, where 128 suffice without
+  // spilling; more resident warps keep more loads in flight.
+  static constexpr int kMinBlocksPerSm = kRows == 8 ? 2 : (kVecsPerLane > 1 ? 3 : 4);
+  static_assert(kHeadDim % kElemsPerVec == 0, "head_dim must fill whole 16-byte vectors");
+  static_assert(kAttentionThreads % kLanesPerKey == 0, "lane groups must tile the block");
+};
+
+template <typename E, int kHeadDim, int kRows>
+__global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kHeadDim, kRows>::kMinBlocksPerSm))
+    decode_attention_split_kernel(const DecodeAttentionParams p) {
+  using L = AttentionLayout<E, kHeadDim, kRows>;
+  constexpr int kLanes = L::kLanesPerKey, kVecs = L::kVecsPerLane, kVecElems = L::kElemsPerVec;
+  constexpr int kLaneElems = L::kLaneElems, kKeyGroups = L::kKeyGroups, kSteps = L::kKeysPerStep;
+
+  const int lane = threadIdx.x % kLanes;        // position within the key's lane group
+  const int key_group = threadIdx.x / kLanes;   // which keys of a tile this group reads
+
+  // Block -> (batch row, KV head, chunk of query rows, split); splits vary fastest so that the
+  // blocks of one group run side by side.
+  const int split = static_cast<int>(blockIdx.x % p.splits);
+  const int64_t unit = blockIdx.x / p.splits;
+  const int row_chunk = static_cast<int>(unit % p.row_chunks);
+  const int64_t pair = unit / p.row_chunks;
+  const int64_t b = pair / p.kv_heads, kv_head = pair % p.kv_heads;
+  const int group = static_cast<int>(p.q_heads / p.kv_heads);
+  const int64_t T = p.num_new, S = p.slots;
+  // Query row r = new token (r / group) of query head kv_head * group + r % group.
+  const int first_row = row_chunk * kRows;
+  const int rows = min(kRows, static_cast<int>(group * T) - first_row);
+
+  const int64_t n = p.lengths[b];
+  const int64_t first_live = n > S ? n - S : 0;  // older positions were overwritten
+  auto first_visible = [&](int64_t query_pos) {
+    return p.window > 0 ? max64(first_live, query_pos - p.window + 1) : first_live;
+  };
+  // Union of the rows' visible positions, then this block's split of it. Splits are rounded
+  // to whole tiles. Lengths below num_new (invalid, uncheckable on the host) give empty ranges.
+  const int64_t range_begin = first_visible(n - T + first_row / group);
+  const int64_t range_end = max64(range_begin, n - T + (first_row + rows - 1) / group + 1);
+  const int64_t per_split = ceil_div(ceil_div(range_end - range_begin, p.splits), L::kTileKeys) * L::kTileKeys;
+  const int64_t begin = min64(range_end, range_begin + split * per_split);
+  const int count = static_cast<int>(min64(range_end, begin + per_split) - begin);  // < slots
+
+  // Each row's query slice (pre-scaled) and visible offsets [lo, hi] relative to `begin`.
+  const float scale_log2 = p.scale * kLog2e;
+  const E* q = static_cast<const E*>(p.q);
+  float q_slice[kRows][kLaneElems];
+  int visible_lo[kRows], visible_hi[kRows];
+#pragma unroll
+  for (int m = 0; m < kRows; ++m) {
+    visible_lo[m] = 0;
+    visible_hi[m] = -1;
+#pragma unroll
+    for (int e = 0; e < kLaneElems; ++e) q_slice[m][e] = 0.0f;
+    if (m < rows) {
+      const int r = first_row + m;
+      const int64_t token = r / group, head = kv_head * group + r % group;
+      const int64_t query_pos = n - T + token;
+      visible_lo[m] = static_cast<int>(min64(max64(first_visible(query_pos) - begin, 0), count));
+      visible_hi[m] = static_cast<int>(min64(max64(query_pos - begin, -1), count - 1));
+      const E* q_row = q + b * p.q_stride[0] + head * p.q_stride[1] + token * p.q_stride[2];
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int vec = lane + v * kLanes;
+        if (vec < L::kVecsPerRow) {
+#pragma unroll
+          for (int e = 0; e < kVecElems; ++e)
+            q_slice[m][v * kVecElems + e] =
+                Elem<E>::to_float(q_row[(vec * kVecElems + e) * p.q_stride[3]]) * scale_log2;
+        }
+      }
+    }
+  }
+
+  const E* k_head = static_cast<const E*>(p.k_cache) + b * p.k_stride[0] + kv_head * p.k_stride[1];
+  const E* v_head = static_cast<const E*>(p.v_cache) + b * p.v_stride[0] + kv_head * p.v_stride[1];
+  const int64_t begin_slot = begin % S;
+
+  float running_max[kRows], running_sum[kRows], acc[kRows][kLaneElems];
+#pragma unroll
+  for (int m = 0; m < kRows; ++m) {
+    running_max[m] = -INFINITY;
+    running_sum[m] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kLaneElems; ++e) acc[m][e] = 0.0f;
+  }
+
+  for (int tile = 0; tile < count; tile += L::kTileKeys) {
+    // Issue every load of the step first. Key offset u * kKeyGroups + key_group: the lane
+    // groups of a warp read consecutive slots, i.e. contiguous memory.
+    uint4 k_raw[kSteps][kVecs], v_raw[kSteps][kVecs];
+    int key_offset[kSteps];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      key_offset[u] = tile + u * kKeyGroups + key_group;
+      int64_t slot = begin_slot + key_offset[u];  // the range spans < S slots: one wrap at most
+      if (slot >= S) slot -= S;
+      const bool in_range = key_offset[u] < count;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int vec = lane + v * kLanes;
+        k_raw[u][v] = make_uint4(0, 0, 0, 0);
+        v_raw[u][v] = make_uint4(0, 0, 0, 0);
+        if (in_range && vec < L::kVecsPerRow) {
+          k_raw[u][v] = __ldg(reinterpret_cast<const uint4*>(k_head + slot * p.k_stride[2] + vec * kVecElems));
+          v_raw[u][v] = __ldg(reinterpret_cast<const uint4*>(v_head + slot * p.v_stride[2] + vec * kVecElems));
+        }
+      }
+    }
+
+    // Scores (log2 units): partial dot products over the lane's slice, summed over the group.
+    float score[kRows][kSteps];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      float k_slice[kLaneElems];
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) Elem<E>::unpack(k_raw[u][v], k_slice + v * kVecElems);
+#pragma unroll
+      for (int m = 0; m < kRows; ++m) {
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) s = fmaf(q_slice[m][e], k_slice[e], s);
+        score[m][u] = s;
+      }
+    }
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int m = 0; m < kRows; ++m)
+#pragma unroll
+        for (int u = 0; u < kSteps; ++u) score[m][u] += __shfl_xor_sync(0xffffffffu, score[m][u], offset);
+    }
+
+    // Mask, then online softmax. Every lane of a group holds the same scores, so each keeps
+    // identical running statistics for its slice of the accumulator.
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+      float step_max = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        if (key_offset[u] < visible_lo[m] || key_offset[u] > visible_hi[m]) score[m][u] = -INFINITY;
+        step_max = fmaxf(step_max, score[m][u]);
+      }
+      if (step_max > running_max[m] + kRescaleThreshold) {
+        const float correction = exp2f(running_max[m] - step_max);  // 0 on the first visible key
+        running_sum[m] *= correction;
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) acc[m][e] *= correction;
+        running_max[m] = step_max;
+      }
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        // exp2(-inf) = 0 for masked keys; a row that has seen nothing yet gets weight 0 too.
+        score[m][u] = running_max[m] == -INFINITY ? 0.0f : exp2f(score[m][u] - running_max[m]);
+        running_sum[m] += score[m][u];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      float v_slice[kLaneElems];
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) Elem<E>::unpack(v_raw[u][v], v_slice + v * kVecElems);
+#pragma unroll
+      for (int m = 0; m < kRows; ++m)
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) acc[m][e] = fmaf(score[m][u], v_slice[e], acc[m][e]);
+    }
+  }
+
+  // Merge the lane groups: rescale each to the common maximum and add.
+  __shared__ float group_acc[kKeyGroups][kRows][kHeadDim];
+  __shared__ float group_max[kKeyGroups][kRows];
+  __shared__ float group_sum[kKeyGroups][kRows];
+#pragma unroll
+  for (int m = 0; m < kRows; ++m) {
+    if (lane == 0) {
+      group_max[key_group][m] = running_max[m];
+      group_sum[key_group][m] = running_sum[m];
+    }
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int vec = lane + v * kLanes;
+      if (vec < L::kVecsPerRow) {
+#pragma unroll
+        for (int e = 0; e < kVecElems; ++e) group_acc[key_group][m][vec * kVecElems + e] = acc[m][v * kVecElems + e];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int index = threadIdx.x; index < rows * kHeadDim; index += kAttentionThreads) {
+    const int m = index / kHeadDim, d = index % kHeadDim;
+    float best = -INFINITY;
+#pragma unroll 8
+    for (int g = 0; g < kKeyGroups; ++g) best = fmaxf(best, group_max[g][m]);
+    float total = 0.0f, value = 0.0f;
+    if (best != -INFINITY) {
+#pragma unroll 8
+      for (int g = 0; g < kKeyGroups; ++g) {
+        const float weight = exp2f(group_max[g][m] - best);  // 0 for groups that saw nothing
+        total = fmaf(group_sum[g][m], weight, total);
+        value = fmaf(group_acc[g][m][d], weight, value);
+      }
+    }
+    const int r = first_row + m;
+    const int64_t out_row = (b * p.q_heads + kv_head * group + r % group) * T + r / group;
+    const float normalised = total > 0.0f ? value / total : 0.0f;
+    const float row_lse = total > 0.0f ? (best + log2f(total)) * kLn2 : -INFINITY;  // natural log
+    if (p.splits == 1) {
+      static_cast<E*>(p.out)[out_row * kHeadDim + d] = Elem<E>::from_float(normalised);
+      if (d == 0) p.lse[out_row] = row_lse;
+    } else {
+      p.partial_out[(out_row * p.splits + split) * kHeadDim + d] = normalised;
+      if (d == 0) p.partial_lse[out_row * p.splits + split] = row_lse;
+    }
+  }
+}
+
+// Combines the splits of every output row: out = sum_s w_s * out_s / sum_s w_s with
+// w_s = exp(lse_s - max lse), lse = max lse + log(sum_s w_s). One block per row.
+template <typename E>
+__global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const DecodeAttentionParams p) {
+  static_assert(kMaxSplits <= 64, "one warp reads the splits, two per lane");
+  __shared__ float weight[kMaxSplits];
+  __shared__ float inverse_total;
+  const int splits = p.splits;
+  const int64_t head_dim = p.head_dim;
+  const int64_t rows = p.batch * p.q_heads * p.num_new;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const float* lse_parts = p.partial_lse + row * splits;
+      const float lse0 = lane < splits ? lse_parts[lane] : -INFINITY;
+      const float lse1 = lane + 32 < splits ? lse_parts[lane + 32] : -INFINITY;
+      float best = fmaxf(lse0, lse1);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, offset));
+      const float w0 = best == -INFINITY ? 0.0f : expf(lse0 - best);
+      const float w1 = best == -INFINITY ? 0.0f : expf(lse1 - best);
+      float total = w0 + w1;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+      if (lane < splits) weight[lane] = w0;
+      if (lane + 32 < splits) weight[lane + 32] = w1;
+      if (lane == 0) {
+        inverse_total = total > 0.0f ? 1.0f / total : 0.0f;
+        p.lse[row] = total > 0.0f ? best + logf(total) : -INFINITY;
+      }
+    }
+    __syncthreads();
+    const float* out_parts = p.partial_out + row * splits * head_dim;
+    for (int64_t d = threadIdx.x; d < head_dim; d += kCombineThreads) {
+      float value = 0.0f;
+      for (int s = 0; s < splits; ++s) value = fmaf(weight[s], out_parts[s * head_dim + d], value);
+      static_cast<E*>(p.out)[row * head_dim + d] = Elem<E>::from_float(value * inverse_total);
+    }
+    __syncthreads();  // weight is rewritten for the next row
+  }
+}
+
+// Launch dispatch, shared by the CUDA build and the CPU emulation of the tests: `launch(kernel,
+// blocks, threads)` starts `kernel(p)` on `blocks` blocks of `threads` threads and returns its
+// launch status. Kernels are chosen from the explicit head_dim list (kSupportedHeadDims in
+// kernels.h; the binding rejects anything else first) and rows_per_block.
+using AttentionKernel = void (*)(DecodeAttentionParams);
+
+template <typename E, int kHeadDim>
+AttentionKernel split_kernel_for_rows(int rows_per_block) {
+  switch (rows_per_block) {
+    case 1: return decode_attention_split_kernel<E, kHeadDim, 1>;
+    case 4: return decode_attention_split_kernel<E, kHeadDim, 4>;
+    case 8: return decode_attention_split_kernel<E, kHeadDim, 8>;
+  }
+  return nullptr;
+}
+
+template <typename E>
+AttentionKernel split_kernel_for(int64_t head_dim, int rows_per_block) {
+  switch (head_dim) {
+    case 16: return split_kernel_for_rows<E, 16>(rows_per_block);
+    case 32: return split_kernel_for_rows<E, 32>(rows_per_block);
+    case 64: return split_kernel_for_rows<E, 64>(rows_per_block);
+    case 80: return split_kernel_for_rows<E, 80>(rows_per_block);
+    case 96: return split_kernel_for_rows<E, 96>(rows_per_block);
+    case 128: return split_kernel_for_rows<E, 128>(rows_per_block);
+    case 256: return split_kernel_for_rows<E, 256>(rows_per_block);
+  }
+  return nullptr;
+}
+
+// Resident blocks per SM of the split kernel p would launch (0 if none fits or on error).
+// Cached per kernel after the first query (assumes one GPU model per process).
+template <typename E>
+int split_kernel_occupancy(const DecodeAttentionParams& p) {
+  static std::atomic<int> cached[kNumSupportedHeadDims][3];
+  int head_dim_index = 0;
+  while (head_dim_index < kNumSupportedHeadDims && kSupportedHeadDims[head_dim_index] != p.head_dim) ++head_dim_index;
+  const int rows_index = p.rows_per_block == 1 ? 0 : (p.rows_per_block == 4 ? 1 : 2);
+  const AttentionKernel kernel = split_kernel_for<E>(p.head_dim, p.rows_per_block);
+  if (kernel == nullptr || head_dim_index == kNumSupportedHeadDims) return 0;
+  std::atomic<int>& slot = cached[head_dim_index][rows_index];
+  int blocks = slot.load(std::memory_order_relaxed);
+  if (blocks > 0) return blocks;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttentionThreads, 0) != cudaSuccess) {
+    cudaGetLastError();  // leave no sticky error for the launch check
+    return 0;
+  }
+  slot.store(blocks, std::memory_order_relaxed);
+  return blocks;
+}
+
+template <typename E, typename Launch>
+cudaError_t dispatch_decode_attention(const DecodeAttentionParams& p, Launch&& launch) {
+  const AttentionKernel split_kernel = split_kernel_for<E>(p.head_dim, p.rows_per_block);
+  if (split_kernel == nullptr) return cudaErrorInvalidValue;
+  const int64_t blocks = p.batch * p.kv_heads * p.row_chunks * p.splits;
+  cudaError_t status = launch(split_kernel, blocks, kAttentionThreads);
+  if (status != cudaSuccess || p.splits == 1) return status;
+  const int64_t rows = p.batch * p.q_heads * p.num_new;
+  const int64_t combine_blocks = rows < (int64_t{1} << 30) ? rows : (int64_t{1} << 30);
+  return launch(static_cast<AttentionKernel>(combine_splits_kernel<E>), combine_blocks, kCombineThreads);
+}
+
+}  // namespace kvcache_ext::cuda

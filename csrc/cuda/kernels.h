@@ -1,0 +1,113 @@
+// Framework-free interface of the CUDA kernels: plain structs of raw pointers and sizes, and the
+// host functions that launch them. Included by the kernels (*.cu) and by the LibTorch binding
+// (ops_cuda.cu), which is the only file that knows about tensors.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace kvcache_ext::cuda {
+
+enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Head sizes the attention kernel is compiled for (a template parameter each, so the per-lane
+// slice of q and of the accumulator lives in registers). Ascending; see decode_attention.cuh.
+constexpr int kSupportedHeadDims[] = {16, 32, 64, 80, 96, 128, 256};
+constexpr int kNumSupportedHeadDims = sizeof(kSupportedHeadDims) / sizeof(kSupportedHeadDims[0]);
+
+inline bool head_dim_supported(int64_t head_dim) {
+  for (int d : kSupportedHeadDims)
+    if (d == head_dim) return true;
+  return false;
+}
+
+// ---- append_kv --------------------------------------------------------------------------------
+// Copies rows of `words_per_row` words. A word is 16 bytes when every row start is 16-byte
+// aligned and the source's head_dim is contiguous (the fast path), otherwise one element
+// (2 or 4 bytes). All strides are counted in words.
+struct AppendKvParams {
+  void* cache[2];              // K, V: [batch, kv_heads, slots, head_dim], head_dim contiguous
+  const void* source[2];       // k_new, v_new: [batch, kv_heads, num_new, head_dim]
+  const int64_t* lengths;      // [batch] tokens already in each row (device memory)
+  int64_t cache_stride[2][3];  // batch, head, slot
+  int64_t source_stride[2][4];  // batch, head, token, word
+  int64_t batch, kv_heads, num_new, slots;
+  int64_t words_per_row;
+  int word_bytes;  // 16, 4 or 2
+};
+
+// Fills word_bytes, words_per_row and the word strides from element strides: 16-byte words
+// when every row start is 16-byte aligned and the sources' head_dim is contiguous, else
+// single elements. cache/source pointers, lengths and the sizes must be set already.
+inline void choose_append_words(AppendKvParams& p, int64_t elem_bytes, int64_t head_dim,
+                                const int64_t (&cache_stride)[2][3],    // elements
+                                const int64_t (&source_stride)[2][4]) {  // elements
+  bool vectorised = (head_dim * elem_bytes) % 16 == 0;
+  for (int side = 0; side < 2; ++side) {
+    vectorised = vectorised && reinterpret_cast<uintptr_t>(p.cache[side]) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(p.source[side]) % 16 == 0 && source_stride[side][3] == 1;
+    for (int i = 0; i < 3; ++i)
+      vectorised = vectorised && (cache_stride[side][i] * elem_bytes) % 16 == 0 &&
+                   (source_stride[side][i] * elem_bytes) % 16 == 0;
+  }
+  const int64_t elems_per_word = vectorised ? 16 / elem_bytes : 1;
+  p.word_bytes = static_cast<int>(vectorised ? 16 : elem_bytes);
+  p.words_per_row = head_dim / elems_per_word;
+  for (int side = 0; side < 2; ++side) {
+    for (int i = 0; i < 3; ++i) p.cache_stride[side][i] = cache_stride[side][i] / elems_per_word;
+    for (int i = 0; i < 3; ++i) p.source_stride[side][i] = source_stride[side][i] / elems_per_word;
+    p.source_stride[side][3] = vectorised ? 1 : source_stride[side][3];
+  }
+}
+
+cudaError_t launch_append_kv(const AppendKvParams& p, cudaStream_t stream);
+
+// ---- decode_attention -------------------------------------------------------------------------
+struct DecodeAttentionParams {
+  const void* q;           // [batch, q_heads, num_new, head_dim], strides q_stride (elements)
+  const void* k_cache;     // [batch, kv_heads, slots, head_dim], rows 16-byte aligned
+  const void* v_cache;     // [batch, kv_heads, slots, head_dim], rows 16-byte aligned
+  const int64_t* lengths;  // [batch] tokens per row, the num_new new ones included (device)
+  void* out;               // [batch, q_heads, num_new, head_dim] contiguous, q's dtype
+  float* lse;              // [batch, q_heads, num_new] contiguous
+  float* partial_out;      // [batch * q_heads * num_new, splits, head_dim], used when splits > 1
+  float* partial_lse;      // [batch * q_heads * num_new, splits], used when splits > 1
+  int64_t batch, q_heads, kv_heads, num_new, head_dim, slots;
+  int64_t q_stride[4];
+  int64_t k_stride[3];  // batch, head, slot (head_dim stride is 1)
+  int64_t v_stride[3];
+  int64_t window;  // 0: no window
+  float scale;     // applied to q . k (natural-log softmax domain)
+  ElemType elem;
+  // Filled by plan_decode_attention:
+  int rows_per_block;  // query rows (group member x new token) one block serves: 1, 4 or 8
+  int row_chunks;      // ceil(group * num_new / rows_per_block)
+  int splits;          // chunks the visible positions are split into (Flash-Decoding)
+};
+
+constexpr int kMaxSplits = 64;
+
+// Chooses rows_per_block, row_chunks and splits from shapes only (never from lengths, which
+// live on the device), so the scratch size is known before launch and a decode step can be
+// captured in a CUDA graph. `sm_count`: multiprocessors of the device. Queries the occupancy
+// of the chosen kernel (a host-side query: no synchronisation, allowed during capture).
+void plan_decode_attention(DecodeAttentionParams& p, int sm_count);
+
+// Blocks of the split kernel for p's dtype, head_dim and rows_per_block that one SM keeps
+// resident (per-dtype translation units; cached per kernel, so per process and GPU model).
+int split_kernel_blocks_per_sm(const DecodeAttentionParams& p);
+int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p);
+int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p);
+int split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p);
+
+// Launches the split kernel and, when splits > 1, the combine kernel. Expects a supported
+// head_dim (head_dim_supported) and a plan.
+cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
+
+// Per-dtype launchers (one translation unit each, so they compile in parallel).
+cudaError_t launch_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t launch_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t stream);
+
+}  // namespace kvcache_ext::cuda

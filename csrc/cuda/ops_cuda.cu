@@ -1,0 +1,220 @@
+// CUDA implementations of the ops catalogued in csrc/ops.cpp: input checks (as in
+// cpu/ops_cpu.cpp), output and scratch allocation, and the launch on the current stream. The
+// kernels themselves (kernels.h) see only raw pointers and sizes.
+//
+// A decode step must be capturable in a CUDA graph: nothing here reads device memory on the
+// host or synchronises, and every allocation is sized from shapes. The price is that checks
+// on the values of `lengths` (>= 0, >= num_new) cannot be made here; the kernels stay in
+// bounds for any value (a row with a negative length is not written, rows that see no
+// position get zeros and a log-sum-exp of -inf).
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>  // aoti_torch_get_current_cuda_stream (USE_CUDA)
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/macros.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+#include <torch/headeronly/util/shim_utils.h>
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "kernels.h"
+
+namespace kvcache_ext::cuda {
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+constexpr int64_t kMaxInt32 = (int64_t{1} << 31) - 1;
+
+std::string shape_of(const Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + ")";
+}
+
+std::string dtype_name(ScalarType t) { return torch::headeronly::toString(t); }
+
+std::string supported_head_dims() {
+  std::string s;
+  for (int i = 0; i < kNumSupportedHeadDims; ++i) s += (i ? ", " : "") + std::to_string(kSupportedHeadDims[i]);
+  return s;
+}
+
+ElemType elem_type_of(const Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case ScalarType::Float: return ElemType::kFloat32;
+    case ScalarType::BFloat16: return ElemType::kBFloat16;
+    case ScalarType::Half: return ElemType::kFloat16;
+    default:
+      STD_TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", dtype_name(t.scalar_type()));
+  }
+  return ElemType::kFloat32;
+}
+
+// All tensors of one call on the cache's GPU.
+void check_on_device(const Tensor& t, const char* what, const Tensor& k_cache) {
+  STD_TORCH_CHECK(t.is_cuda(), what, " must be a CUDA tensor for the CUDA kernel");
+  STD_TORCH_CHECK(t.get_device_index() == k_cache.get_device_index(), what, " must be on cuda:",
+                  k_cache.get_device_index(), " like k_cache, got cuda:", t.get_device_index());
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Checks shared by both ops: the cache pair, its layout and the lengths tensor.
+void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths) {
+  STD_TORCH_CHECK(k_cache.dim() == 4, "k_cache must be (batch, kv_heads, slots, head_dim), got shape ",
+                  shape_of(k_cache));
+  STD_TORCH_CHECK(v_cache.dim() == 4 && v_cache.sizes().equals(k_cache.sizes()),
+                  "v_cache must have k_cache's shape ", shape_of(k_cache), ", got ", shape_of(v_cache));
+  STD_TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must be ",
+                  dtype_name(k_cache.scalar_type()), " like k_cache, got ", dtype_name(v_cache.scalar_type()));
+  elem_type_of(k_cache, "k_cache");
+  STD_TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+                  "k_cache and v_cache need a contiguous last (head_dim) dimension, got strides ",
+                  k_cache.stride(3), " and ", v_cache.stride(3));
+  STD_TORCH_CHECK(k_cache.size(2) >= 1 && k_cache.size(2) <= kMaxInt32,
+                  "k_cache must have between 1 and 2^31 - 1 slots, got ", k_cache.size(2));
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == k_cache.size(0), "lengths must have shape (",
+                  k_cache.size(0), ",), got ", shape_of(lengths));
+  STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
+                  dtype_name(lengths.scalar_type()));
+  STD_TORCH_CHECK(k_cache.is_cuda(), "k_cache must be a CUDA tensor for the CUDA kernel");
+  check_on_device(v_cache, "v_cache", k_cache);
+  check_on_device(lengths, "lengths", k_cache);
+  STD_TORCH_CHECK(lengths.numel() == 0 || lengths.stride(0) == 1, "lengths must be contiguous");
+}
+
+cudaStream_t current_stream(int32_t device_index) {
+  void* stream = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream));
+  return static_cast<cudaStream_t>(stream);
+}
+
+// Multiprocessor count, queried once per device (a host attribute query: no sync, capturable).
+int sm_count(int32_t device_index) {
+  static std::atomic<int> cached[64];
+  if (device_index >= 0 && device_index < 64) {
+    const int known = cached[device_index].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int count = 0;
+  STD_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index));
+  if (device_index >= 0 && device_index < 64) cached[device_index].store(count, std::memory_order_relaxed);
+  return count;
+}
+
+void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
+  check_cache(k_cache, v_cache, lengths);
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  STD_TORCH_CHECK(D % 8 == 0 && D >= 8 && D <= 256, "head_dim must be a multiple of 8 between 8 and 256, got ", D);
+  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name,
+                    " must be (batch=", B, ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ",
+                    shape_of(*t));
+    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ",
+                    dtype_name(k_cache.scalar_type()), " like the cache, got ", dtype_name(t->scalar_type()));
+    check_on_device(*t, name, k_cache);
+  }
+  const int64_t T = k_new.size(2);
+  STD_TORCH_CHECK(v_new.size(2) == T, "k_new and v_new must hold the same number of tokens, got ", T, " and ",
+                  v_new.size(2));
+  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  if (T == 0 || B == 0 || H == 0) return;
+  STD_TORCH_CHECK(T * D < kMaxInt32, "cannot append more than 2^31 elements per (row, head) at once, got ", T,
+                  " tokens of ", D);
+
+  AppendKvParams p{};
+  p.cache[0] = k_cache.mutable_data_ptr();
+  p.cache[1] = v_cache.mutable_data_ptr();
+  p.source[0] = k_new.const_data_ptr();
+  p.source[1] = v_new.const_data_ptr();
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = S;
+  const int64_t cache_stride[2][3] = {{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+                                      {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
+  const int64_t source_stride[2][4] = {{k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)},
+                                       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}};
+  choose_append_words(p, static_cast<int64_t>(k_cache.element_size()), D, cache_stride, source_stride);
+
+  torch::stable::accelerator::DeviceGuard guard(k_cache.get_device_index());
+  STD_CUDA_CHECK(launch_append_kv(p, current_stream(k_cache.get_device_index())));
+}
+
+std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
+                                            std::optional<int64_t> window, std::optional<double> scale) {
+  check_cache(k_cache, v_cache, lengths);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
+  check_on_device(q, "q", k_cache);
+  const int64_t B = k_cache.size(0), H_kv = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  const int64_t H_q = q.size(1), T = q.size(2);
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
+                  ") to match the cache ", shape_of(k_cache), ", got ", shape_of(q));
+  STD_TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q must have the cache's dtype ",
+                  dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
+  STD_TORCH_CHECK(head_dim_supported(D), "head_dim ", D, " is not supported by the CUDA kernel; supported: ",
+                  supported_head_dims());
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  STD_TORCH_CHECK(H_kv >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv, ")");
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  STD_TORCH_CHECK(H_q / H_kv * T <= kMaxInt32, "too many query rows per KV head: ", H_q / H_kv, " x ", T);
+  STD_TORCH_CHECK(aligned16(k_cache.const_data_ptr()) && aligned16(v_cache.const_data_ptr()) &&
+                      (k_cache.stride(0) * k_cache.element_size()) % 16 == 0 &&
+                      (k_cache.stride(1) * k_cache.element_size()) % 16 == 0 &&
+                      (k_cache.stride(2) * k_cache.element_size()) % 16 == 0 &&
+                      (v_cache.stride(0) * v_cache.element_size()) % 16 == 0 &&
+                      (v_cache.stride(1) * v_cache.element_size()) % 16 == 0 &&
+                      (v_cache.stride(2) * v_cache.element_size()) % 16 == 0,
+                  "the CUDA kernel reads k_cache and v_cache rows with 16-byte loads: their data pointers "
+                  "and strides must be multiples of 16 bytes (a contiguous cache is)");
+
+  DecodeAttentionParams p{};
+  p.elem = elem_type_of(q, "q");
+  p.q = q.const_data_ptr();
+  p.k_cache = k_cache.const_data_ptr();
+  p.v_cache = v_cache.const_data_ptr();
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = k_cache.stride(i), p.v_stride[i] = v_cache.stride(i);
+  p.window = window.value_or(0);
+  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
+
+  const int32_t device = k_cache.get_device_index();
+  torch::stable::accelerator::DeviceGuard guard(device);
+  plan_decode_attention(p, sm_count(device));
+  STD_TORCH_CHECK(B * H_kv * p.row_chunks * p.splits <= kMaxInt32, "too many (batch x kv_heads) for one launch: ",
+                  B, " x ", H_kv);
+
+  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
+  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
+  p.out = out.mutable_data_ptr();
+  p.lse = lse.mutable_data_ptr<float>();
+  // Split partials: sized from shapes and the plan only, so graph capture sees a fixed size.
+  std::optional<Tensor> scratch;
+  if (p.splits > 1) {
+    const int64_t rows = B * H_q * T;
+    scratch = torch::stable::empty({rows * p.splits * (D + 1)}, ScalarType::Float, std::nullopt, q.device());
+    p.partial_out = scratch->mutable_data_ptr<float>();
+    p.partial_lse = p.partial_out + rows * p.splits * D;
+  }
+  STD_CUDA_CHECK(launch_decode_attention(p, current_stream(device)));
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace kvcache_ext::cuda
+
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
+  m.impl("append_kv", TORCH_BOX(&kvcache_ext::cuda::append_kv));
+  m.impl("decode_attention", TORCH_BOX(&kvcache_ext::cuda::decode_attention));
+}

@@ -1,0 +1,3 @@
+// Emulation stand-in for the CUDA runtime header (see emu.h).
+#pragma once
+#include "emu.h"

@@ -1,0 +1,214 @@
+"""The CUDA kernels on a real GPU: parity with python_ref and with the CPU kernels, CUDA-graph
+capture, greedy generation. Skipped cleanly where torch sees no CUDA device (the kernel logic is
+still checked there by tests/test_cuda_emulation.py)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+
+import pytest
+import torch
+
+import kvcache_ext
+from kvcache_ext import _native
+from python_ref import build_gpt2, generate, reference_attention
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def cuda_kernels_loaded():
+    if not _native.cuda_available:
+        message = f"kvcache_ext's CUDA kernels are not loaded: {_native.cuda_unavailable_reason}"
+        if os.environ.get(_native.REQUIRE_NATIVE_ENV) == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def max_error(x, reference):
+    return (x.double() - reference.double()).abs().max().item()
+
+
+def random_problem(B, H_q, H_kv, T, D, S, lengths, dtype, non_contiguous, seed):
+    """Cache filled by append_kv on CUDA from (possibly non-contiguous) k_new/v_new."""
+    g = torch.Generator().manual_seed(seed)
+    if non_contiguous:  # (B, T, H, D) storage seen as (B, H, T, D), as a model's projections give
+        q = torch.randn(B, T, H_q, D, generator=g).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, H_q, T, D, generator=g).to(dtype)
+    k_cache = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
+    v_cache = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
+    lengths = torch.tensor(lengths, dtype=torch.long)
+    return q, k_cache, v_cache, lengths
+
+
+# ---- parity grid (the CPU grid of the extension, on CUDA) -----------------------------------------
+GRID = list(itertools.product(
+    DTYPES,
+    [64, 80, 128],            # head_dim
+    [1, 2, 4, 8],             # GQA group
+    [1, 4],                   # new tokens
+    [None, 5, 100],           # window; with one, the ring has window + num_new - 1 slots (or 300)
+))
+
+
+@pytest.mark.parametrize("dtype,head_dim,group,num_new,window", GRID,
+                         ids=[f"{str(d).split('.')[-1]}-D{h}-g{g}-T{t}-w{w}" for d, h, g, t, w in GRID])
+def test_decode_attention_parity(dtype, head_dim, group, num_new, window):
+    H_kv = 2
+    # Rows of unequal lengths: the shortest possible, 7, and 1000 (past the ring's wrap).
+    slots = {None: 1000, 5: 5 + num_new - 1, 100: 300}[window]
+    q, k_cache, v_cache, lengths = random_problem(3, H_kv * group, H_kv, num_new, head_dim, slots,
+                                                  [num_new, 7, 1000], dtype, non_contiguous=group % 2 == 0,
+                                                  seed=head_dim * 31 + group)
+    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window,
+                                            return_lse=True)
+    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, window,
+                                           return_lse=True)
+    plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window)
+    bound = 2 * max_error(plain.cpu(), exact) + 1e-5
+    assert max_error(out.cpu(), exact) <= bound
+    torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+    # CUDA against the CPU kernels: both within the same bound of the exact result.
+    cpu_out = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window)
+    assert max_error(out.cpu(), cpu_out) <= 2 * bound
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 256])
+def test_every_supported_head_dim(dtype, head_dim):
+    q, k_cache, v_cache, lengths = random_problem(2, 8, 2, 1, head_dim, 4096, [4096, 33], dtype, False, head_dim)
+    out = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda())
+    exact = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths)
+    plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda())
+    assert max_error(out.cpu(), exact) <= 2 * max_error(plain.cpu(), exact) + 1e-5
+
+
+def test_long_prefill_chunk_and_scale():
+    # Many query rows per KV head (row chunks) and an explicit scale.
+    q, k_cache, v_cache, lengths = random_problem(2, 12, 4, 37, 64, 512, [37, 500], torch.float32, True, 5)
+    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), scale=0.2,
+                                            return_lse=True)
+    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, scale=0.2,
+                                           return_lse=True)
+    torch.testing.assert_close(out.cpu().double(), exact, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-5, rtol=1e-5)
+
+
+# ---- append --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided_head_dim"])
+def test_append_kv_equals_cpu(dtype, layout):
+    B, H, S, D, T = 3, 4, 64, 128, 9
+    g = torch.Generator().manual_seed(1)
+    if layout == "contiguous":
+        k_new, v_new = (torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(2))
+    elif layout == "transposed":
+        k_new, v_new = (torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
+    else:
+        k_new, v_new = (torch.randn(B, H, T, 2 * D, generator=g).to(dtype)[..., ::2] for _ in range(2))
+    lengths = torch.tensor([0, 60, 1000])  # empty, wrapping, far past the ring
+    k_cpu, v_cpu = torch.randn(B, H, S, D).to(dtype), torch.randn(B, H, S, D).to(dtype)
+    k_gpu, v_gpu = k_cpu.cuda(), v_cpu.cuda()
+    kvcache_ext.append_kv(k_cpu, v_cpu, k_new, v_new, lengths)
+    kvcache_ext.append_kv(k_gpu, v_gpu, k_new.cuda(), v_new.cuda(), lengths.cuda())
+    assert torch.equal(k_gpu.cpu(), k_cpu) and torch.equal(v_gpu.cpu(), v_cpu)
+
+
+def test_runs_on_the_current_stream():
+    q, k_cache, v_cache, lengths = random_problem(1, 8, 2, 1, 128, 8192, [8192], torch.bfloat16, False, 3)
+    q, k_cache, v_cache, lengths = q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda()
+    expected = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, expected)
+
+
+# ---- CUDA graphs ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_cuda_graph_replay_equals_eager(dtype):
+    B, H_q, H_kv, D, S, steps = 2, 8, 2, 64, 4096, 4
+    device = "cuda"
+    k0 = torch.randn(B, H_kv, S, D, device=device, dtype=dtype)
+    v0 = torch.randn(B, H_kv, S, D, device=device, dtype=dtype)
+    lengths0 = torch.tensor([10, 3000], device=device)
+    inputs = [tuple(torch.randn(B, h, 1, D, device=device, dtype=dtype) for h in (H_q, H_kv, H_kv))
+              for _ in range(steps)]
+    k_cache, v_cache, lengths = k0.clone(), v0.clone(), lengths0.clone()
+    q, k_new, v_new = (t.clone() for t in inputs[0])
+
+    def decode_step():
+        kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
+        lengths.add_(1)
+        return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
+
+    side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = decode_step()
+
+    def reset():
+        k_cache.copy_(k0), v_cache.copy_(v0), lengths.copy_(lengths0)
+
+    reset()
+    eager = []
+    for step_inputs in inputs:
+        for static, value in zip((q, k_new, v_new), step_inputs):
+            static.copy_(value)
+        eager.append(decode_step().clone())
+    eager_state = (k_cache.clone(), v_cache.clone(), lengths.clone())
+
+    reset()
+    for step_inputs, expected in zip(inputs, eager):
+        for static, value in zip((q, k_new, v_new), step_inputs):
+            static.copy_(value)
+        graph.replay()
+        assert torch.equal(static_out, expected)
+    assert all(torch.equal(a, b) for a, b in zip((k_cache, v_cache, lengths), eager_state))
+
+
+# ---- generation ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("window", [None, 8], ids=["linear", "ring"])
+def test_greedy_generation_cuda_equals_cpu(window):
+    model = build_gpt2("tiny")
+    prompt = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    sizes = dict(batch_size=2, max_len=64, dtype=torch.float32)
+    if window is not None:
+        sizes.update(window=window, chunk_size=4)
+    cpu_tokens = generate(model, prompt, 24, cache=kvcache_ext.KVCache(**model.kv_shape, **sizes, device="cpu"))
+    gpu_model = copy.deepcopy(model).cuda()
+    gpu_cache = kvcache_ext.KVCache(**gpu_model.kv_shape, **sizes, device="cuda")
+    gpu_tokens = generate(gpu_model, prompt.cuda(), 24, cache=gpu_cache)
+    assert torch.equal(gpu_tokens.cpu(), cpu_tokens)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_unsupported_head_dim_is_a_clear_error():
+    q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 24, 16, [4], torch.float32, False, 0)
+    with pytest.raises(RuntimeError, match="head_dim 24 is not supported by the CUDA kernel; supported: 16, 32"):
+        kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda())
+
+
+def test_misaligned_cache_is_a_clear_error():
+    storage = torch.randn(1, 2, 16, 66, device="cuda")
+    k_cache = storage[..., :64]  # slot stride of 66 floats (264 bytes): rows not 16-byte aligned
+    q = torch.randn(1, 2, 1, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="16-byte"):
+        torch.ops.kvcache_ext.decode_attention(q, k_cache, k_cache, torch.tensor([4], device="cuda"), None, None)
+
+
+def test_mixed_devices_are_rejected():
+    q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 64, 16, [4], torch.float32, False, 0)
+    with pytest.raises((ValueError, RuntimeError), match="device|CUDA"):
+        torch.ops.kvcache_ext.decode_attention(q, k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, None)
