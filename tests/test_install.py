@@ -38,7 +38,7 @@ SMOKE = textwrap.dedent("""
     prompt = torch.tensor([[1, 2, 3]])
     cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_len=16)
     assert torch.equal(generate(model, prompt, 10, cache=cache), generate(model, prompt, 10, cache=ConcatCache()))
-    print(kvcache_ext.build_info())
+    print({**kvcache_ext.build_info(), "package_dir": kvcache_ext.__file__})
 """)
 
 
@@ -51,12 +51,19 @@ def test_isolated_wheel_is_abi3_and_works_in_a_fresh_environment(tmp_path):
     wheel = next((tmp_path / "dist").glob("kvcache_ext-*.whl"))
     assert "-abi3-" in wheel.name, wheel.name
     assert any(name.startswith("kvcache_ext/_C.abi3") for name in zipfile.ZipFile(wheel).namelist())
-    # A fresh environment that reuses this one's torch (whatever version it is) and nothing of ours.
+    # A fresh environment that sees this one's packages (its torch, whatever version that is)
+    # only after its own, so the wheel's kvcache_ext and python_ref are the ones imported.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)], check=True)
+    own_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run([python, "-m", "pip", "install", "--no-deps", str(wheel)], check=True)
+    parent_site = os.path.dirname(os.path.dirname(torch.__file__))
+    with open(os.path.join(own_site, "parent_environment.pth"), "w") as pth:  # after pip: it must not see ours
+        pth.write(parent_site + "\n")
     result = subprocess.run([python, "-c", SMOKE], cwd=tmp_path, capture_output=True, text=True,
                             env={**os.environ, "KVCACHE_EXT_REQUIRE_NATIVE": "1"})
     assert result.returncode == 0, result.stderr
     assert "'native_loaded': True" in result.stdout
+    assert f"'package_dir': '{own_site}" in result.stdout
