@@ -28,6 +28,24 @@ from torch import nn
 from .attention import reference_attention
 
 
+def start_forward(cache, idx: torch.Tensor, context_length: int) -> torch.Tensor:
+    """The checks every model's forward makes before it runs, then ``cache.start_step``.
+
+    Returns the positions of the tokens in ``idx`` ``(B, T)``; raises, changing nothing, for ids
+    that are not a (batch, tokens) integer tensor or tokens past the model's context length.
+    """
+    if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
+        raise ValueError(f"idx must be (batch, tokens) integer ids, got {idx.dtype} of shape {tuple(idx.shape)}")
+    T = idx.shape[1]
+    if T < 1:
+        raise ValueError("idx must hold at least one token")
+    if cache.max_length + T > context_length:
+        raise ValueError(
+            f"the model has {context_length} positions: {cache.max_length} cached + {T} new tokens = "
+            f"{cache.max_length + T} do not fit. Shorten the prompt or max_new_tokens.")
+    return cache.start_step(T).to(idx.device)
+
+
 class CacheOverflowError(ValueError):
     """More tokens were offered than a cache without a sliding window can hold."""
 

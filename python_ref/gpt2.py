@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .caches import NoCache
+from .caches import NoCache, start_forward
 
 
 @dataclass(frozen=True)
@@ -125,17 +125,8 @@ class GPTModel(nn.Module):
         attention covers everything cached before them. Without one, ``idx`` is the whole
         sequence.
         """
-        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
-            raise ValueError(f"idx must be (batch, tokens) integer ids, got {idx.dtype} of shape {tuple(idx.shape)}")
         cache = NoCache() if cache is None else cache
-        T = idx.shape[1]
-        if T < 1:
-            raise ValueError("idx must hold at least one token")
-        if cache.max_length + T > self.cfg.context_length:
-            raise ValueError(
-                f"GPT-2 has {self.cfg.context_length} positions: {cache.max_length} cached + {T} new "
-                f"tokens = {cache.max_length + T} do not fit. Shorten the prompt or max_new_tokens.")
-        positions = cache.start_step(T).to(idx.device)
+        positions = start_forward(cache, idx, self.cfg.context_length)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.trf_blocks:
             x = block(x, cache)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .caches import NoCache
+from .caches import NoCache, start_forward
 
 
 @dataclass(frozen=True)
@@ -231,18 +231,8 @@ class LlamaModel(nn.Module):
         With a cache, ``idx`` holds only the new tokens and their positions come from the cache
         (each row's length so far). Without one, ``idx`` is the whole sequence.
         """
-        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
-            raise ValueError(f"idx must be (batch, tokens) integer ids, got {idx.dtype} of shape {tuple(idx.shape)}")
         cache = NoCache() if cache is None else cache
-        T = idx.shape[1]
-        if T < 1:
-            raise ValueError("idx must hold at least one token")
-        if cache.max_length + T > self.cfg.context_length:
-            raise ValueError(
-                f"this model was configured for {self.cfg.context_length} positions (context_length): "
-                f"{cache.max_length} cached + {T} new tokens = {cache.max_length + T} do not fit. Shorten the "
-                "prompt or max_new_tokens, or build the model with a larger context_length.")
-        positions = cache.start_step(T).to(idx.device)
+        positions = start_forward(cache, idx, self.cfg.context_length)
         x = self.tok_emb(idx)
         cos, sin = self.rope(positions, x.dtype)
         for block in self.trf_blocks:

@@ -88,7 +88,7 @@ def test_stops_on_the_end_token_and_streams_tokens():
 
 def test_context_length_is_enforced():
     model = build_gpt2("tiny", seed=0)  # 128 positions
-    with pytest.raises(ValueError, match="128 positions: 0 cached \\+ 129 new tokens = 129 do not fit"):
+    with pytest.raises(ValueError, match="the model has 128 positions: 0 cached \\+ 129 new tokens = 129 do not fit"):
         model(torch.zeros(1, 129, dtype=torch.long))
     cache = PreallocatedCache(**model.kv_shape, batch_size=1, max_len=200)
     with pytest.raises(ValueError, match="do not fit"):

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../tensor_text.h"
 #include "attention_problem.h"
 #include "cpu_isa.h"
 
@@ -24,13 +25,6 @@ namespace {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-std::string shape_of(const Tensor& t) {
-  std::string s = "(";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + ")";
-}
-
-std::string dtype_name(ScalarType t) { return torch::headeronly::toString(t); }
 
 ElemType elem_type_of(const Tensor& t, const char* what) {
   switch (t.scalar_type()) {

@@ -26,6 +26,7 @@
 #include <string>
 #include <tuple>
 
+#include "../tensor_text.h"
 #include "kernels.h"
 
 namespace kvcache_ext::cuda {
@@ -36,13 +37,6 @@ using torch::stable::Tensor;
 
 constexpr int64_t kMaxInt32 = (int64_t{1} << 31) - 1;
 
-std::string shape_of(const Tensor& t) {
-  std::string s = "(";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + ")";
-}
-
-std::string dtype_name(ScalarType t) { return torch::headeronly::toString(t); }
 
 std::string supported_head_dims() {
   std::string s;
