@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-namespace kvcache_ext::cpu {
+#include "../elem_type.h"
 
-enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+namespace kvcache_ext::cpu {
 
 struct AttentionProblem {
   ElemType elem;

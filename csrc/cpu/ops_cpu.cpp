@@ -15,7 +15,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../tensor_text.h"
+#include "../binding_common.h"
 #include "attention_problem.h"
 #include "cpu_isa.h"
 
@@ -24,18 +24,6 @@ namespace {
 
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
-
-
-ElemType elem_type_of(const Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case ScalarType::Float: return ElemType::kFloat32;
-    case ScalarType::BFloat16: return ElemType::kBFloat16;
-    case ScalarType::Half: return ElemType::kFloat16;
-    default:
-      STD_TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", dtype_name(t.scalar_type()));
-  }
-  return ElemType::kFloat32;
-}
 
 void check_cpu(const Tensor& t, const char* what) {
   STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");

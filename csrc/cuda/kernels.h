@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
-namespace kvcache_ext::cuda {
+#include "../elem_type.h"
 
-enum class ElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+namespace kvcache_ext::cuda {
 
 // Head sizes the attention kernel is compiled for (a template parameter each, so the per-lane
 // slice of q and of the accumulator lives in registers). Ascending; see decode_attention.cuh.

@@ -26,7 +26,7 @@
 #include <string>
 #include <tuple>
 
-#include "../tensor_text.h"
+#include "../binding_common.h"
 #include "kernels.h"
 
 namespace kvcache_ext::cuda {
@@ -37,23 +37,12 @@ using torch::stable::Tensor;
 
 constexpr int64_t kMaxInt32 = (int64_t{1} << 31) - 1;
 
-
 std::string supported_head_dims() {
   std::string s;
   for (int i = 0; i < kNumSupportedHeadDims; ++i) s += (i ? ", " : "") + std::to_string(kSupportedHeadDims[i]);
   return s;
 }
 
-ElemType elem_type_of(const Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case ScalarType::Float: return ElemType::kFloat32;
-    case ScalarType::BFloat16: return ElemType::kBFloat16;
-    case ScalarType::Half: return ElemType::kFloat16;
-    default:
-      STD_TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", dtype_name(t.scalar_type()));
-  }
-  return ElemType::kFloat32;
-}
 
 // All tensors of one call on the cache's GPU.
 void check_on_device(const Tensor& t, const char* what, const Tensor& k_cache) {

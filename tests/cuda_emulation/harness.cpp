@@ -40,7 +40,7 @@ int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const
                          float* lse, const int64_t* sizes, int64_t window, double scale, int sm_count,
                          int* plan_out) {
   DecodeAttentionParams p{};
-  p.elem = static_cast<ElemType>(elem);
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
   p.q = q, p.k_cache = k_cache, p.v_cache = v_cache, p.lengths = lengths;
   p.out = out, p.lse = lse;
   p.batch = sizes[0], p.q_heads = sizes[1], p.kv_heads = sizes[2], p.num_new = sizes[3];
