@@ -31,23 +31,10 @@ void check_cpu(const Tensor& t, const char* what) {
 
 // Checks shared by both ops: the cache pair, its layout and the lengths tensor.
 void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths) {
-  STD_TORCH_CHECK(k_cache.dim() == 4, "k_cache must be (batch, kv_heads, slots, head_dim), got shape ",
-                  shape_of(k_cache));
-  STD_TORCH_CHECK(v_cache.dim() == 4 && v_cache.sizes().equals(k_cache.sizes()),
-                  "v_cache must have k_cache's shape ", shape_of(k_cache), ", got ", shape_of(v_cache));
-  STD_TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must be ",
-                  dtype_name(k_cache.scalar_type()), " like k_cache, got ", dtype_name(v_cache.scalar_type()));
-  elem_type_of(k_cache, "k_cache");
+  check_cache_layout(k_cache, v_cache, lengths);
   const int64_t D = k_cache.size(3);
   STD_TORCH_CHECK(D % 8 == 0 && D >= 8 && D <= kMaxHeadDim,
                   "head_dim must be a multiple of 8 between 8 and ", kMaxHeadDim, ", got ", D);
-  STD_TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-                  "k_cache and v_cache need a contiguous last (head_dim) dimension, got strides ",
-                  k_cache.stride(3), " and ", v_cache.stride(3));
-  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == k_cache.size(0), "lengths must have shape (",
-                  k_cache.size(0), ",), got ", shape_of(lengths));
-  STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
-                  dtype_name(lengths.scalar_type()));
   check_cpu(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache");
   check_cpu(lengths, "lengths");

@@ -43,7 +43,6 @@ std::string supported_head_dims() {
   return s;
 }
 
-
 // All tensors of one call on the cache's GPU.
 void check_on_device(const Tensor& t, const char* what, const Tensor& k_cache) {
   STD_TORCH_CHECK(t.is_cuda(), what, " must be a CUDA tensor for the CUDA kernel");
@@ -55,22 +54,9 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 // Checks shared by both ops: the cache pair, its layout and the lengths tensor.
 void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths) {
-  STD_TORCH_CHECK(k_cache.dim() == 4, "k_cache must be (batch, kv_heads, slots, head_dim), got shape ",
-                  shape_of(k_cache));
-  STD_TORCH_CHECK(v_cache.dim() == 4 && v_cache.sizes().equals(k_cache.sizes()),
-                  "v_cache must have k_cache's shape ", shape_of(k_cache), ", got ", shape_of(v_cache));
-  STD_TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must be ",
-                  dtype_name(k_cache.scalar_type()), " like k_cache, got ", dtype_name(v_cache.scalar_type()));
-  elem_type_of(k_cache, "k_cache");
-  STD_TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-                  "k_cache and v_cache need a contiguous last (head_dim) dimension, got strides ",
-                  k_cache.stride(3), " and ", v_cache.stride(3));
+  check_cache_layout(k_cache, v_cache, lengths);
   STD_TORCH_CHECK(k_cache.size(2) >= 1 && k_cache.size(2) <= kMaxInt32,
                   "k_cache must have between 1 and 2^31 - 1 slots, got ", k_cache.size(2));
-  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == k_cache.size(0), "lengths must have shape (",
-                  k_cache.size(0), ",), got ", shape_of(lengths));
-  STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
-                  dtype_name(lengths.scalar_type()));
   STD_TORCH_CHECK(k_cache.is_cuda(), "k_cache must be a CUDA tensor for the CUDA kernel");
   check_on_device(v_cache, "v_cache", k_cache);
   check_on_device(lengths, "lengths", k_cache);
