@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from python_ref import reference_attention
+from python_ref.caches import append_to_slots
 
 from . import _native
 
@@ -63,10 +64,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_cache.device)
     if not _native_runs_on(k_cache.device):
-        slots = (lengths.unsqueeze(1) + torch.arange(k_new.shape[2], device=lengths.device)) % S
-        rows = torch.arange(B, device=lengths.device).unsqueeze(1)
-        k_cache[rows, :, slots] = k_new.permute(0, 2, 1, 3)
-        v_cache[rows, :, slots] = v_new.permute(0, 2, 1, 3)
+        append_to_slots(k_cache, v_cache, k_new, v_new, lengths)
         return
     torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
 

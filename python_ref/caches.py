@@ -28,6 +28,16 @@ from torch import nn
 from .attention import reference_attention
 
 
+def append_to_slots(k_cache, v_cache, k_new, v_new, lengths) -> None:
+    """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into ``(B, H_kv, S, D)`` caches in place:
+    token ``t`` of row ``b`` goes to slot ``(lengths[b] + t) % S`` (the semantics of the native
+    ``append_kv``)."""
+    rows = torch.arange(k_cache.shape[0], device=k_new.device).unsqueeze(1)
+    slots = (lengths.unsqueeze(1) + torch.arange(k_new.shape[2], device=k_new.device)) % k_cache.shape[2]
+    k_cache[rows, :, slots] = k_new.permute(0, 2, 1, 3)
+    v_cache[rows, :, slots] = v_new.permute(0, 2, 1, 3)
+
+
 def start_forward(cache, idx: torch.Tensor, context_length: int) -> torch.Tensor:
     """The checks every model's forward makes before it runs, then ``cache.start_step``.
 
@@ -220,11 +230,7 @@ class PreallocatedCache(nn.Module):
 
     # -- storage and attention; kvcache_ext.KVCache overrides these two with native ops ---
     def _append(self, layer, k, v, lengths):
-        T = k.shape[2]
-        rows = torch.arange(self.batch_size, device=k.device).unsqueeze(1)
-        slots = (lengths.unsqueeze(1) + torch.arange(T, device=k.device)) % self.slots
-        self.k[layer][rows, :, slots] = k.permute(0, 2, 1, 3)
-        self.v[layer][rows, :, slots] = v.permute(0, 2, 1, 3)
+        append_to_slots(self.k[layer], self.v[layer], k, v, lengths)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
         # Before the ring wraps, the layout is linear: attend only over the filled prefix.

@@ -225,19 +225,24 @@ def plot_decode_attention(results, run, path):
         for col, dtype in enumerate(dtypes):
             ax = axes[row][col]
             cell = [r for r in results if (r.info["shape"], r.info["batch"], r.info["dtype"]) == (shape, batch, dtype)]
-            for impl in _impls(cell):
-                points = sorted((r.info["context"], r.median_s * 1e3) for r in cell if r.impl == impl)
-                ax.plot(*zip(*points), marker="o", color=COLORS[impl], label=LABELS[impl])
+            _time_vs_context(ax, cell, 1e3, "context length L (tokens)", "time per call (ms)")
             roofline = sorted({(r.info["context"], r.info["bytes_moved"] / (copy_gbps * 1e9) * 1e3) for r in cell})
             if roofline:
                 ax.plot(*zip(*roofline), "k.--", linewidth=1, label=f"copy-bandwidth roofline ({copy_gbps:.1f} GB/s)")
                 ax.set_title(f"{cell[0].info['shape_label']}, B={batch}, {dtype}", fontsize=9)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.set_xlabel("context length L (tokens)")
-            ax.set_ylabel("time per call (ms)")
     _finish(fig, axes, "Decode attention: one query per row over L cached tokens", path)
+
+
+def _time_vs_context(ax, cell, time_scale, xlabel, ylabel):
+    """One line per implementation: median time (seconds x time_scale) against context length."""
+    for impl in _impls(cell):
+        points = sorted((r.info["context"], r.median_s * time_scale) for r in cell if r.impl == impl)
+        ax.plot(*zip(*points), marker="o", color=COLORS[impl], label=LABELS[impl])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
 
 
 def plot_append(results, run, path):
@@ -249,16 +254,9 @@ def plot_append(results, run, path):
         for col, dtype in enumerate(dtypes):
             ax = axes[row][col]
             cell = [r for r in results if (r.info["shape"], r.info["dtype"]) == (shape, dtype)]
-            for impl in _impls(cell):
-                points = sorted((r.info["context"], r.median_s * 1e6) for r in cell if r.impl == impl)
-                ax.plot(*zip(*points), marker="o", color=COLORS[impl], label=LABELS[impl])
+            _time_vs_context(ax, cell, 1e6, "tokens already cached L", "time per append (µs)")
             if cell:
                 ax.set_title(f"{cell[0].info['shape_label']}, {dtype}", fontsize=9)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.set_xlabel("tokens already cached L")
-            ax.set_ylabel("time per append (µs)")
     _finish(fig, axes, "Appending one token's K and V to one layer's cache (batch 1)", path)
 
 
