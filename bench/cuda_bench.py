@@ -97,7 +97,7 @@ def run_checks() -> dict:
         q = torch.randn(B, T, H_kv * group, D, generator=g).to(dtype).transpose(1, 2)
         k = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
         v = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
-        out, lse = kvcache_ext.decode_attention(q.cuda(), k.cuda(), v.cuda(), lengths.cuda(), window, return_lse=True)
+        out, lse = kvcache_ext.decode_attention(q.cuda(), k.cuda(), v.cuda(), lengths.cuda(), window)
         exact, exact_lse = reference_attention(q.double(), k.double(), v.double(), lengths, window, return_lse=True)
         plain = reference_attention(q.cuda(), k.cuda(), v.cuda(), lengths.cuda(), window).cpu()
         error = (out.cpu().double() - exact).abs().max().item()
@@ -137,7 +137,7 @@ def run_checks() -> dict:
         def step():
             kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
             lengths.add_(1)
-            return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
+            return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)[0]
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -21,6 +21,10 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, "
       "int? window=None, float? scale=None) -> (Tensor, Tensor)");
 
+  // The capability table of csrc/capabilities.h for device_type "cpu" or "cuda", as JSON: dtypes,
+  // head_dim rule, limits on lengths and slots. Read by kvcache_ext.capabilities().
+  m.def("capabilities(str device_type) -> str");
+
   // CPU instruction set the kernels use: 0 baseline, 1 AVX2, 2 AVX-512.
   m.def("cpu_isa() -> int");
   // Asks for an instruction set (same numbering); returns the one used, at most the best the

@@ -32,4 +32,4 @@ class KVCache(PreallocatedCache):
         ops.append_kv(self.k[layer], self.v[layer], k, v, lengths)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
-        return ops.decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)
+        return ops.decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)[0]

@@ -217,7 +217,7 @@ def native_attention_forward(module, query, key, value, attention_mask, dropout=
     if module.training and dropout:
         raise NotImplementedError("kvcache_ext attention is for inference: no attention dropout")
     # Bottom-right causal attention of the new queries over each row's real tokens.
-    out = ops.decode_attention(query, layer.keys, layer.values, layer.lengths, None, scaling)
+    out, _ = ops.decode_attention(query, layer.keys, layer.values, layer.lengths, None, scaling)
     return out.transpose(1, 2).contiguous(), None  # transformers expects (batch, tokens, heads, head_dim)
 
 

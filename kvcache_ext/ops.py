@@ -69,8 +69,12 @@ def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
     torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, return_lse=False):
-    """Fused attention of ``q`` ``(B, H_q, T, D)`` over the cache; semantics of ``reference_attention``."""
+def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None):
+    """Fused attention of ``q`` ``(B, H_q, T, D)`` over the cache; semantics of ``reference_attention``.
+
+    Returns ``(out, lse)`` like the op: ``out`` ``(B, H_q, T, D)`` in q's dtype and the natural-log
+    log-sum-exp of the scaled scores ``(B, H_q, T)`` float32.
+    """
     check_cache_pair(k_cache, v_cache)
     B, H_kv, S, D = k_cache.shape
     if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D:
@@ -85,9 +89,9 @@ def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, retu
         raise ValueError(f"window must be a positive number of tokens or None, got {window}")
     check_lengths(lengths, B, k_cache.device)
     if not _native_runs_on(k_cache.device):
-        return reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse)
-    out, lse = torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window, scale)
-    return (out, lse) if return_lse else out
+        out, lse = reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse=True)
+        return out, lse.float()
+    return torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window, scale)
 
 
 if _native.available:

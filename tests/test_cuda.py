@@ -65,8 +65,7 @@ def test_decode_attention_parity(dtype, head_dim, group, num_new, window):
     q, k_cache, v_cache, lengths = random_problem(3, H_kv * group, H_kv, num_new, head_dim, slots,
                                                   [num_new, 7, 1000], dtype, non_contiguous=group % 2 == 0,
                                                   seed=head_dim * 31 + group)
-    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window,
-                                            return_lse=True)
+    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window)
     exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, window,
                                            return_lse=True)
     plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window)
@@ -74,7 +73,7 @@ def test_decode_attention_parity(dtype, head_dim, group, num_new, window):
     assert max_error(out.cpu(), exact) <= bound
     torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
     # CUDA against the CPU kernels: both within the same bound of the exact result.
-    cpu_out = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window)
+    cpu_out, _ = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window)
     assert max_error(out.cpu(), cpu_out) <= 2 * bound
 
 
@@ -82,7 +81,7 @@ def test_decode_attention_parity(dtype, head_dim, group, num_new, window):
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 256])
 def test_every_supported_head_dim(dtype, head_dim):
     q, k_cache, v_cache, lengths = random_problem(2, 8, 2, 1, head_dim, 4096, [4096, 33], dtype, False, head_dim)
-    out = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda())
+    out, _ = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda())
     exact = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths)
     plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda())
     assert max_error(out.cpu(), exact) <= 2 * max_error(plain.cpu(), exact) + 1e-5
@@ -91,8 +90,7 @@ def test_every_supported_head_dim(dtype, head_dim):
 def test_long_prefill_chunk_and_scale():
     # Many query rows per KV head (row chunks) and an explicit scale.
     q, k_cache, v_cache, lengths = random_problem(2, 12, 4, 37, 64, 512, [37, 500], torch.float32, True, 5)
-    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), scale=0.2,
-                                            return_lse=True)
+    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), scale=0.2)
     exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, scale=0.2,
                                            return_lse=True)
     torch.testing.assert_close(out.cpu().double(), exact, atol=1e-5, rtol=1e-5)
@@ -122,11 +120,11 @@ def test_append_kv_equals_cpu(dtype, layout):
 def test_runs_on_the_current_stream():
     q, k_cache, v_cache, lengths = random_problem(1, 8, 2, 1, 128, 8192, [8192], torch.bfloat16, False, 3)
     q, k_cache, v_cache, lengths = q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda()
-    expected = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
+    expected, _ = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
+        out, _ = kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(out, expected)
 
@@ -147,7 +145,7 @@ def test_cuda_graph_replay_equals_eager(dtype):
     def decode_step():
         kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
         lengths.add_(1)
-        return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)
+        return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)[0]
 
     side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph asks
     side.wait_stream(torch.cuda.current_stream())

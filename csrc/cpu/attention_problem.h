@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "../capabilities.h"
 #include "../elem_type.h"
 
 namespace kvcache_ext::cpu {
@@ -30,7 +31,6 @@ inline int64_t first_visible_position(const AttentionProblem& p, int64_t b) {
   return lo;
 }
 
-constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxRowsPerCall = 64;  // group size x new tokens handled by one call
 
 // Unnormalised attention of new tokens [query_begin, query_begin + query_count) of every query

@@ -230,6 +230,12 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   return {out, lse};
 }
 
+std::string capabilities(std::string device_type) {
+  STD_TORCH_CHECK(device_type == "cpu" || device_type == "cuda", "device_type must be \"cpu\" or \"cuda\", got \"",
+                  device_type, "\"");
+  return capabilities_json(device_type == "cuda");
+}
+
 int64_t cpu_isa() { return static_cast<int64_t>(active_isa()); }
 
 int64_t select_cpu_isa(int64_t isa) {
@@ -246,6 +252,7 @@ STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CompositeExplicitAutograd, m) {
+  m.impl("capabilities", TORCH_BOX(&kvcache_ext::cpu::capabilities));
   m.impl("cpu_isa", TORCH_BOX(&kvcache_ext::cpu::cpu_isa));
   m.impl("select_cpu_isa", TORCH_BOX(&kvcache_ext::cpu::select_cpu_isa));
 }

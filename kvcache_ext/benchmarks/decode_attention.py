@@ -24,7 +24,7 @@ from .common import DTYPES, HEAD_SHAPES, HeadShape, cases_by_mode, median_second
 
 
 def _native(q, k, v, lengths):
-    return kvcache_ext.decode_attention(q, k, v, lengths)
+    return kvcache_ext.decode_attention(q, k, v, lengths)[0]
 
 
 def _reference(q, k, v, lengths):

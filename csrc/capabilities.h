@@ -1,0 +1,37 @@
+// What the kernels support, per device: the one table kvcache_ext.capabilities() reads (through
+// the capabilities op in csrc/ops.cpp), KVCache checks at construction and README states. The
+// bindings check their inputs against these constants, so the table cannot drift from the code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace kvcache_ext {
+
+// head_dim: every multiple of kHeadDimMultiple from kHeadDimMultiple to kMaxHeadDim.
+constexpr int64_t kHeadDimMultiple = 8;
+constexpr int64_t kMaxHeadDim = 256;
+// Tokens held by one row (lengths[b]): at most 2^62, so that every position and slot computation
+// (a length plus a window, a block or new tokens) stays far inside int64.
+constexpr int64_t kMaxLength = int64_t{1} << 62;
+// Slots of a cache (its size along the token dimension): CPU kernels index with int64; the CUDA
+// kernels count a split's positions in 32-bit ints.
+constexpr int64_t kMaxSlotsCpu = kMaxLength;
+constexpr int64_t kMaxSlotsCuda = (int64_t{1} << 31) - 1;
+
+inline bool head_dim_supported(int64_t head_dim) {
+  return head_dim >= kHeadDimMultiple && head_dim <= kMaxHeadDim && head_dim % kHeadDimMultiple == 0;
+}
+
+// The table as JSON, for one device type ("cpu" or "cuda"). Query heads per KV head (the GQA
+// group) and new tokens per call are unlimited on both devices.
+inline std::string capabilities_json(bool cuda) {
+  return std::string("{\"dtypes\": [\"float32\", \"bfloat16\", \"float16\"], ") +
+         "\"head_dim_multiple\": " + std::to_string(kHeadDimMultiple) +
+         ", \"max_head_dim\": " + std::to_string(kMaxHeadDim) +
+         ", \"max_length\": " + std::to_string(kMaxLength) +
+         ", \"max_slots\": " + std::to_string(cuda ? kMaxSlotsCuda : kMaxSlotsCpu) +
+         ", \"max_group\": null}";
+}
+
+}  // namespace kvcache_ext
