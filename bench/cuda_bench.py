@@ -166,7 +166,7 @@ def run_checks() -> dict:
     def generation_equals_cpu():
         model = build_gpt2("tiny")
         prompt = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
-        sizes = dict(batch_size=2, max_len=64, dtype=torch.float32)
+        sizes = dict(batch_size=2, max_cache_len=64, dtype=torch.float32)
         cpu = generate(model, prompt, 24, cache=kvcache_ext.KVCache(**model.kv_shape, **sizes, device="cpu"))
         gpu_model = copy.deepcopy(model).cuda()
         gpu = generate(gpu_model, prompt.cuda(), 24,

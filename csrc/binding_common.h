@@ -6,7 +6,12 @@
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/Exception.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "capabilities.h"
 
 #include "elem_type.h"
 
@@ -32,6 +37,30 @@ inline ElemType elem_type_of(const torch::stable::Tensor& t, const char* what) {
   return ElemType::kFloat32;
 }
 
+// Bytes a tensor's elements span, from its first to one past its last (0 when empty).
+inline int64_t span_bytes(const torch::stable::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+  return (last + 1) * static_cast<int64_t>(t.element_size());
+}
+
+// Whether no two elements of t share memory: with the dimensions of more than one element sorted
+// by stride, each stride must step over everything the smaller ones span (a sufficient test, and
+// exact for every layout made by slicing, transposing and permuting; expanded views fail it).
+inline bool elements_distinct(const torch::stable::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t i = 0; i < t.dim(); ++i)
+    if (t.size(i) > 1) dims.emplace_back(t.stride(i), t.size(i));
+  std::sort(dims.begin(), dims.end());
+  int64_t spanned = 1;  // elements covered by the dimensions so far
+  for (const auto& [stride, size] : dims) {
+    if (stride < spanned) return false;
+    spanned = stride * (size - 1) + spanned;
+  }
+  return true;
+}
+
 // The device-independent checks of a cache pair and its lengths: shapes, dtypes, layout.
 inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch::stable::Tensor& v_cache,
                                const torch::stable::Tensor& lengths) {
@@ -43,6 +72,16 @@ inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch
   STD_TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must be ",
                   dtype_name(k_cache.scalar_type()), " like k_cache, got ", dtype_name(v_cache.scalar_type()));
   elem_type_of(k_cache, "k_cache");
+  STD_TORCH_CHECK(head_dim_supported(k_cache.size(3)), "head_dim must be a multiple of ", kHeadDimMultiple,
+                  " between ", kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", k_cache.size(3));
+  // The ops write the caches in place: an element must not be two places at once.
+  STD_TORCH_CHECK(elements_distinct(k_cache) && elements_distinct(v_cache),
+                  "k_cache and v_cache must not be expanded or self-overlapping views (writes would collide)");
+  const auto* k_begin = static_cast<const char*>(k_cache.const_data_ptr());
+  const auto* v_begin = static_cast<const char*>(v_cache.const_data_ptr());
+  STD_TORCH_CHECK(k_cache.numel() == 0 || k_begin + span_bytes(k_cache) <= v_begin ||
+                      v_begin + span_bytes(v_cache) <= k_begin,
+                  "k_cache and v_cache must not share memory");
   STD_TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
                   "k_cache and v_cache need a contiguous last (head_dim) dimension, got strides ",
                   k_cache.stride(3), " and ", v_cache.stride(3));

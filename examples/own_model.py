@@ -41,5 +41,5 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     model = TinyLM().eval()
     prompt = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    cache = KVCache(**model.kv_shape, batch_size=2, max_len=prompt.shape[1] + 20)
+    cache = KVCache(**model.kv_shape, batch_size=2, max_cache_len=prompt.shape[1] + 20)
     print(generate(model, prompt, max_new_tokens=20, cache=cache))

@@ -7,6 +7,7 @@ import torch
 from python_ref.caches import PreallocatedCache
 
 from . import ops
+from .capabilities import capabilities
 
 
 class KVCache(PreallocatedCache):
@@ -14,19 +15,32 @@ class KVCache(PreallocatedCache):
     read by the fused ``decode_attention`` op.
 
     Same constructor, protocol and bookkeeping as :class:`python_ref.PreallocatedCache`
-    (``max_len`` capacity or a ``window`` ring buffer, ``lengths`` per row, ``reset()``,
+    (``max_cache_len`` capacity or a ``window`` ring buffer, ``lengths`` per row, ``reset()``,
     ``bytes_used()``/``bytes_allocated()``); only storage and attention run natively. It is an
     ``nn.Module`` whose buffers move with ``.to()``.
+
+    What the device's kernels support (:func:`kvcache_ext.capabilities`) is checked here, at
+    construction, and every step checks both ops' arguments before it writes anything, so a
+    refused call leaves the cache as it was.
     """
 
-    def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_len=None, window=None,
+    def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_cache_len=None, window=None,
                  chunk_size=128, dtype=torch.float32, device=None):
-        if dtype not in ops.SUPPORTED_DTYPES:
-            raise TypeError(f"KVCache dtype must be one of {ops.SUPPORTED_DTYPES}, got {dtype}")
-        if isinstance(head_dim, int) and (head_dim % 8 or not 8 <= head_dim <= ops.MAX_HEAD_DIM):
-            raise ValueError(f"head_dim must be a multiple of 8 between 8 and {ops.MAX_HEAD_DIM}, got {head_dim}")
-        super().__init__(num_layers, batch_size, kv_heads, head_dim, max_len=max_len, window=window,
+        table = capabilities(device)
+        table.check_dtype(dtype, "KVCache dtype")
+        if isinstance(head_dim, int):
+            table.check_head_dim(head_dim)
+        super().__init__(num_layers, batch_size, kv_heads, head_dim, max_cache_len=max_cache_len, window=window,
                          chunk_size=chunk_size, dtype=dtype, device=device)
+        table.check_slots(self.slots)
+
+    def _check_step(self, layer, q, k, v, scale):
+        super()._check_step(layer, q, k, v, scale)
+        # The attention of a step runs after its keys/values are stored: check it first. A ring
+        # buffer takes a long step in pieces of chunk_size tokens; the first is the largest.
+        piece = slice(0, self.chunk_size)
+        ops.check_append_kv(self.k[layer], self.v[layer], k[:, :, piece], v[:, :, piece], self.lengths)
+        ops.check_decode_attention(q[:, :, piece], self.k[layer], self.v[layer], self.lengths, self.window, scale)
 
     def _append(self, layer, k, v, lengths):
         ops.append_kv(self.k[layer], self.v[layer], k, v, lengths)

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.run)
 
-    info_parser = commands.add_parser("info", help="what the native extension was built with")
+    info_parser = commands.add_parser("info", help="what the native extension was built with, what runs, what it supports")
     info_parser.set_defaults(run=_info)
 
     args = parser.parse_args(argv)
@@ -34,7 +34,12 @@ def _info(_args) -> int:
 
     import kvcache_ext
 
-    print(json.dumps(kvcache_ext.build_info(), indent=2))
+    info = kvcache_ext.build_info()
+    info["capabilities"] = {}
+    for device in ("cpu", "cuda"):
+        table = kvcache_ext.capabilities(device)
+        info["capabilities"][device] = {**vars(table), "dtypes": [str(d).removeprefix("torch.") for d in table.dtypes]}
+    print(json.dumps(info, indent=2))
     return 0
 
 

@@ -9,6 +9,7 @@ from itertools import groupby
 
 import torch
 
+import kvcache_ext
 from python_ref import LLAMA_CONFIGS, ConcatCache, NoCache, PreallocatedCache, build_gpt2, build_llama, generate
 from python_ref.tokenizer import gpt2_tokenizer
 from python_ref.weights import load_gpt2
@@ -34,18 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {','.join(CACHE_NAMES)}")
 
 
-def make_cache(name, model, batch_size, max_len, window, dtype, device):
+def make_cache(name, model, batch_size, max_cache_len, window, dtype, device):
     if name == "none":
         return NoCache(window=window)
     if name == "concat":
         return ConcatCache(window=window)
-    shape = dict(model.kv_shape, batch_size=batch_size, max_len=max_len, window=window, dtype=dtype, device=device)
+    shape = dict(model.kv_shape, batch_size=batch_size, max_cache_len=max_cache_len, window=window, dtype=dtype, device=device)
     if name == "prealloc":
         return PreallocatedCache(**shape)
     if name == "native":
-        from kvcache_ext import KVCache
-
-        return KVCache(**shape)
+        return kvcache_ext.KVCache(**shape)
     raise ValueError(f"unknown cache {name!r}; choose from {', '.join(CACHE_NAMES)}")
 
 
@@ -78,7 +77,7 @@ def run(args) -> int:
     results = {}
     for name in caches:
         cache = make_cache(name, model, args.batch_size, total, args.window, dtype, device)
-        label = name if name != "native" else f"native ({_native_backend()})"
+        label = name if name != "native" else f"native ({kvcache_ext.kernels_used(device)})"
         progress = _Progress(label, args.max_new_tokens)
         start = time.perf_counter()
         out = generate(model, prompt, args.max_new_tokens, cache=cache, on_token=progress)
@@ -108,12 +107,6 @@ def run(args) -> int:
         print("\nERROR: the caches produced different tokens", file=sys.stderr)
         return 1
     return 0
-
-
-def _native_backend() -> str:
-    import kvcache_ext
-
-    return "C++" if kvcache_ext.native_available() else "python fallback"
 
 
 def _megabytes(n: int) -> str:

@@ -1,10 +1,27 @@
 """Python entry points to the native ops, with input checks and fake (meta) implementations.
 
-The checks here raise ValueError/TypeError naming what was expected and what came, before any
-memory is touched; the C++ bindings repeat the essential ones for direct ``torch.ops`` callers.
+The contract, the same on every device (``csrc/ops.cpp`` has the schemas):
+
+* Shapes, dtypes, devices, strides, ``window`` and ``scale`` are checked here, before any memory
+  is touched, against :func:`kvcache_ext.capabilities` (the one capability table); a bad one
+  raises ``ValueError``/``TypeError`` naming what was expected and what came. The C++ bindings
+  repeat these checks for direct ``torch.ops`` callers (as ``RuntimeError``).
+* ``lengths`` values: ``append_kv`` needs ``0 <= lengths[b] <= 2**62`` (tokens already held),
+  ``decode_attention`` needs ``T <= lengths[b] <= 2**62`` (tokens held, the ``T`` new ones
+  included). On the CPU (native or not) a value outside raises before anything is written. On
+  CUDA the values live on the device and are never read by the host (a decode step stays
+  asynchronous and capturable in a CUDA graph): a row with an invalid length is not written by
+  ``append_kv`` and gets zeros (log-sum-exp ``-inf``) from ``decode_attention``; nothing out of
+  bounds is ever touched. ``KVCACHE_EXT_DEBUG=1`` adds device-side asserts on CUDA that turn an
+  invalid length into an error (at the next synchronisation).
+* ``window`` is any int >= 1 (or None); a window longer than every row changes nothing. ``scale``
+  is any finite float (None: ``1/sqrt(head_dim)``).
 """
 
 from __future__ import annotations
+
+import math
+import os
 
 import torch
 
@@ -12,32 +29,30 @@ from python_ref import reference_attention
 from python_ref.caches import append_to_slots
 
 from . import _native
+from .capabilities import MAX_LENGTH, capabilities
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 256
-
-
-def _native_runs_on(device: torch.device) -> bool:
-    """Whether compiled kernels serve tensors on ``device`` (else the pure-PyTorch path runs)."""
-    if device.type == "cuda":
-        return _native.cuda_available
-    return _native.available
+DEBUG_ENV = "KVCACHE_EXT_DEBUG"
+_INT64_MAX = 2**63 - 1
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Shape, dtype, head_dim, layout and device of a cache pair, against the capability table."""
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be (batch, kv_heads, slots, head_dim), got shape {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if k_cache.dtype not in SUPPORTED_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"k_cache and v_cache must share one of {SUPPORTED_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
-    head_dim = k_cache.shape[3]
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}")
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
     if v_cache.device != k_cache.device:
         raise ValueError(f"k_cache and v_cache must be on one device, got {k_cache.device} and {v_cache.device}")
+    table = capabilities(k_cache.device)
+    if k_cache.dtype not in table.dtypes or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"k_cache and v_cache must share one of {table.dtypes}, got {k_cache.dtype} and {v_cache.dtype}")
+    table.check_head_dim(k_cache.shape[3])
+    table.check_slots(k_cache.shape[2])
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} must not be an expanded view (writes would collide)")
 
 
 def check_lengths(lengths: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -47,8 +62,25 @@ def check_lengths(lengths: torch.Tensor, batch: int, device: torch.device) -> No
         raise ValueError(f"lengths must be on the cache's device {device}, got {lengths.device}")
 
 
-def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
-    """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the caches at slots ``(lengths + t) % S``."""
+def check_length_values(lengths: torch.Tensor, lowest: int, what: str) -> None:
+    """``lowest <= lengths <= 2**62`` (see the contract above) where no kernel checks it: on the CPU
+    without the native library (the native CPU op checks it itself), and on CUDA only with
+    ``KVCACHE_EXT_DEBUG=1``, as an asynchronous device-side assert (no host synchronisation)."""
+    if lengths.device.type == "cpu":
+        if capabilities("cpu").native:
+            return
+        bad = ((lengths < lowest) | (lengths > MAX_LENGTH)).nonzero()
+        if len(bad):
+            row = int(bad[0, 0])
+            raise ValueError(f"lengths must count {what}: between {lowest} and 2^62, got {int(lengths[row])} "
+                             f"for row {row}")
+    elif os.environ.get(DEBUG_ENV) == "1":
+        torch._assert_async(((lengths >= lowest) & (lengths <= MAX_LENGTH)).all(),
+                            f"kvcache_ext: lengths must count {what}: between {lowest} and 2^62")
+
+
+def check_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
+    """Everything ``append_kv`` needs of its arguments, values of ``lengths`` excepted."""
     check_cache_pair(k_cache, v_cache)
     B, H, S, D = k_cache.shape
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -63,7 +95,34 @@ def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
     if k_new.shape[2] > S:
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_cache.device)
-    if not _native_runs_on(k_cache.device):
+
+
+def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None) -> None:
+    """Everything ``decode_attention`` needs of its arguments, values of ``lengths`` excepted."""
+    check_cache_pair(k_cache, v_cache)
+    B, H_kv, S, D = k_cache.shape
+    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D:
+        raise ValueError(f"q must be (batch={B}, q_heads, num_new, head_dim={D}), got {tuple(q.shape)}")
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q must have the cache's dtype {k_cache.dtype}, got {q.dtype}")
+    if q.device != k_cache.device:
+        raise ValueError(f"q must be on the cache's device {k_cache.device}, got {q.device}")
+    if q.shape[1] % H_kv or q.shape[1] == 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of KV heads ({H_kv})")
+    if q.shape[2] < 1:
+        raise ValueError("q must hold at least one new token")
+    if window is not None and (not isinstance(window, int) or not 1 <= window <= _INT64_MAX):
+        raise ValueError(f"window must be a positive number of tokens (at most 2^63 - 1) or None, got {window!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    check_lengths(lengths, B, k_cache.device)
+
+
+def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
+    """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the caches at slots ``(lengths + t) % S``."""
+    check_append_kv(k_cache, v_cache, k_new, v_new, lengths)
+    check_length_values(lengths, 0, "the tokens already in each row")
+    if not capabilities(k_cache.device).native:
         append_to_slots(k_cache, v_cache, k_new, v_new, lengths)
         return
     torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
@@ -75,23 +134,13 @@ def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None):
     Returns ``(out, lse)`` like the op: ``out`` ``(B, H_q, T, D)`` in q's dtype and the natural-log
     log-sum-exp of the scaled scores ``(B, H_q, T)`` float32.
     """
-    check_cache_pair(k_cache, v_cache)
-    B, H_kv, S, D = k_cache.shape
-    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D:
-        raise ValueError(f"q must be (batch={B}, q_heads, num_new, head_dim={D}), got {tuple(q.shape)}")
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q must have the cache's dtype {k_cache.dtype}, got {q.dtype}")
-    if q.device != k_cache.device:
-        raise ValueError(f"q must be on the cache's device {k_cache.device}, got {q.device}")
-    if q.shape[1] % H_kv:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({H_kv})")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be a positive number of tokens or None, got {window}")
-    check_lengths(lengths, B, k_cache.device)
-    if not _native_runs_on(k_cache.device):
+    check_decode_attention(q, k_cache, v_cache, lengths, window, scale)
+    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
+    if not capabilities(k_cache.device).native:
         out, lse = reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse=True)
         return out, lse.float()
-    return torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window, scale)
+    return torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window,
+                                                  None if scale is None else float(scale))
 
 
 if _native.available:

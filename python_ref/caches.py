@@ -2,7 +2,7 @@
 
 The protocol (every cache here and ``kvcache_ext.KVCache`` implement it):
 
-    cache.max_length          -> int     tokens held by the longest row (host-side, no sync)
+    cache.seq_length          -> int     tokens held by the longest row (host-side, no sync)
     cache.start_step(T)       -> Tensor  positions of the T new tokens, (B, T) or (1, T) long;
                                          raises, changing nothing, if T more tokens do not fit
     cache.attend(layer, q, k, v) -> Tensor
@@ -49,10 +49,10 @@ def start_forward(cache, idx: torch.Tensor, context_length: int) -> torch.Tensor
     T = idx.shape[1]
     if T < 1:
         raise ValueError("idx must hold at least one token")
-    if cache.max_length + T > context_length:
+    if cache.seq_length + T > context_length:
         raise ValueError(
-            f"the model has {context_length} positions: {cache.max_length} cached + {T} new tokens = "
-            f"{cache.max_length + T} do not fit. Shorten the prompt or max_new_tokens.")
+            f"the model has {context_length} positions: {cache.seq_length} cached + {T} new tokens = "
+            f"{cache.seq_length + T} do not fit. Shorten the prompt or max_new_tokens.")
     return cache.start_step(T).to(idx.device)
 
 
@@ -68,7 +68,7 @@ class NoCache:
     caches compute the same function.
     """
 
-    max_length = 0
+    seq_length = 0
 
     def __init__(self, window: int | None = None):
         self.window = window
@@ -108,11 +108,11 @@ class ConcatCache:
         self.values: dict[int, torch.Tensor] = {}
 
     @property
-    def max_length(self) -> int:
+    def seq_length(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
     def start_step(self, num_new: int) -> torch.Tensor:
-        start = self.max_length
+        start = self.seq_length
         return torch.arange(start, start + num_new).unsqueeze(0)
 
     def attend(self, layer, q, k, v, scale=None):
@@ -136,7 +136,7 @@ class PreallocatedCache(nn.Module):
     """Buffers allocated once, written in place; optionally a sliding window as a ring buffer.
 
     Buffers are ``(num_layers, batch, kv_heads, slots, head_dim)``. Without a window,
-    ``slots = max_len`` and offering more tokens raises :class:`CacheOverflowError`.
+    ``slots = max_cache_len`` and offering more tokens raises :class:`CacheOverflowError`.
     With ``window=W`` the cache keeps the last W tokens of each row (plus room for one
     chunk of new tokens, so that every query of a chunk still sees its full window):
     ``slots = W + chunk_size - 1``, token position ``p`` lives in slot ``p % slots``, a
@@ -156,7 +156,7 @@ class PreallocatedCache(nn.Module):
         batch_size: int,
         kv_heads: int,
         head_dim: int,
-        max_len: int | None = None,
+        max_cache_len: int | None = None,
         window: int | None = None,
         chunk_size: int = 128,
         dtype: torch.dtype = torch.float32,
@@ -169,13 +169,14 @@ class PreallocatedCache(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be a positive int or None, got {window!r}")
-        if window is None and (not isinstance(max_len, int) or max_len < 1):
-            raise ValueError(f"max_len must be a positive int when there is no window, got {max_len!r}")
+        if window is None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive int when there is no window, got {max_cache_len!r}")
         self.num_layers, self.batch_size = num_layers, batch_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.window = window
+        self.max_cache_len = max_cache_len if window is None else None  # a ring buffer has no bound
         self.chunk_size = chunk_size if window is not None else None
-        self.slots = max_len if window is None else window + chunk_size - 1
+        self.slots = max_cache_len if window is None else window + chunk_size - 1
         shape = (num_layers, batch_size, kv_heads, self.slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -186,7 +187,7 @@ class PreallocatedCache(nn.Module):
 
     # -- protocol -------------------------------------------------------------------------
     @property
-    def max_length(self) -> int:
+    def seq_length(self) -> int:
         return self._host_length
 
     def reset(self) -> None:
@@ -197,18 +198,18 @@ class PreallocatedCache(nn.Module):
     def start_step(self, num_new: int) -> torch.Tensor:
         if not isinstance(num_new, int) or num_new < 1:
             raise ValueError(f"a step adds at least one token, got {num_new!r}")
-        if self.window is None and self.max_length + num_new > self.slots:
+        if self.window is None and self.seq_length + num_new > self.slots:
             raise CacheOverflowError(
-                f"KV cache overflow: the longest row holds {self.max_length} tokens and "
-                f"{num_new} more were offered, but max_len is {self.slots}. Create the cache "
-                f"with max_len >= {self.max_length + num_new}, or pass window=... to keep only "
+                f"KV cache overflow: the longest row holds {self.seq_length} tokens and "
+                f"{num_new} more were offered, but max_cache_len is {self.slots}. Create the cache "
+                f"with max_cache_len >= {self.seq_length + num_new}, or pass window=... to keep only "
                 "the most recent tokens."
             )
         self._num_new = num_new
         return self.lengths.unsqueeze(1) + torch.arange(num_new, device=self.lengths.device)
 
     def attend(self, layer, q, k, v, scale=None):
-        self._check_step(layer, q, k, v)
+        self._check_step(layer, q, k, v, scale)
         T = self._num_new
         if self.window is None or T <= self.chunk_size:
             return self._append_and_attend(layer, q, k, v, 0, scale)
@@ -244,9 +245,10 @@ class PreallocatedCache(nn.Module):
         T = k.shape[2]
         lengths_before = self.lengths + offset if offset else self.lengths
         self._append(layer, k, v, lengths_before)
-        return self._attention(layer, q, lengths_before + T, self.max_length + offset + T, scale)
+        return self._attention(layer, q, lengths_before + T, self.seq_length + offset + T, scale)
 
-    def _check_step(self, layer, q, k, v):
+    def _check_step(self, layer, q, k, v, scale):
+        """Everything a step checks before it writes a byte (subclasses add what their kernels need)."""
         if self._num_new is None:
             raise RuntimeError("attend() called outside a step: call start_step(T) first")
         if not 0 <= layer < self.num_layers:
@@ -270,9 +272,9 @@ class PreallocatedCache(nn.Module):
 
     def bytes_used(self) -> int:
         per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * self.k.element_size()
-        return per_token * self.batch_size * min(self._host_length, self.slots)
+        return per_token * self.batch_size * min(self.seq_length, self.slots)
 
     def extra_repr(self) -> str:
-        mode = f"window={self.window}, slots={self.slots}" if self.window else f"max_len={self.slots}"
+        mode = f"window={self.window}, slots={self.slots}" if self.window else f"max_cache_len={self.slots}"
         return (f"layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}, {mode}, dtype={self.k.dtype}")

@@ -22,12 +22,12 @@ def step(cache, num_new, q_heads=4, layers=2, dtype=torch.float32):
 
 
 def test_positions_follow_the_cached_tokens():
-    cache = PreallocatedCache(**SHAPE, max_len=16)
+    cache = PreallocatedCache(**SHAPE, max_cache_len=16)
     positions, _ = step(cache, 3)
     assert positions.tolist() == [[0, 1, 2], [0, 1, 2]]
     positions, _ = step(cache, 1)
     assert positions.tolist() == [[3], [3]]
-    assert cache.lengths.tolist() == [4, 4] and cache.max_length == 4
+    assert cache.lengths.tolist() == [4, 4] and cache.seq_length == 4
     cache.reset()
     positions, _ = step(cache, 2)
     assert positions.tolist() == [[0, 1], [0, 1]]
@@ -50,7 +50,7 @@ def test_ring_buffer_matches_masked_full_cache_across_the_wrap(window, chunk):
 
 
 def test_window_as_long_as_the_sequence_equals_no_window():
-    full = PreallocatedCache(**SHAPE, max_len=32)
+    full = PreallocatedCache(**SHAPE, max_cache_len=32)
     windowed = PreallocatedCache(**SHAPE, window=32)
     torch.manual_seed(1)
     _, a = step(full, 9)
@@ -60,17 +60,17 @@ def test_window_as_long_as_the_sequence_equals_no_window():
 
 
 def test_overflow_raises_and_leaves_the_cache_unchanged():
-    cache = PreallocatedCache(**SHAPE, max_len=8)
+    cache = PreallocatedCache(**SHAPE, max_cache_len=8)
     step(cache, 6)
     k_before, v_before, lengths_before = cache.k.clone(), cache.v.clone(), cache.lengths.clone()
-    with pytest.raises(CacheOverflowError, match=r"holds 6 tokens and 3 more.*max_len is 8.*max_len >= 9.*window"):
+    with pytest.raises(CacheOverflowError, match=r"holds 6 tokens and 3 more.*max_cache_len is 8.*max_cache_len >= 9.*window"):
         cache.start_step(3)
     assert torch.equal(cache.k, k_before) and torch.equal(cache.v, v_before)
-    assert torch.equal(cache.lengths, lengths_before) and cache.max_length == 6
+    assert torch.equal(cache.lengths, lengths_before) and cache.seq_length == 6
 
 
 def test_bad_attend_input_is_rejected_before_anything_is_written():
-    cache = PreallocatedCache(**SHAPE, max_len=8)
+    cache = PreallocatedCache(**SHAPE, max_cache_len=8)
     step(cache, 2)
     k_before, lengths_before = cache.k.clone(), cache.lengths.clone()
     cache.start_step(1)
@@ -89,10 +89,10 @@ def test_bad_attend_input_is_rejected_before_anything_is_written():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(max_len=0), "max_len must be a positive int"),
-        (dict(max_len=None), "max_len must be a positive int"),
+        (dict(max_cache_len=0), "max_cache_len must be a positive int"),
+        (dict(max_cache_len=None), "max_cache_len must be a positive int"),
         (dict(window=-3), "window must be a positive int"),
-        (dict(max_len=8, head_dim=0), "head_dim must be a positive int"),
+        (dict(max_cache_len=8, head_dim=0), "head_dim must be a positive int"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, message):
@@ -101,7 +101,7 @@ def test_bad_config_is_rejected(kwargs, message):
 
 
 def test_protocol_misuse_is_reported():
-    cache = PreallocatedCache(**SHAPE, max_len=8)
+    cache = PreallocatedCache(**SHAPE, max_cache_len=8)
     with pytest.raises(RuntimeError, match="call start_step"):
         cache.attend(0, torch.randn(2, 4, 1, 64), torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64))
     with pytest.raises(ValueError, match="at least one token"):
@@ -109,7 +109,7 @@ def test_protocol_misuse_is_reported():
 
 
 def test_memory_accounting():
-    cache = PreallocatedCache(**SHAPE, max_len=10, dtype=torch.bfloat16)
+    cache = PreallocatedCache(**SHAPE, max_cache_len=10, dtype=torch.bfloat16)
     per_token = 2 * 2 * 2 * 64 * 2  # K and V, layers, kv heads, head_dim, bytes
     assert cache.bytes_allocated() == per_token * 10 * 2
     assert cache.bytes_used() == 0
@@ -123,9 +123,9 @@ def test_concat_cache_grows_and_resets():
     for layer in range(2):
         cache.attend(layer, torch.randn(1, 2, 2, 64), torch.randn(1, 2, 2, 64), torch.randn(1, 2, 2, 64))
     cache.finish_step()
-    assert cache.max_length == 2 and cache.start_step(1).tolist() == [[2]]
+    assert cache.seq_length == 2 and cache.start_step(1).tolist() == [[2]]
     cache.reset()
-    assert cache.max_length == 0
+    assert cache.seq_length == 0
 
 
 def test_no_cache_sees_only_its_input():

@@ -181,7 +181,7 @@ def test_cuda_graph_replay_equals_eager(dtype):
 def test_greedy_generation_cuda_equals_cpu(window):
     model = build_gpt2("tiny")
     prompt = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
-    sizes = dict(batch_size=2, max_len=64, dtype=torch.float32)
+    sizes = dict(batch_size=2, max_cache_len=64, dtype=torch.float32)
     if window is not None:
         sizes.update(window=window, chunk_size=4)
     cpu_tokens = generate(model, prompt, 24, cache=kvcache_ext.KVCache(**model.kv_shape, **sizes, device="cpu"))

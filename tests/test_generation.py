@@ -12,14 +12,14 @@ ARTICLE_PROMPT = [15496, 11, 314, 716]
 ARTICLE_CONTINUATION = [27018, 24086, 47843, 30961, 42348, 7267, 49706, 43231, 47062, 34657]
 
 
-def all_caches(model, batch_size, max_len, dtype=torch.float32):
+def all_caches(model, batch_size, max_cache_len, dtype=torch.float32):
     shape = dict(model.kv_shape, batch_size=batch_size, dtype=dtype)
     return {
         "none": None,
         "concat": ConcatCache(),
-        "prealloc": PreallocatedCache(**shape, max_len=max_len),
+        "prealloc": PreallocatedCache(**shape, max_cache_len=max_cache_len),
         "prealloc-window-as-long-as-context": PreallocatedCache(**shape, window=model.cfg.context_length),
-        "native": kvcache_ext.KVCache(**shape, max_len=max_len),
+        "native": kvcache_ext.KVCache(**shape, max_cache_len=max_cache_len),
         "native-window-as-long-as-context": kvcache_ext.KVCache(**shape, window=model.cfg.context_length),
     }
 
@@ -52,7 +52,7 @@ def test_tiny_model_identical_tokens_with_every_cache(batch_size):
 
 def test_cache_is_reusable_across_generations():
     model = build_gpt2("tiny", seed=0)
-    cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_len=40)
+    cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=40)
     first = generate(model, torch.tensor([[1, 2, 3]]), 20, cache=cache)
     generate(model, torch.tensor([[9, 8, 7, 6]]), 20, cache=cache)
     again = generate(model, torch.tensor([[1, 2, 3]]), 20, cache=cache)
@@ -68,7 +68,7 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
                         generator=torch.Generator().manual_seed(7))
 
     a = sample(ConcatCache())
-    b = sample(kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_len=32))
+    b = sample(kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=32))
     assert torch.equal(a, b)
     top_k_one = generate(model, prompt, 15, cache=ConcatCache(), temperature=5.0, top_k=1,
                          generator=torch.Generator().manual_seed(7))
@@ -90,7 +90,7 @@ def test_context_length_is_enforced():
     model = build_gpt2("tiny", seed=0)  # 128 positions
     with pytest.raises(ValueError, match="the model has 128 positions: 0 cached \\+ 129 new tokens = 129 do not fit"):
         model(torch.zeros(1, 129, dtype=torch.long))
-    cache = PreallocatedCache(**model.kv_shape, batch_size=1, max_len=200)
+    cache = PreallocatedCache(**model.kv_shape, batch_size=1, max_cache_len=200)
     with pytest.raises(ValueError, match="do not fit"):
         generate(model, torch.zeros(1, 120, dtype=torch.long), 10, cache=cache)
 

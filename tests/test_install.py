@@ -36,7 +36,7 @@ SMOKE = textwrap.dedent("""
     from python_ref import build_gpt2, generate, ConcatCache
     model = build_gpt2("tiny", seed=0)
     prompt = torch.tensor([[1, 2, 3]])
-    cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_len=16)
+    cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=16)
     assert torch.equal(generate(model, prompt, 10, cache=cache), generate(model, prompt, 10, cache=ConcatCache()))
     print({**kvcache_ext.build_info(), "package_dir": kvcache_ext.__file__})
 """)

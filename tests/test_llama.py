@@ -26,7 +26,7 @@ def _prompt(vocab, batch=BATCH, length=PROMPT_LEN, seed=0):
 def test_every_cache_gives_the_same_tokens(model, window):
     idx = _prompt(model.cfg.vocab_size)
     total = PROMPT_LEN + NEW_TOKENS
-    shape = dict(model.kv_shape, batch_size=BATCH, max_len=total, window=window, chunk_size=4)
+    shape = dict(model.kv_shape, batch_size=BATCH, max_cache_len=total, window=window, chunk_size=4)
     expected = generate(model, idx, NEW_TOKENS, cache=NoCache(window=window))
     assert len(set(expected[0, PROMPT_LEN:].tolist())) > 3, "random weights should give varied tokens"
     for cache in (ConcatCache(window=window), PreallocatedCache(**shape), KVCache(**shape)):
@@ -40,7 +40,7 @@ def test_every_cache_gives_the_same_tokens(model, window):
 
 def test_cached_decode_matches_full_forward(model):
     idx = _prompt(model.cfg.vocab_size, length=9)
-    cache = KVCache(**model.kv_shape, batch_size=BATCH, max_len=16)
+    cache = KVCache(**model.kv_shape, batch_size=BATCH, max_cache_len=16)
     with torch.inference_mode():
         full = model(idx)
         steps = [model(idx[:, :5], cache)] + [model(idx[:, t:t + 1], cache) for t in range(5, 9)]
@@ -50,7 +50,7 @@ def test_cached_decode_matches_full_forward(model):
 def test_positions_come_from_the_cache_per_row():
     model = build_llama("llama-tiny")
     idx = _prompt(model.cfg.vocab_size, batch=3, length=4)
-    cache = PreallocatedCache(**model.kv_shape, batch_size=3, max_len=16)
+    cache = PreallocatedCache(**model.kv_shape, batch_size=3, max_cache_len=16)
     with torch.inference_mode():
         model(idx[:, :3], cache)
         # Rows of different lengths (as after a batched prefill of ragged prompts): the new
@@ -59,7 +59,7 @@ def test_positions_come_from_the_cache_per_row():
         cache._host_length = 3
         batched = model(idx[:, 3:4], cache)
         for row, length in enumerate([3, 1, 2]):
-            alone = PreallocatedCache(**model.kv_shape, batch_size=1, max_len=16)
+            alone = PreallocatedCache(**model.kv_shape, batch_size=1, max_cache_len=16)
             model(idx[row:row + 1, :length], alone)
             torch.testing.assert_close(batched[row], model(idx[row:row + 1, 3:4], alone)[0], atol=1e-5, rtol=1e-5)
 
@@ -81,7 +81,7 @@ def test_context_length_is_enforced_with_a_clear_error():
     model = build_llama("llama-tiny", context_length=16)
     with pytest.raises(ValueError, match="16 positions"):
         generate(model, _prompt(model.cfg.vocab_size, length=10), 8,
-                 cache=KVCache(**model.kv_shape, batch_size=BATCH, max_len=32))
+                 cache=KVCache(**model.kv_shape, batch_size=BATCH, max_cache_len=32))
 
 
 def test_kv_shape_and_grouped_query_heads():
@@ -128,7 +128,7 @@ def test_half_precision_keeps_rope_in_float32():
     model = build_llama("llama-tiny").to(torch.bfloat16)
     assert model.rope.inv_freq.dtype == torch.float32
     idx = _prompt(model.cfg.vocab_size)
-    cache = KVCache(**model.kv_shape, batch_size=BATCH, max_len=PROMPT_LEN + 4, dtype=torch.bfloat16)
+    cache = KVCache(**model.kv_shape, batch_size=BATCH, max_cache_len=PROMPT_LEN + 4, dtype=torch.bfloat16)
     out = generate(model, idx, 4, cache=cache)
     assert out.shape == (BATCH, PROMPT_LEN + 4)
 
@@ -166,7 +166,7 @@ def test_logits_match_transformers(arch):
     with torch.no_grad():
         expected = hf(idx).logits
         full = ours(idx)
-        cache = KVCache(**ours.kv_shape, batch_size=2, max_len=200)
+        cache = KVCache(**ours.kv_shape, batch_size=2, max_cache_len=200)
         cached = torch.cat([ours(idx[:, :150], cache), ours(idx[:, 150:], cache)], dim=1)
     torch.testing.assert_close(full, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(cached, expected, atol=1e-4, rtol=0)

@@ -55,7 +55,7 @@ def attention_args(**changes):
 ATTENTION_CASES = {
     "q rank": (dict(q=torch.randn(2, 4, 64)), ValueError, r"q must be \(batch=2, q_heads, num_new, head_dim=64\), got \(2, 4, 64\)"),
     "q batch": (dict(q=torch.randn(3, 4, 1, 64)), ValueError, r"got \(3, 4, 1, 64\)"),
-    "heads": (dict(q=torch.randn(2, 3, 1, 64)), ValueError, r"query heads \(3\) must be a multiple of KV heads \(2\)"),
+    "heads": (dict(q=torch.randn(2, 3, 1, 64)), ValueError, r"query heads \(3\) must be a positive multiple of KV heads \(2\)"),
     "q dtype": (dict(q=torch.randn(2, 4, 1, 64).bfloat16()), TypeError, "q must have the cache's dtype torch.float32, got torch.bfloat16"),
     "cache dtype": (dict(k_cache=torch.randn(2, 2, 8, 64).double(), v_cache=torch.randn(2, 2, 8, 64).double()),
                     TypeError, "must share one of"),
@@ -64,7 +64,7 @@ ATTENTION_CASES = {
     "head_dim too big": (dict(q=torch.randn(2, 4, 1, 264), k_cache=torch.randn(2, 2, 8, 264), v_cache=torch.randn(2, 2, 8, 264)),
                          ValueError, "got 264"),
     "layout": (dict(k_cache=torch.randn(2, 2, 64, 8).transpose(2, 3)), ValueError, "contiguous last"),
-    "window": (dict(window=0), ValueError, "window must be a positive number of tokens or None, got 0"),
+    "window": (dict(window=0), ValueError, r"window must be a positive number of tokens \(at most 2\^63 - 1\) or None, got 0"),
     "lengths": (dict(lengths=torch.tensor([3])), ValueError, r"lengths must be int64 of shape \(2,\)"),
 }
 
@@ -79,7 +79,7 @@ def test_decode_attention_rejects_bad_input(case):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (attention_args(lengths=torch.tensor([-1, 8])), "lengths must count the 1 new tokens"),
+        (attention_args(lengths=torch.tensor([-1, 8])), r"lengths must count .*: between 1 and 2\^62, got -1 for row 0"),
         (attention_args(q=torch.randn(2, 4, 1, 64).half()), "q must have the cache's dtype Float, got Half"),
         (attention_args(q=torch.randn(2, 3, 1, 64)), r"q_heads \(3\) must be a multiple of kv_heads \(2\)"),
         (attention_args(k_cache=torch.randn(2, 2, 8, 12), v_cache=torch.randn(2, 2, 8, 12), q=torch.randn(2, 4, 1, 12)),
@@ -95,14 +95,14 @@ def test_raw_ops_raise_instead_of_crashing(args, message):
 def test_raw_append_rejects_negative_lengths_untouched():
     k, v = cache_pair()
     k_before = k.clone()
-    with pytest.raises(RuntimeError, match="lengths must be >= 0, got -2 for row 1"):
+    with pytest.raises(RuntimeError, match=r"between 0 and 2\^62, got -2 for row 1"):
         torch.ops.kvcache_ext.append_kv(k, v, torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64), torch.tensor([0, -2]))
     assert torch.equal(k, k_before)
 
 
 class TestKVCache:
     def make(self, **kwargs):
-        return kvcache_ext.KVCache(**{**dict(num_layers=2, batch_size=2, kv_heads=2, head_dim=64, max_len=8), **kwargs})
+        return kvcache_ext.KVCache(**{**dict(num_layers=2, batch_size=2, kv_heads=2, head_dim=64, max_cache_len=8), **kwargs})
 
     def fill(self, cache, num_new, dtype=torch.float32):
         cache.start_step(num_new)
@@ -112,18 +112,18 @@ class TestKVCache:
         cache.finish_step()
 
     def snapshot(self, cache):
-        return cache.k.clone(), cache.v.clone(), cache.lengths.clone(), cache.max_length
+        return cache.k.clone(), cache.v.clone(), cache.lengths.clone(), cache.seq_length
 
     def assert_unchanged(self, cache, snapshot):
         k, v, lengths, longest = snapshot
         assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
-        assert torch.equal(cache.lengths, lengths) and cache.max_length == longest
+        assert torch.equal(cache.lengths, lengths) and cache.seq_length == longest
 
     def test_overflow_says_what_to_do_and_changes_nothing(self):
         cache = self.make()
         self.fill(cache, 5)
         before = self.snapshot(cache)
-        with pytest.raises(CacheOverflowError, match=r"holds 5 tokens and 4 more were offered, but max_len is 8.*max_len >= 9.*window="):
+        with pytest.raises(CacheOverflowError, match=r"holds 5 tokens and 4 more were offered, but max_cache_len is 8.*max_cache_len >= 9.*window="):
             cache.start_step(4)
         self.assert_unchanged(cache, before)
 
@@ -140,7 +140,7 @@ class TestKVCache:
         self.assert_unchanged(cache, before)
 
     def test_window_cache_never_overflows_and_stays_small(self):
-        cache = self.make(max_len=None, window=4, chunk_size=2)
+        cache = self.make(max_cache_len=None, window=4, chunk_size=2)
         for _ in range(10):
             self.fill(cache, 2)
         assert cache.lengths.tolist() == [20, 20] and cache.slots == 5

@@ -22,7 +22,7 @@ def test_example_model_gives_the_tokens_of_a_full_recompute():
     torch.manual_seed(0)
     model = example["TinyLM"]().eval()
     prompt = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    cache = example["KVCache"](**model.kv_shape, batch_size=2, max_len=24)
+    cache = example["KVCache"](**model.kv_shape, batch_size=2, max_cache_len=24)
     out = generate(model, prompt, max_new_tokens=20, cache=cache)
 
     idx = prompt

@@ -36,7 +36,7 @@ def test_safetensors_file_and_cached_generation_match(tmp_path):
     ours = load_gpt2(path, n_heads=4)
     prompt = torch.tensor([[5, 6, 7]])
     expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompt))
-    cache = PreallocatedCache(**ours.kv_shape, batch_size=1, max_len=16)
+    cache = PreallocatedCache(**ours.kv_shape, batch_size=1, max_cache_len=16)
     assert torch.equal(generate(ours, prompt, 12, cache=cache), expected)
 
 

@@ -31,15 +31,16 @@ inline int64_t first_visible_position(const AttentionProblem& p, int64_t b) {
   return lo;
 }
 
-constexpr int64_t kMaxRowsPerCall = 64;  // group size x new tokens handled by one call
+constexpr int64_t kMaxRowsPerCall = 64;  // group members x new tokens handled by one call
 
-// Unnormalised attention of new tokens [query_begin, query_begin + query_count) of every query
-// head sharing KV head `kv_head` of row `b`, over positions [position_begin, position_end).
-// Row m = g * query_count + (i - query_begin) for group member g and new token i; at most
-// kMaxRowsPerCall rows. Writes acc[m][d] = sum of exp(score - row_max[m]) * v, row_max[m] and
+// Unnormalised attention of new tokens [query_begin, query_begin + query_count) of the query
+// heads [head_begin, head_begin + head_count) among those sharing KV head `kv_head` (group
+// members), of row `b`, over positions [position_begin, position_end).
+// Row m = (g - head_begin) * query_count + (i - query_begin) for group member g and new token i;
+// head_count * query_count <= kMaxRowsPerCall rows. Writes acc[m][d] = sum of exp(score - row_max[m]) * v, row_max[m] and
 // row_sum[m] = sum of exp(score - row_max[m]) (0 with row_max -inf if nothing was visible).
 using PartialAttentionFn = void (*)(const AttentionProblem& p, int64_t b, int64_t kv_head,
-                                    int64_t query_begin, int64_t query_count,
+                                    int64_t head_begin, int64_t head_count, int64_t query_begin, int64_t query_count,
                                     int64_t position_begin, int64_t position_end,
                                     float* acc,      // [rows, head_dim]
                                     float* row_max,  // [rows]

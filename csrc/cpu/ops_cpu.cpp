@@ -32,12 +32,23 @@ void check_cpu(const Tensor& t, const char* what) {
 // Checks shared by both ops: the cache pair, its layout and the lengths tensor.
 void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths) {
   check_cache_layout(k_cache, v_cache, lengths);
-  const int64_t D = k_cache.size(3);
-  STD_TORCH_CHECK(D % 8 == 0 && D >= 8 && D <= kMaxHeadDim,
-                  "head_dim must be a multiple of 8 between 8 and ", kMaxHeadDim, ", got ", D);
   check_cpu(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache");
   check_cpu(lengths, "lengths");
+}
+
+// Each row's length, read through lengths' stride (it may be a view), checked to lie in
+// [lowest, kMaxLength]: `what` says what a length counts, for the error.
+std::vector<int64_t> row_lengths(const Tensor& lengths, int64_t lowest, const char* what) {
+  const int64_t B = lengths.size(0), stride = lengths.stride(0);
+  const int64_t* data = lengths.const_data_ptr<int64_t>();
+  std::vector<int64_t> len(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    len[b] = data[b * stride];
+    STD_TORCH_CHECK(len[b] >= lowest && len[b] <= kMaxLength, "lengths must count ", what, ": between ", lowest,
+                    " and 2^62, got ", len[b], " for row ", b);
+  }
+  return len;
 }
 
 void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
@@ -55,9 +66,7 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
   STD_TORCH_CHECK(v_new.size(2) == T, "k_new and v_new must hold the same number of tokens, got ", T, " and ",
                   v_new.size(2));
   STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
-  const int64_t* len = lengths.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    STD_TORCH_CHECK(len[b] >= 0, "lengths must be >= 0, got ", len[b], " for row ", b);
+  const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
 
   const int64_t elem = static_cast<int64_t>(k_cache.element_size());
   struct Side {
@@ -81,7 +90,7 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
       const Side& side = sides[item / (B * H)];
       const int64_t b = (item % (B * H)) / H, h = item % H;
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t slot = (len[b] + t) % S;
+        const int64_t slot = (len[b] % S + t) % S;  // len[b] + t could exceed int64
         char* dst = side.cache + (b * side.cache_stride[0] + h * side.cache_stride[1] + slot * side.cache_stride[2]) * elem;
         const char* src = side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
         if (side.src_stride[3] == 1) {
@@ -108,23 +117,21 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
   STD_TORCH_CHECK(H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv, ")");
   const int64_t group = H_q / H_kv;
-  STD_TORCH_CHECK(group <= kMaxRowsPerCall, "at most ", kMaxRowsPerCall, " query heads per KV head, got ", group);
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  const int64_t* len = lengths.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    STD_TORCH_CHECK(len[b] >= T, "lengths must count the ", T, " new tokens (>= ", T, "), got ", len[b],
-                    " for row ", b);
+  STD_TORCH_CHECK(!scale.has_value() || std::isfinite(*scale), "scale must be finite or None, got ", *scale);
+  const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
 
   AttentionProblem p{};
   p.elem = elem_type_of(q, "q");
   p.q = q.const_data_ptr();
   p.k_cache = k_cache.const_data_ptr();
   p.v_cache = v_cache.const_data_ptr();
-  p.lengths = len;
+  p.lengths = len.data();
   p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_cache.stride(i), p.v_stride[i] = v_cache.stride(i);
-  p.window = window.value_or(0);
+  // A window longer than any row changes nothing; clamped so position arithmetic stays in int64.
+  p.window = std::min(window.value_or(0), kMaxLength);
   p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
 
   Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
@@ -132,10 +139,13 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   void* out_ptr = out.mutable_data_ptr();
   float* lse_ptr = lse.mutable_data_ptr<float>();
 
-  // Work item: (row, KV head, chunk of new tokens, split of the positions).
-  const int64_t chunk = std::max<int64_t>(1, kMaxRowsPerCall / group);
+  // Work item: (row, KV head, block of its query heads, chunk of new tokens, split of the
+  // positions); a block of heads and a chunk of tokens make at most kMaxRowsPerCall query rows.
+  const int64_t heads_per_block = std::min(group, kMaxRowsPerCall);
+  const int64_t head_blocks = (group + heads_per_block - 1) / heads_per_block;
+  const int64_t chunk = std::max<int64_t>(1, kMaxRowsPerCall / heads_per_block);
   const int64_t chunks = (T + chunk - 1) / chunk;
-  const int64_t groups = B * H_kv * chunks;
+  const int64_t groups = B * H_kv * head_blocks * chunks;
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b] - first_visible_position(p, b));
   // Split the sequence when there are too few groups to keep every thread busy (split-K).
@@ -148,7 +158,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
 
   const PartialAttentionFn partial = partial_attention_kernel();
   const StoreRowFn store = store_row_kernel();
-  const int64_t rows_max = group * chunk;
+  const int64_t rows_max = heads_per_block * chunk;
   std::vector<float> scratch;
   if (splits > 1) scratch.resize(static_cast<size_t>(groups * splits * rows_max * (D + 2)));
 
@@ -160,10 +170,20 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
     const int64_t begin = std::min(hi, lo + split * per_split);
     return std::pair{begin, std::min(hi, begin + per_split)};
   };
-  auto write_output = [&](int64_t b, int64_t kv_head, int64_t query_begin, int64_t query_count, const float* acc,
-                          const float* row_max, const float* row_sum) {
-    for (int64_t m = 0; m < group * query_count; ++m) {
-      const int64_t h = kv_head * group + m / query_count, i = query_begin + m % query_count;
+  // The pieces of work item (or group of splits) `grp`.
+  struct Piece {
+    int64_t b, kv_head, head_begin, head_count, query_begin, query_count;
+  };
+  auto piece_of = [&](int64_t grp) {
+    const int64_t c = grp % chunks, block = (grp / chunks) % head_blocks, kv_head = (grp / (chunks * head_blocks)) % H_kv;
+    const int64_t head_begin = block * heads_per_block, query_begin = c * chunk;
+    return Piece{grp / (chunks * head_blocks * H_kv), kv_head, head_begin, std::min(heads_per_block, group - head_begin),
+                 query_begin, std::min(chunk, T - query_begin)};
+  };
+  auto write_output = [&](const Piece& w, const float* acc, const float* row_max, const float* row_sum) {
+    for (int64_t m = 0; m < w.head_count * w.query_count; ++m) {
+      const int64_t b = w.b, h = w.kv_head * group + w.head_begin + m / w.query_count;
+      const int64_t i = w.query_begin + m % w.query_count;
       float normalised[kMaxHeadDim];
       const float inv = 1.0f / row_sum[m];
       for (int64_t d = 0; d < D; ++d) normalised[d] = acc[m * D + d] * inv;
@@ -176,24 +196,24 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
 
   // Hand work to other threads only in pieces big enough to repay waking them (~100 us).
   constexpr int64_t kMinRowPositionsPerTask = 16384;
-  const int64_t rows_per_item = group * std::min(chunk, T);
+  const int64_t rows_per_item = heads_per_block * std::min(chunk, T);
   const int64_t row_positions_per_item = std::max<int64_t>(1, rows_per_item * ((longest + splits - 1) / splits));
   const int64_t grain = std::max<int64_t>(1, kMinRowPositionsPerTask / row_positions_per_item);
   torch::stable::parallel_for(0, groups * splits, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
     float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t split = item % splits, grp = item / splits;
-      const int64_t c = grp % chunks, kv_head = (grp / chunks) % H_kv, b = grp / (chunks * H_kv);
-      const int64_t query_begin = c * chunk, query_count = std::min(chunk, T - query_begin);
-      const auto [pos_begin, pos_end] = row_range(b, query_begin, query_begin + query_count, split);
+      const int64_t split = item % splits;
+      const Piece w = piece_of(item / splits);
+      const auto [pos_begin, pos_end] = row_range(w.b, w.query_begin, w.query_begin + w.query_count, split);
       if (splits == 1) {
-        partial(p, b, kv_head, query_begin, query_count, pos_begin, pos_end, acc, row_max, row_sum);
-        write_output(b, kv_head, query_begin, query_count, acc, row_max, row_sum);
+        partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end,
+                acc, row_max, row_sum);
+        write_output(w, acc, row_max, row_sum);
       } else {
         float* part = scratch.data() + item * rows_max * (D + 2);
-        partial(p, b, kv_head, query_begin, query_count, pos_begin, pos_end, part, part + rows_max * D,
-                part + rows_max * (D + 1));
+        partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end,
+                part, part + rows_max * D, part + rows_max * (D + 1));
       }
     }
   });
@@ -204,9 +224,8 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
     alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
     float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
     for (int64_t grp = begin; grp < end; ++grp) {
-      const int64_t c = grp % chunks, kv_head = (grp / chunks) % H_kv, b = grp / (chunks * H_kv);
-      const int64_t query_begin = c * chunk, query_count = std::min(chunk, T - query_begin);
-      const int64_t rows = group * query_count;
+      const Piece w = piece_of(grp);
+      const int64_t rows = w.head_count * w.query_count;
       for (int64_t m = 0; m < rows; ++m) {
         float best = -std::numeric_limits<float>::infinity();
         for (int64_t s = 0; s < splits; ++s)
@@ -224,7 +243,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
         row_max[m] = best;
         row_sum[m] = total;
       }
-      write_output(b, kv_head, query_begin, query_count, acc, row_max, row_sum);
+      write_output(w, acc, row_max, row_sum);
     }
   });
   return {out, lse};

@@ -60,7 +60,7 @@ def test_append(benchmark, measure, bench_settings, case, impl):
     else:
         cache_class = KVCache if impl == "native" else PreallocatedCache
         cache = cache_class(num_layers=1, batch_size=BATCH, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                            max_len=context + 1, dtype=dtype, device=device)
+                            max_cache_len=context + 1, dtype=dtype, device=device)
         lengths = torch.full((BATCH,), context, dtype=torch.long, device=device)
         # _append is the caches' storage step alone (attend() would add attention to the timing).
         measure(lambda: cache._append(0, new_k, new_v, lengths))

@@ -148,5 +148,6 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "native": kvcache_ext.build_info(),
+        "kernels": kvcache_ext.kernels_used(device),
         "copy_gbps": config.stash.get(_COPY_GBPS, None),
     }

@@ -57,15 +57,21 @@ def write_report(json_path: Path, out_dir: Path, command: str, failed: bool = Fa
 
 def summary_markdown(results: list[Result], run: dict, command: str, failed: bool) -> str:
     native = run.get("native", {})
-    native_text = (f"loaded ({native.get('cpu_isa_active', 'cuda')})" if native.get("native_loaded")
-                   else f"NOT loaded, the pure-PyTorch fallback ran: {native.get('native_unavailable_reason', '')}")
+    kernels = run.get("kernels", "?")
+    if kernels == "cpu library":
+        native_text = f"the CPU library ran ({native.get('cpu_isa_active', '?')})"
+    elif kernels == "cuda library":
+        native_text = "the CUDA library ran"
+    else:
+        native_text = ("NOT native: the pure-PyTorch fallback ran ("
+                       f"{native.get('native_unavailable_reason') or native.get('cuda_unavailable_reason', '')})")
     copy = f"{run['copy_gbps']:.1f} GB/s" if run.get("copy_gbps") else "not measured"
     lines = [
         "# kvcache_ext benchmarks", "",
         f"`{command}` — {run.get('mode', '?')} mode, {run.get('datetime', '')[:16].replace('T', ' ')} UTC",
         "",
         f"Device: {run.get('device', '?')} ({run.get('device_name', '')}), {run.get('torch_threads', '?')} torch "
-        f"threads, torch {run.get('torch', '?')}; native kernels {native_text}. Copy bandwidth: {copy}. "
+        f"threads, torch {run.get('torch', '?')}; kernels: {native_text}. Copy bandwidth: {copy}. "
         "Times are medians over pytest-benchmark rounds; a speed-up is the other time over native's.",
     ]
     if run.get("mode") == "quick":

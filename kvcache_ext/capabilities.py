@@ -1,0 +1,92 @@
+"""What the kernels support on each device: the one capability table.
+
+The limits come from the native library (``csrc/capabilities.h`` through the ``capabilities``
+op), so the table cannot drift from the checks the kernels make. ``KVCache``, the Hugging Face
+``NativeCache`` and the op wrappers check against it before anything is written; README's
+limits table is compared with it by a test; ``kvcache-ext info`` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from . import _native
+
+CPU_LIBRARY = "cpu library"
+CUDA_LIBRARY = "cuda library"
+PYTHON_FALLBACK = "python fallback"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Tokens one row may hold: the bound the native ops enforce (kMaxLength), kept by the pure-PyTorch
+# path too so that both behave alike.
+MAX_LENGTH = 2**62
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one device's kernels accept. ``max_group`` None: any number of query heads per KV head."""
+
+    device_type: str
+    kernels: str  # CPU_LIBRARY, CUDA_LIBRARY or PYTHON_FALLBACK: what really runs
+    dtypes: tuple[torch.dtype, ...]
+    head_dim_multiple: int
+    max_head_dim: int
+    max_length: int
+    max_slots: int
+    max_group: int | None
+
+    @property
+    def native(self) -> bool:
+        return self.kernels != PYTHON_FALLBACK
+
+    def check_dtype(self, dtype: torch.dtype, what: str = "dtype") -> None:
+        if dtype not in self.dtypes:
+            raise TypeError(f"{what} must be one of {self.dtypes} on {self.device_type}, got {dtype}")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        m, top = self.head_dim_multiple, self.max_head_dim
+        if head_dim % m or not m <= head_dim <= top:
+            raise ValueError(f"head_dim must be a multiple of {m} between {m} and {top}, got {head_dim}")
+
+    def check_slots(self, slots: int) -> None:
+        if slots > self.max_slots:
+            raise ValueError(f"a cache on {self.device_type} holds at most {self.max_slots} slots, got {slots}")
+
+
+_tables: dict[str, Capabilities] = {}  # per device type, read once: the ops consult it on every call
+
+
+def capabilities(device: torch.device | str | None = "cpu") -> Capabilities:
+    """The capability table of ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``)."""
+    device_type = torch.device(device).type if device is not None else "cpu"
+    table = _tables.get(device_type)
+    if table is None:
+        table = _tables[device_type] = _read_table(device_type)
+    return table
+
+
+def _read_table(device_type: str) -> Capabilities:
+    kernels = {"cpu": CPU_LIBRARY if _native.available else PYTHON_FALLBACK,
+               "cuda": CUDA_LIBRARY if _native.cuda_available else PYTHON_FALLBACK}.get(device_type, PYTHON_FALLBACK)
+    if kernels != PYTHON_FALLBACK:
+        table = json.loads(torch.ops.kvcache_ext.capabilities(device_type))
+        limits = dict(head_dim_multiple=table["head_dim_multiple"], max_head_dim=table["max_head_dim"],
+                      max_length=table["max_length"], max_slots=table["max_slots"], max_group=table["max_group"])
+        dtypes = tuple(getattr(torch, name) for name in table["dtypes"])
+    else:  # the pure-PyTorch path: no kernel limits but the ones both paths share
+        limits = dict(head_dim_multiple=1, max_head_dim=2**31 - 1, max_length=MAX_LENGTH, max_slots=MAX_LENGTH,
+                      max_group=None)
+        dtypes = SUPPORTED_DTYPES
+    return Capabilities(device_type=device_type, kernels=kernels, dtypes=dtypes, **limits)
+
+
+def native_available(device: torch.device | str | None = "cpu") -> bool:
+    """True when compiled kernels serve tensors on ``device`` (False: the pure-PyTorch fallback runs)."""
+    return capabilities(device).native
+
+
+def kernels_used(device: torch.device | str | None = "cpu") -> str:
+    """What runs the ops on ``device``: ``"cpu library"``, ``"cuda library"`` or ``"python fallback"``."""
+    return capabilities(device).kernels
