@@ -92,6 +92,53 @@ def test_raw_ops_raise_instead_of_crashing(args, message):
         torch.ops.kvcache_ext.decode_attention(args["q"], args["k_cache"], args["v_cache"], args["lengths"], None, None)
 
 
+@pytest.mark.parametrize("length", [2**62 + 1, 2**63 - 1, -(2**63)])
+@pytest.mark.parametrize("raw", [False, True], ids=["wrapper", "torch.ops"])
+def test_append_refuses_lengths_past_the_limit_untouched(length, raw):
+    # Once (lengths[b] + t) % S overflowed for lengths near the int64 limit and wrote outside the
+    # cache; lengths are now refused past 2^62 (the capability table's max_length).
+    k, v = cache_pair()
+    k_before, v_before = k.clone(), v.clone()
+    append = torch.ops.kvcache_ext.append_kv if raw else kvcache_ext.append_kv
+    with pytest.raises((RuntimeError, ValueError), match=rf"between 0 and 2\^62, got {length} for row 1"):
+        append(k, v, torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64), torch.tensor([0, length]))
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("length", [2**62 + 1, 2**63 - 1])
+def test_decode_refuses_lengths_past_the_limit(length):
+    args = attention_args(lengths=torch.tensor([3, length]))
+    with pytest.raises(RuntimeError, match=rf"between 1 and 2\^62, got {length} for row 1"):
+        torch.ops.kvcache_ext.decode_attention(args["q"], args["k_cache"], args["v_cache"], args["lengths"], None, None)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan")])
+def test_non_finite_scale_is_refused(scale):
+    args = attention_args()
+    with pytest.raises(ValueError, match="scale must be a finite float or None"):
+        kvcache_ext.decode_attention(**args, scale=scale)
+    with pytest.raises(RuntimeError, match="scale must be finite or None"):
+        torch.ops.kvcache_ext.decode_attention(args["q"], args["k_cache"], args["v_cache"], args["lengths"], None, scale)
+
+
+def test_window_beyond_int64_is_refused():
+    with pytest.raises(ValueError, match="window must be a positive number of tokens"):
+        kvcache_ext.decode_attention(**attention_args(window=2**63))
+
+
+@pytest.mark.parametrize("make_caches", [
+    lambda: (torch.randn(2, 1, 8, 64).expand(2, 2, 8, 64), torch.randn(2, 2, 8, 64)),
+    lambda: (lambda buffer: (buffer[:, :, :8], buffer[:, :, 4:12]))(torch.randn(2, 2, 12, 64)),
+], ids=["expanded", "overlapping"])
+def test_caches_that_alias_are_refused_untouched(make_caches):
+    k, v = make_caches()
+    k_before, v_before = k.clone(), v.clone()
+    new = torch.randn(2, 2, 1, 64)
+    with pytest.raises(RuntimeError, match="expanded or self-overlapping|must not share memory"):
+        torch.ops.kvcache_ext.append_kv(k, v, new, new, torch.tensor([0, 0]))
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
+
+
 def test_raw_append_rejects_negative_lengths_untouched():
     k, v = cache_pair()
     k_before = k.clone()
@@ -137,6 +184,20 @@ class TestKVCache:
         with pytest.raises(ValueError, match="q must have shape"):
             cache.attend(0, torch.randn(2, 4, 2, 64).bfloat16(), torch.randn(2, 2, 1, 64).bfloat16(),
                          torch.randn(2, 2, 1, 64).bfloat16())
+        self.assert_unchanged(cache, before)
+
+    @pytest.mark.parametrize("window", [None, 4])
+    def test_step_whose_attention_is_refused_writes_nothing(self, window):
+        # attend() stores keys/values and then attends: a refusal of the attention (here a
+        # non-finite scale) used to come after the store and overwrite live ring slots.
+        cache = self.make(max_cache_len=None if window else 8, window=window, chunk_size=2)
+        for _ in range(3):
+            self.fill(cache, 2)
+        before = self.snapshot(cache)
+        cache.start_step(2)
+        with pytest.raises(ValueError, match="scale must be a finite float"):
+            cache.attend(0, torch.randn(2, 4, 2, 64), torch.randn(2, 2, 2, 64), torch.randn(2, 2, 2, 64),
+                         scale=float("nan"))
         self.assert_unchanged(cache, before)
 
     def test_window_cache_never_overflows_and_stays_small(self):

@@ -131,3 +131,50 @@ def test_opcheck_decode_attention(dtype):
     q, k, v, lengths = make_problem(dtype, 2, 2, 2, 3, 64, 16, [3, 16], True)
     torch.library.opcheck(torch.ops.kvcache_ext.decode_attention.default, (q, k, v, lengths, 5, None))
     torch.library.opcheck(torch.ops.kvcache_ext.decode_attention.default, (q, k, v, lengths, None, 0.2))
+
+
+# ---- regressions of the hardening: each fixed defect, on every CPU code path ------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group,num_new", [(65, 1), (96, 3), (130, 1)])
+def test_gqa_groups_beyond_one_call_of_rows(isa, dtype, group, num_new):
+    # More query heads per KV head than one kernel call serves (64 rows): blocks of heads.
+    q, k, v, lengths = make_problem(dtype, 2, 1, group, num_new, 64, 40, [num_new, 37], non_contiguous=True)
+    check_against_references(q, k, v, lengths, window=None)
+    check_against_references(q, k, v, lengths, window=6)
+
+
+def test_lengths_may_be_a_strided_view(isa):
+    q, k, v, _ = make_problem(torch.float32, 3, 2, 2, 1, 64, 20, [1, 1, 1], False)
+    storage = torch.tensor([5, -7, 20, -7, 13, -7])  # every other entry would be an invalid length
+    lengths = storage[::2]
+    check_against_references(q, k, v, lengths, window=None)
+    k_new, v_new = torch.randn(3, 2, 2, 64), torch.randn(3, 2, 2, 64)
+    expected_k = k.clone()
+    for b, n in enumerate(lengths.tolist()):
+        for t in range(2):
+            expected_k[b, :, (n + t) % 20] = k_new[b, :, t]
+    kvcache_ext.append_kv(k, v, k_new, v_new, lengths)
+    assert torch.equal(k, expected_k)
+
+
+@pytest.mark.parametrize("window", [7, 2**62, 2**63 - 1])
+def test_huge_windows_mean_no_window(window):
+    q, k, v, lengths = make_problem(torch.float32, 2, 2, 2, 3, 64, 30, [3, 30], False)
+    expected = attention_float64(q, k, v, lengths, None if window > 30 else window)
+    out, _ = kvcache_ext.decode_attention(q, k, v, lengths, window=window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_longest_allowed_length_wraps_correctly():
+    # A row holding 2^62 tokens (the most the ops accept): slots and visible positions follow
+    # the ring arithmetic exactly, with no int64 overflow on the way.
+    top = 2**62
+    q, k, v, lengths = make_problem(torch.float32, 2, 1, 2, 3, 16 * 4, 11, [top, top - 5], False)
+    check_against_references(q, k, v, lengths, window=None)
+    k_new, v_new = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 3, 64)
+    expected_k = k.clone()
+    for b, n in enumerate(lengths.tolist()):
+        for t in range(3):
+            expected_k[b, :, (n + t) % 11] = k_new[b, :, t]
+    kvcache_ext.append_kv(k, v, k_new, v_new, lengths)
+    assert torch.equal(k, expected_k)
