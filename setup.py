@@ -87,8 +87,10 @@ setup(
     long_description=(ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
+    license="MIT",
+    license_files=["LICENSE"],
     packages=find_packages(include=["kvcache_ext", "kvcache_ext.*", "python_ref", "python_ref.*"]),
-    package_data={"python_ref": ["assets/gpt2.tiktoken"], "kvcache_ext": ["_build_info.json"]},
+    package_data={"python_ref": ["assets/gpt2.tiktoken", "assets/gpt2.tiktoken.LICENSE"], "kvcache_ext": ["_build_info.json"]},
     install_requires=[f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}", "tiktoken", "safetensors", "numpy"],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "transformers>=5.24,<6", "matplotlib"],

@@ -70,16 +70,45 @@ def capabilities(device: torch.device | str | None = "cpu") -> Capabilities:
 def _read_table(device_type: str) -> Capabilities:
     kernels = {"cpu": CPU_LIBRARY if _native.available else PYTHON_FALLBACK,
                "cuda": CUDA_LIBRARY if _native.cuda_available else PYTHON_FALLBACK}.get(device_type, PYTHON_FALLBACK)
-    if kernels != PYTHON_FALLBACK:
-        table = json.loads(torch.ops.kvcache_ext.capabilities(device_type))
-        limits = dict(head_dim_multiple=table["head_dim_multiple"], max_head_dim=table["max_head_dim"],
-                      max_length=table["max_length"], max_slots=table["max_slots"], max_group=table["max_group"])
-        dtypes = tuple(getattr(torch, name) for name in table["dtypes"])
-    else:  # the pure-PyTorch path: no kernel limits but the ones both paths share
-        limits = dict(head_dim_multiple=1, max_head_dim=2**31 - 1, max_length=MAX_LENGTH, max_slots=MAX_LENGTH,
-                      max_group=None)
-        dtypes = SUPPORTED_DTYPES
-    return Capabilities(device_type=device_type, kernels=kernels, dtypes=dtypes, **limits)
+    if kernels == PYTHON_FALLBACK:
+        return python_fallback_table(device_type)
+    return kernel_table(device_type)
+
+
+def kernel_table(device_type: str) -> Capabilities:
+    """What the compiled kernels for ``device_type`` ("cpu" or "cuda") support, whether or not they
+    can run here (the CUDA limits are constants of the CPU library too)."""
+    if not _native.available:
+        raise RuntimeError(f"the native library is not loaded: {_native.unavailable_reason}")
+    table = json.loads(torch.ops.kvcache_ext.capabilities(device_type))
+    return Capabilities(device_type=device_type, kernels={"cpu": CPU_LIBRARY, "cuda": CUDA_LIBRARY}[device_type],
+                        dtypes=tuple(getattr(torch, name) for name in table["dtypes"]),
+                        head_dim_multiple=table["head_dim_multiple"], max_head_dim=table["max_head_dim"],
+                        max_length=table["max_length"], max_slots=table["max_slots"], max_group=table["max_group"])
+
+
+def python_fallback_table(device_type: str) -> Capabilities:
+    """The pure-PyTorch path: no kernel limits but the bound on lengths both paths share."""
+    return Capabilities(device_type=device_type, kernels=PYTHON_FALLBACK, dtypes=SUPPORTED_DTYPES, head_dim_multiple=1,
+                        max_head_dim=2**31 - 1, max_length=MAX_LENGTH, max_slots=MAX_LENGTH, max_group=None)
+
+
+def _power_of_two(n: int) -> str:
+    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"2^{(n + 1).bit_length() - 1} - 1"
+
+
+def limits_markdown() -> str:
+    """README's limits table, rendered from the kernels' own tables (a test compares the two)."""
+    rows = ["| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots |",
+            "|---|---|---|---|---|---|"]
+    for table in (kernel_table("cpu"), kernel_table("cuda"), python_fallback_table("cpu")):
+        dtypes = ", ".join(str(d).removeprefix("torch.") for d in table.dtypes)
+        head_dim = (f"multiples of {table.head_dim_multiple} from {table.head_dim_multiple} to {table.max_head_dim}"
+                    if table.head_dim_multiple > 1 else "any")
+        group = "any" if table.max_group is None else f"at most {table.max_group}"
+        rows.append(f"| {table.kernels} | {dtypes} | {head_dim} | {group} | 0 to {_power_of_two(table.max_length)} "
+                    f"| at most {_power_of_two(table.max_slots)} |")
+    return "\n".join(rows)
 
 
 def native_available(device: torch.device | str | None = "cpu") -> bool:

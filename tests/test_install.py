@@ -50,7 +50,11 @@ def test_isolated_wheel_is_abi3_and_works_in_a_fresh_environment(tmp_path):
                    check=True)
     wheel = next((tmp_path / "dist").glob("kvcache_ext-*.whl"))
     assert "-abi3-" in wheel.name, wheel.name
-    assert any(name.startswith("kvcache_ext/_C.abi3") for name in zipfile.ZipFile(wheel).namelist())
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(name.startswith("kvcache_ext/_C.abi3") for name in names)
+    # The licenses travel with the code: ours, and the GPT-2 ranks file's own.
+    assert "python_ref/assets/gpt2.tiktoken.LICENSE" in names
+    assert any(name.endswith(".dist-info/licenses/LICENSE") or name.endswith(".dist-info/LICENSE") for name in names)
     # A fresh environment that sees this one's packages (its torch, whatever version that is)
     # only after its own, so the wheel's kvcache_ext and python_ref are the ones imported.
     venv = tmp_path / "venv"
