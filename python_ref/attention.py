@@ -18,6 +18,8 @@ def reference_attention(
     window: int | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of ``T`` new queries over a (possibly ring-buffered) key/value cache.
 
@@ -26,8 +28,10 @@ def reference_attention(
         k_cache:  (B, H_kv, S, D)  keys, one slot per cached position
         v_cache:  (B, H_kv, S, D)  values, same layout as k_cache
         lengths:  (B,) integer     tokens written to each row so far, the T new ones included
+        sinks:    (H_q,) float     optional learned sink logit of each query head
         returns:  (B, H_q, T, D) in q's dtype, and with ``return_lse`` also the natural-log
-                  sum of exponentials of the scaled scores, (B, H_q, T) float32.
+                  softmax denominator ``log(sum_j exp(score_j) [+ exp(sinks[h])])``,
+                  (B, H_q, T) float32.
 
     Semantics, for batch row ``b`` with ``n = lengths[b]`` (requires ``n >= T``):
       * Grouped-query attention: query head ``h`` reads KV head ``h // (H_q // H_kv)``;
@@ -41,12 +45,21 @@ def reference_attention(
       * Query ``i`` attends to every position ``j`` with
         ``max(0, n - S) <= j <= p_i`` and, if ``window`` is given, ``j > p_i - window``.
         (It always sees at least its own position, so no row of the softmax is empty.)
-      * Scores are ``scale * <q, k_j>`` with ``scale = 1/sqrt(D)`` by default; the softmax
-        is over the visible positions and the output is the softmax-weighted sum of ``v_j``.
+      * Scores are ``scale * <q, k_j>`` with ``scale = 1/sqrt(D)`` by default; with
+        ``softcap`` (Gemma 2's logit soft-capping) they become
+        ``softcap * tanh(score / softcap)``. The softmax is over the visible positions and the
+        output is the softmax-weighted sum of ``v_j``.
+      * ``sinks`` (GPT-OSS's attention sinks): head ``h``'s softmax denominator gains
+        ``exp(sinks[h])``, a logit with no value vector, so the weights of the visible positions
+        sum to less than one.
       * Accumulation is in float32 (float64 inputs stay float64); the result is cast to
         q's dtype.
     """
     _check_shapes(q, k_cache, v_cache, lengths, window)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must have one logit per query head, shape ({q.shape[1]},), got {tuple(sinks.shape)}")
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
     group = H_q // H_kv
@@ -68,8 +81,14 @@ def reference_attention(
     k = k_cache.to(acc_dtype).repeat_interleave(group, dim=1)
     v = v_cache.to(acc_dtype).repeat_interleave(group, dim=1)
     scores = (q.to(acc_dtype) @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    if sinks is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:  # the sink joins the denominator only
+        sink = sinks.to(device=q.device, dtype=acc_dtype).view(1, H_q, 1, 1).expand(B, H_q, T, 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
     weights = torch.exp(scores - lse.unsqueeze(-1))
     out = (weights @ v).to(q.dtype)
     if return_lse:

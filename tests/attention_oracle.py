@@ -9,7 +9,7 @@ import math
 import torch
 
 
-def attention_float64(q, k_cache, v_cache, lengths, window=None, scale=None):
+def attention_float64(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
     q, k_cache, v_cache = q.double(), k_cache.double(), v_cache.double()
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
@@ -24,12 +24,16 @@ def attention_float64(q, k_cache, v_cache, lengths, window=None, scale=None):
             for h in range(H_q):
                 kv = h // (H_q // H_kv)
                 keys, values = k_cache[b, kv, slots], v_cache[b, kv, slots]
-                weights = torch.softmax(keys @ q[b, h, i] * scale, dim=0)
-                out[b, h, i] = weights @ values
+                scores = keys @ q[b, h, i] * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                extra = [] if sinks is None else [float(sinks[h])]  # a logit without a value
+                weights = torch.softmax(torch.cat([scores, torch.tensor(extra, dtype=torch.float64)]), dim=0)
+                out[b, h, i] = weights[: len(visible)] @ values
     return out
 
 
-def attention_plain(q, k_cache, v_cache, lengths, window=None):
+def attention_plain(q, k_cache, v_cache, lengths, window=None, softcap=None, sinks=None):
     """Masked attention computed entirely in the inputs' dtype: plain PyTorch's error baseline."""
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
@@ -43,5 +47,10 @@ def attention_plain(q, k_cache, v_cache, lengths, window=None):
     if window is not None:
         visible &= slot_position > position - window
     scores = (q @ keys.transpose(-1, -2)) / math.sqrt(D)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ values
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ values
+    sink = sinks.to(scores.dtype).view(1, H_q, 1, 1).expand(B, H_q, T, 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S] @ values

@@ -22,6 +22,23 @@ def test_matches_float64_oracle(head_dim, group, num_new, window):
     torch.testing.assert_close(out.double(), attention_float64(q, k, v, lengths, window), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("softcap,with_sinks", [(30.0, False), (None, True), (2.5, True)])
+def test_softcap_and_sinks_match_the_oracle(softcap, with_sinks):
+    q = torch.randn(2, 6, 3, 64) * 3  # large scores, so that capping matters
+    k, v = torch.randn(2, 2, 40, 64), torch.randn(2, 2, 40, 64)
+    lengths = torch.tensor([3, 40])
+    sinks = torch.randn(6) * 2 if with_sinks else None
+    out, lse = reference_attention(q, k, v, lengths, window=9, return_lse=True, softcap=softcap, sinks=sinks)
+    expected = attention_float64(q, k, v, lengths, 9, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
+    # The sink logit is part of the denominator that lse reports.
+    plain = reference_attention(q.double(), k.double(), v.double(), lengths, window=9, return_lse=True, softcap=softcap)[1]
+    if with_sinks:
+        torch.testing.assert_close(lse.double(), torch.logaddexp(plain.double(), sinks.double().view(1, 6, 1)), atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(lse, plain)
+
+
 def test_ring_buffer_wraps_like_a_linear_cache_with_a_window():
     """Positions stored modulo the slot count give what a long linear cache with a window gives."""
     window, num_new, total = 6, 3, 23

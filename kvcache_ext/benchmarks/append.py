@@ -1,10 +1,11 @@
 """Appending one token's keys and values to one layer's cache already holding L tokens.
 
-* ``native``   ``KVCache``'s storage: the in-place ``append_kv`` op (Python checks included, as
-               every step pays them)
+* ``native``   ``KVCache``'s storage step: ``kvcache_ext.append_kv`` on one layer's buffers (Python
+               checks included, as every step pays them)
 * ``concat``   the article's cache: ``torch.cat`` of keys and of values, as ``ConcatCache`` does,
                which copies the whole cache every step
-* ``prealloc`` python_ref's ``PreallocatedCache`` storage: an indexed slice assignment
+* ``prealloc`` python_ref's ``PreallocatedCache`` storage step: ``append_to_slots``, an indexed
+               slice assignment
 
 Every round writes the same slot (or concatenates onto the same L tokens), so L stays fixed.
 """
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvcache_ext import KVCache
-from python_ref import PreallocatedCache
+import kvcache_ext
+from python_ref.caches import append_to_slots
 
 from .common import DTYPES, HEAD_SHAPES, HeadShape, cases_by_mode
 
@@ -58,13 +59,13 @@ def test_append(benchmark, measure, bench_settings, case, impl):
         grown_keys, _ = measure(lambda: (torch.cat([keys, new_k], dim=2), torch.cat([values, new_v], dim=2)))
         stored = grown_keys[:, :, context]
     else:
-        cache_class = KVCache if impl == "native" else PreallocatedCache
-        cache = cache_class(num_layers=1, batch_size=BATCH, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                            max_cache_len=context + 1, dtype=dtype, device=device)
+        # One layer's buffers as the caches allocate them; the storage step alone (attend() would
+        # add attention to the timing).
+        k_cache, v_cache = random(context + 1), random(context + 1)
         lengths = torch.full((BATCH,), context, dtype=torch.long, device=device)
-        # _append is the caches' storage step alone (attend() would add attention to the timing).
-        measure(lambda: cache._append(0, new_k, new_v, lengths))
-        stored = cache.k[0, :, :, context]
+        append = kvcache_ext.append_kv if impl == "native" else append_to_slots
+        measure(lambda: append(k_cache, v_cache, new_k, new_v, lengths))
+        stored = k_cache[:, :, context]
     assert torch.equal(stored, new_k[:, :, 0])
 
     benchmark.extra_info.update(suite="append", impl=impl, shape=shape.name, shape_label=shape.describe(),
