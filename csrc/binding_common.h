@@ -7,6 +7,8 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -82,6 +84,7 @@ inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch
   STD_TORCH_CHECK(k_cache.numel() == 0 || k_begin + span_bytes(k_cache) <= v_begin ||
                       v_begin + span_bytes(v_cache) <= k_begin,
                   "k_cache and v_cache must not share memory");
+  STD_TORCH_CHECK(k_cache.size(2) >= 1, "k_cache must have at least one slot, got shape ", shape_of(k_cache));
   STD_TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
                   "k_cache and v_cache need a contiguous last (head_dim) dimension, got strides ",
                   k_cache.stride(3), " and ", v_cache.stride(3));
@@ -89,6 +92,21 @@ inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch
                   k_cache.size(0), ",), got ", shape_of(lengths));
   STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
                   dtype_name(lengths.scalar_type()));
+}
+
+// The optional arguments of decode_attention that both devices check alike: softcap must be a
+// positive finite number, sinks a float32 [q_heads] tensor on q's device.
+inline void check_softcap_and_sinks(std::optional<double> softcap, const std::optional<torch::stable::Tensor>& sinks,
+                                    const torch::stable::Tensor& q) {
+  STD_TORCH_CHECK(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0),
+                  "softcap must be a positive finite number or None, got ", softcap.value_or(0));
+  if (!sinks.has_value()) return;
+  STD_TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks must have one logit per query head, shape (",
+                  q.size(1), ",), got ", shape_of(*sinks));
+  STD_TORCH_CHECK(sinks->scalar_type() == torch::headeronly::ScalarType::Float, "sinks must be float32, got ",
+                  dtype_name(sinks->scalar_type()));
+  STD_TORCH_CHECK(sinks->get_device_index() == q.get_device_index() && sinks->is_cpu() == q.is_cpu(),
+                  "sinks must be on q's device");
 }
 
 }  // namespace kvcache_ext

@@ -15,11 +15,12 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // Attention of q [batch, q_heads, num_new, head_dim] over the cache, lengths [batch] int64
   // counting each row's tokens with the new ones included; exactly python_ref's
   // reference_attention: GQA, bottom-right causal, ring-buffer slots, optional sliding window,
-  // scale (default 1/sqrt(head_dim)). Returns out [batch, q_heads, num_new, head_dim] in q's
-  // dtype and the log-sum-exp of the scaled scores [batch, q_heads, num_new] float32.
+  // scale (default 1/sqrt(head_dim)), optional soft-capping of the scores (softcap > 0) and sink
+  // logits (sinks [q_heads] float32). Returns out [batch, q_heads, num_new, head_dim] in q's
+  // dtype and the log of the softmax denominator [batch, q_heads, num_new] float32.
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, "
-      "int? window=None, float? scale=None) -> (Tensor, Tensor)");
+      "int? window=None, float? scale=None, float? softcap=None, Tensor? sinks=None) -> (Tensor, Tensor)");
 
   // The capability table of csrc/capabilities.h for device_type "cpu" or "cuda", as JSON: dtypes,
   // head_dim rule, limits on lengths and slots. Read by kvcache_ext.capabilities().

@@ -97,7 +97,7 @@ def check_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
     check_lengths(lengths, B, k_cache.device)
 
 
-def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None) -> None:
+def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None) -> None:
     """Everything ``decode_attention`` needs of its arguments, values of ``lengths`` excepted."""
     check_cache_pair(k_cache, v_cache)
     B, H_kv, S, D = k_cache.shape
@@ -115,6 +115,14 @@ def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None
         raise ValueError(f"window must be a positive number of tokens (at most 2^63 - 1) or None, got {window!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],) or not sinks.is_floating_point():
+            raise ValueError(f"sinks must be one float logit per query head, shape ({q.shape[1]},), got "
+                             f"{sinks.dtype} of shape {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
     check_lengths(lengths, B, k_cache.device)
 
 
@@ -128,19 +136,22 @@ def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
     torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None):
-    """Fused attention of ``q`` ``(B, H_q, T, D)`` over the cache; semantics of ``reference_attention``.
+def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
+    """Fused attention of ``q`` ``(B, H_q, T, D)`` over the cache; semantics of ``reference_attention``
+    (``softcap``: soft-capping of the scores; ``sinks``: one sink logit per query head).
 
     Returns ``(out, lse)`` like the op: ``out`` ``(B, H_q, T, D)`` in q's dtype and the natural-log
-    log-sum-exp of the scaled scores ``(B, H_q, T)`` float32.
+    softmax denominator ``(B, H_q, T)`` float32.
     """
-    check_decode_attention(q, k_cache, v_cache, lengths, window, scale)
+    check_decode_attention(q, k_cache, v_cache, lengths, window, scale, softcap, sinks)
     check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
     if not capabilities(k_cache.device).native:
-        out, lse = reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse=True)
+        out, lse = reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse=True,
+                                       softcap=softcap, sinks=sinks)
         return out, lse.float()
-    return torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window,
-                                                  None if scale is None else float(scale))
+    return torch.ops.kvcache_ext.decode_attention(
+        q, k_cache, v_cache, lengths, window, None if scale is None else float(scale),
+        None if softcap is None else float(softcap), None if sinks is None else sinks.float())
 
 
 if _native.available:
@@ -150,6 +161,6 @@ if _native.available:
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention")
-    def _decode_attention_fake(q, k_cache, v_cache, lengths, window=None, scale=None):
+    def _decode_attention_fake(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
         B, H_q, T, _ = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)

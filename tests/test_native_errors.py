@@ -121,6 +121,27 @@ def test_non_finite_scale_is_refused(scale):
         torch.ops.kvcache_ext.decode_attention(args["q"], args["k_cache"], args["v_cache"], args["lengths"], None, scale)
 
 
+@pytest.mark.parametrize("changes,message", [
+    (dict(softcap=0.0), "softcap must be a positive finite"),
+    (dict(softcap=float("inf")), "softcap must be a positive finite"),
+    (dict(sinks=torch.zeros(3)), r"sinks must .*one .*logit per query head, shape \(4,\)"),
+], ids=["softcap 0", "softcap inf", "sinks shape"])
+def test_softcap_and_sinks_are_checked(changes, message):
+    with pytest.raises(ValueError, match=message):
+        kvcache_ext.decode_attention(**attention_args(), **changes)
+    args = attention_args()
+    raw = dict(softcap=None, sinks=None, **changes)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kvcache_ext.decode_attention(args["q"], args["k_cache"], args["v_cache"], args["lengths"], None, None,
+                                               raw["softcap"], raw["sinks"])
+
+
+def test_cache_without_slots_is_refused():
+    with pytest.raises(RuntimeError, match="at least one slot"):
+        torch.ops.kvcache_ext.decode_attention(torch.randn(1, 2, 1, 8), torch.randn(1, 1, 0, 8), torch.randn(1, 1, 0, 8),
+                                               torch.tensor([1]), None, None)
+
+
 def test_window_beyond_int64_is_refused():
     with pytest.raises(ValueError, match="window must be a positive number of tokens"):
         kvcache_ext.decode_attention(**attention_args(window=2**63))

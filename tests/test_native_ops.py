@@ -178,3 +178,33 @@ def test_longest_allowed_length_wraps_correctly():
             expected_k[b, :, (n + t) % 11] = k_new[b, :, t]
     kvcache_ext.append_kv(k, v, k_new, v_new, lengths)
     assert torch.equal(k, expected_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softcap,with_sinks,window,num_new", [(20.0, False, None, 1), (None, True, 5, 4),
+                                                               (3.0, True, None, 3), (7.5, True, 6, 1)])
+def test_softcap_and_sinks(isa, dtype, softcap, with_sinks, window, num_new):
+    q, k, v, lengths = make_problem(dtype, 2, 2, 4, num_new, 64, 300, [num_new, 300], non_contiguous=True)
+    q = q * 4  # scores large enough for the cap to bite
+    sinks = torch.randn(8) * 3 if with_sinks else None
+    out, lse = kvcache_ext.decode_attention(q, k, v, lengths, window=window, softcap=softcap, sinks=sinks)
+    exact = attention_float64(q, k, v, lengths, window, softcap=softcap, sinks=sinks)
+    plain = attention_plain(q, k, v, lengths, window, softcap=softcap, sinks=sinks)
+    assert (out.double() - exact).abs().max() <= 2 * (plain.double() - exact).abs().max() + 1e-5
+    _, exact_lse = reference_attention(q.double(), k.double(), v.double(), lengths, window=window, return_lse=True,
+                                       softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(lse, exact_lse.float(), atol=1e-4, rtol=1e-5)
+
+
+def test_split_k_merges_sinks_once():
+    # One row, one KV head, a long context: the positions are split over threads and merged.
+    q, k, v, lengths = make_problem(torch.float32, 1, 1, 1, 1, 64, 20000, [20000], False)
+    sinks = torch.tensor([2.0])
+    out, _ = kvcache_ext.decode_attention(q, k, v, lengths, sinks=sinks)
+    expected = reference_attention(q.double(), k.double(), v.double(), lengths, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck_decode_attention_with_softcap_and_sinks():
+    q, k, v, lengths = make_problem(torch.float32, 2, 2, 2, 3, 64, 16, [3, 16], True)
+    torch.library.opcheck(torch.ops.kvcache_ext.decode_attention.default, (q, k, v, lengths, 5, None, 10.0, torch.randn(4)))

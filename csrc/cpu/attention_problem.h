@@ -21,6 +21,9 @@ struct AttentionProblem {
   int64_t v_stride[3];
   int64_t window;  // 0: no window
   float scale;
+  float softcap;       // 0: scores are not capped
+  const float* sinks;  // [q_heads] sink logits (stride sinks_stride), or null
+  int64_t sinks_stride;
 };
 
 // First position visible to the earliest new query of row b (see reference_attention).

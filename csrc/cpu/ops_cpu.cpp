@@ -104,7 +104,8 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
 }
 
 std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
-                                            std::optional<int64_t> window, std::optional<double> scale) {
+                                            std::optional<int64_t> window, std::optional<double> scale,
+                                            std::optional<double> softcap, std::optional<Tensor> sinks) {
   check_cache(k_cache, v_cache, lengths);
   STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
   check_cpu(q, "q");
@@ -119,6 +120,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   const int64_t group = H_q / H_kv;
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   STD_TORCH_CHECK(!scale.has_value() || std::isfinite(*scale), "scale must be finite or None, got ", *scale);
+  check_softcap_and_sinks(softcap, sinks, q);
   const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
 
   AttentionProblem p{};
@@ -133,6 +135,9 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   // A window longer than any row changes nothing; clamped so position arithmetic stays in int64.
   p.window = std::min(window.value_or(0), kMaxLength);
   p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
 
   Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
   Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
@@ -184,13 +189,21 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
     for (int64_t m = 0; m < w.head_count * w.query_count; ++m) {
       const int64_t b = w.b, h = w.kv_head * group + w.head_begin + m / w.query_count;
       const int64_t i = w.query_begin + m % w.query_count;
+      // A sink logit joins the denominator: rescale to the larger of it and the row's maximum.
+      float top = row_max[m], denominator = row_sum[m], weight = 1.0f;
+      if (p.sinks) {
+        const float sink = p.sinks[h * p.sinks_stride], shared = std::max(top, sink);
+        weight = std::exp(top - shared);
+        denominator = denominator * weight + std::exp(sink - shared);
+        top = shared;
+      }
       float normalised[kMaxHeadDim];
-      const float inv = 1.0f / row_sum[m];
+      const float inv = weight / denominator;
       for (int64_t d = 0; d < D; ++d) normalised[d] = acc[m * D + d] * inv;
       const int64_t offset = ((b * H_q + h) * T + i);
       const int64_t elem_size = static_cast<int64_t>(q.element_size());
       store(p.elem, normalised, D, 1, static_cast<char*>(out_ptr) + offset * D * elem_size);
-      lse_ptr[offset] = row_max[m] + std::log(row_sum[m]);
+      lse_ptr[offset] = top + std::log(denominator);
     }
   };
 
