@@ -130,7 +130,7 @@ def test_softcap_and_sinks_are_checked(changes, message):
     with pytest.raises(ValueError, match=message):
         kvcache_ext.decode_attention(**attention_args(), **changes)
     args = attention_args()
-    raw = dict(softcap=None, sinks=None, **changes)
+    raw = {"softcap": None, "sinks": None, **changes}
     with pytest.raises(RuntimeError, match=message):
         torch.ops.kvcache_ext.decode_attention(args["q"], args["k_cache"], args["v_cache"], args["lengths"], None, None,
                                                raw["softcap"], raw["sinks"])
