@@ -292,9 +292,10 @@ def test_unaligned_caches(emulator, dtype, layout):
         offset, padding = {"aligned": (0, 0), "offset_pointer": (1, 0), "odd_slot_stride": (0, 1)}[layout]
         k_cache, _, _ = guarded((B, H_kv, S, D), dtype, g, offset_elems=offset, slot_padding=padding)
         v_cache, _, _ = guarded((B, H_kv, S, D), dtype, g, offset_elems=offset, slot_padding=padding)
-    q = torch.randn(B, 4, 2, D, generator=g).to(dtype)
+    q = torch.randn(B, 8, 2, D, generator=g).to(dtype)  # 8 query rows per KV head
     plan = check_attention(emulator, q, k_cache, v_cache, torch.tensor([40, 9]), 20)
     assert plan["vector_loads"] == (layout == "aligned")
+    assert plan["rows_per_block"] == (8 if layout == "aligned" else 4)  # the slow path has 4-row kernels only
 
 
 def test_strided_lengths(emulator):

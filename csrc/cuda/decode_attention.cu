@@ -32,6 +32,8 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
     if (n == 1 || n == 4) max_rows = static_cast<int>(n);
   }
   p.rows_per_block = rows <= 1 || max_rows == 1 ? 1 : (rows <= 4 || max_rows == 4 ? 4 : 8);
+  // Unaligned caches take the element-load kernels, compiled for 4 rows per block only.
+  if (!p.vector_loads) p.rows_per_block = 4;
   p.row_chunks = ceil_div_host(rows, p.rows_per_block);
 
   // Positions one block may have to cover: a row never holds more than `slots`, and a window

@@ -94,23 +94,27 @@ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Reads the 16 bytes at `address` (an element row's chunk): one vector load when the caller
-// knows every row start is 16-byte aligned, else element by element (any 2- or 4-byte aligned
-// cache view, e.g. cache[:, :, 1:] or a layer's slice of a larger buffer at an odd offset).
-template <typename E>
-__device__ __forceinline__ uint4 load_chunk(const E* address, bool vector_load) {
-  if (vector_load) return __ldg(reinterpret_cast<const uint4*>(address));
-  uint32_t words[4];
-  if constexpr (sizeof(E) == 4) {
-    const uint32_t* elems = reinterpret_cast<const uint32_t*>(address);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) words[i] = __ldg(elems + i);
+// Reads the 16 bytes at `address` (a chunk of a K/V row): one vector load when every row start
+// is 16-byte aligned, else element by element (any cache view, e.g. cache[:, :, 1:] or a layer's
+// slice of a larger buffer at an odd offset).
+template <typename E, bool kVectorLoads>
+__device__ __forceinline__ uint4 load_chunk(const E* address) {
+  if constexpr (kVectorLoads) {
+    return __ldg(reinterpret_cast<const uint4*>(address));
   } else {
-    const unsigned short* elems = reinterpret_cast<const unsigned short*>(address);
+    uint32_t words[4];
+    if constexpr (sizeof(E) == 4) {
+      const uint32_t* elems = reinterpret_cast<const uint32_t*>(address);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) words[i] = uint32_t{__ldg(elems + 2 * i)} | (uint32_t{__ldg(elems + 2 * i + 1)} << 16);
+      for (int i = 0; i < 4; ++i) words[i] = __ldg(elems + i);
+    } else {
+      const unsigned short* elems = reinterpret_cast<const unsigned short*>(address);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        words[i] = uint32_t{__ldg(elems + 2 * i)} | (uint32_t{__ldg(elems + 2 * i + 1)} << 16);
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
   }
-  return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 // The head_dim capacity a kernel is compiled for: the power of two in [8, 256] at or above
@@ -124,7 +128,7 @@ __host__ __device__ constexpr int head_dim_capacity(int64_t head_dim) {
 }
 
 // How one block maps threads onto keys for element type E and head_dim capacity kCapacity.
-template <typename E, int kCapacity, int kRows>
+template <typename E, int kCapacity, int kRows, bool kVectorLoads>
 struct AttentionLayout {
   static constexpr int kElemsPerVec = 16 / static_cast<int>(sizeof(E));  // per 16-byte load
   static constexpr int kMaxVecsPerRow = kCapacity / kElemsPerVec;
@@ -134,7 +138,9 @@ struct AttentionLayout {
   static constexpr int kKeyGroups = kAttentionThreads / kLanesPerKey;
   // Keys each lane group loads before using any: enough bytes in flight to cover memory
   // latency, few enough registers for the query rows' slices and accumulators.
-  static constexpr int kKeysPerStep = kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2);
+  // Element loads of 2-byte types hold twice the registers per key in flight: half the keys.
+  static constexpr int kKeysPerStep =
+      (kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2)) / (!kVectorLoads && sizeof(E) == 2 ? 2 : 1);
   static constexpr int kTileKeys = kKeyGroups * kKeysPerStep;  // keys per block per step
   // Resident blocks per SM to ask the compiler for (caps registers at 65536 / (128 * this)):
   // left alone it takes ~170 registers for 4 rows, 3 blocks per SM, where 128 suffice without
@@ -145,16 +151,18 @@ struct AttentionLayout {
 };
 
 // One work unit of the split kernel: (batch row, KV head, chunk of query rows, split), split
-// varying fastest so that the blocks of one group run side by side.
-template <typename E, int kCapacity, int kRows>
+// varying fastest so that the blocks of one group run side by side. kFullRow: head_dim equals
+// kCapacity, so the lane guards are compile-time (a run-time head_dim costs the 4-row kernels
+// ~6 registers, which they then spill).
+template <typename E, int kCapacity, int kRows, bool kVectorLoads, bool kFullRow>
 __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p, int64_t work) {
-  using L = AttentionLayout<E, kCapacity, kRows>;
+  using L = AttentionLayout<E, kCapacity, kRows, kVectorLoads>;
   constexpr int kLanes = L::kLanesPerKey, kVecs = L::kVecsPerLane, kVecElems = L::kElemsPerVec;
   constexpr int kLaneElems = L::kLaneElems, kKeyGroups = L::kKeyGroups, kSteps = L::kKeysPerStep;
 
   const int lane = threadIdx.x % kLanes;        // position within the key's lane group
   const int key_group = threadIdx.x / kLanes;   // which keys of a tile this group reads
-  const int head_dim = static_cast<int>(p.head_dim);
+  const int head_dim = kFullRow ? kCapacity : static_cast<int>(p.head_dim);
   const int vecs_per_row = head_dim / kVecElems;  // exact: head_dim is a multiple of 8
   const int64_t group = p.q_heads / p.kv_heads;
   const int64_t T = p.num_new, S = p.slots, total_rows = group * T;
@@ -255,8 +263,8 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
         k_raw[u][v] = make_uint4(0, 0, 0, 0);
         v_raw[u][v] = make_uint4(0, 0, 0, 0);
         if (in_range && vec < vecs_per_row) {
-          k_raw[u][v] = load_chunk(k_head + slot * p.k_stride[2] + vec * kVecElems, p.vector_loads);
-          v_raw[u][v] = load_chunk(v_head + slot * p.v_stride[2] + vec * kVecElems, p.vector_loads);
+          k_raw[u][v] = load_chunk<E, kVectorLoads>(k_head + slot * p.k_stride[2] + vec * kVecElems);
+          v_raw[u][v] = load_chunk<E, kVectorLoads>(v_head + slot * p.v_stride[2] + vec * kVecElems);
         }
       }
     }
@@ -364,15 +372,13 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
   }
 }
 
-// Blocks stride over the work units: their number is not bounded by the grid's.
-template <typename E, int kCapacity, int kRows>
-__global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kCapacity, kRows>::kMinBlocksPerSm))
+// Block x serves work unit first_unit + x: the launcher covers more units than one grid holds
+// with several launches (a loop over units here would cost the 4-row kernels registers too).
+template <typename E, int kCapacity, int kRows, bool kVectorLoads, bool kFullRow>
+__global__ void __launch_bounds__(kAttentionThreads,
+                                  (AttentionLayout<E, kCapacity, kRows, kVectorLoads>::kMinBlocksPerSm))
     decode_attention_split_kernel(const DecodeAttentionParams p) {
-  const int64_t units = p.batch * p.kv_heads * p.row_chunks * p.splits;
-  for (int64_t work = blockIdx.x; work < units; work += gridDim.x) {
-    attend_work_unit<E, kCapacity, kRows>(p, work);
-    __syncthreads();  // the unit's shared arrays are rewritten by the next one
-  }
+  attend_work_unit<E, kCapacity, kRows, kVectorLoads, kFullRow>(p, p.first_unit + blockIdx.x);
 }
 
 // Combines the splits of every output row: out = sum_s w_s * out_s / sum_s w_s with
@@ -418,34 +424,59 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const D
 }
 
 // Launch dispatch, shared by the CUDA build and the CPU emulation of the tests: `launch(kernel,
-// blocks, threads)` starts `kernel(p)` on `blocks` blocks of `threads` threads and returns its
-// launch status. Kernels are chosen by head_dim capacity (head_dim_capacity) and rows_per_block.
+// blocks, threads, params)` starts `kernel(params)` on `blocks` blocks of `threads` threads and
+// returns its launch status. Kernels are chosen by head_dim capacity (head_dim_capacity),
+// rows_per_block and load path: 16-byte loads with a compile-time head_dim (head_dim equal to its
+// capacity: 8, 16, 32, 64, 128, 256), 16-byte loads with a run-time head_dim (the other
+// multiples of 8), or element loads (unaligned caches, any head_dim; the slow path, compiled for
+// 4 rows per block only to bound compile time and binary size).
+enum class LoadPath { kElements = 0, kVectorsRuntimeHeadDim = 1, kVectorsFullRow = 2 };
+
+inline LoadPath load_path_of(const DecodeAttentionParams& p) {
+  if (!p.vector_loads) return LoadPath::kElements;
+  return p.head_dim == head_dim_capacity(p.head_dim) ? LoadPath::kVectorsFullRow : LoadPath::kVectorsRuntimeHeadDim;
+}
 using AttentionKernel = void (*)(DecodeAttentionParams);
 
-// CUDA's limit on gridDim.x; both kernels stride over their work beyond it.
+// CUDA's limit on gridDim.x: the split kernel is launched once per this many work units, the
+// combine kernel's blocks stride over the rows beyond it.
 constexpr int64_t kMaxGridX = (int64_t{1} << 31) - 1;
 constexpr int kNumCapacities = 6;  // 8, 16, ..., 256
 
-template <typename E, int kCapacity>
+template <typename E, int kCapacity, bool kVectorLoads, bool kFullRow>
 AttentionKernel split_kernel_for_rows(int rows_per_block) {
   switch (rows_per_block) {
-    case 1: return decode_attention_split_kernel<E, kCapacity, 1>;
-    case 4: return decode_attention_split_kernel<E, kCapacity, 4>;
-    case 8: return decode_attention_split_kernel<E, kCapacity, 8>;
+    case 1: return decode_attention_split_kernel<E, kCapacity, 1, kVectorLoads, kFullRow>;
+    case 4: return decode_attention_split_kernel<E, kCapacity, 4, kVectorLoads, kFullRow>;
+    case 8: return decode_attention_split_kernel<E, kCapacity, 8, kVectorLoads, kFullRow>;
+  }
+  return nullptr;
+}
+
+template <typename E, int kCapacity>
+AttentionKernel split_kernel_for_loads(int rows_per_block, LoadPath path) {
+  switch (path) {
+    case LoadPath::kElements:  // one kernel per capacity for the slow path (plan_decode_attention)
+      return rows_per_block == 4 ? decode_attention_split_kernel<E, kCapacity, 4, false, false> : nullptr;
+    case LoadPath::kVectorsFullRow: return split_kernel_for_rows<E, kCapacity, true, true>(rows_per_block);
+    case LoadPath::kVectorsRuntimeHeadDim:
+      // Capacities 8 and 16 hold a single multiple of 8 each: always a full row.
+      if constexpr (kCapacity >= 32) return split_kernel_for_rows<E, kCapacity, true, false>(rows_per_block);
+      return nullptr;
   }
   return nullptr;
 }
 
 template <typename E>
-AttentionKernel split_kernel_for(int64_t head_dim, int rows_per_block) {
-  if (!head_dim_supported(head_dim)) return nullptr;
-  switch (head_dim_capacity(head_dim)) {
-    case 8: return split_kernel_for_rows<E, 8>(rows_per_block);
-    case 16: return split_kernel_for_rows<E, 16>(rows_per_block);
-    case 32: return split_kernel_for_rows<E, 32>(rows_per_block);
-    case 64: return split_kernel_for_rows<E, 64>(rows_per_block);
-    case 128: return split_kernel_for_rows<E, 128>(rows_per_block);
-    case 256: return split_kernel_for_rows<E, 256>(rows_per_block);
+AttentionKernel split_kernel_for(const DecodeAttentionParams& p) {
+  if (!head_dim_supported(p.head_dim)) return nullptr;
+  switch (head_dim_capacity(p.head_dim)) {
+    case 8: return split_kernel_for_loads<E, 8>(p.rows_per_block, load_path_of(p));
+    case 16: return split_kernel_for_loads<E, 16>(p.rows_per_block, load_path_of(p));
+    case 32: return split_kernel_for_loads<E, 32>(p.rows_per_block, load_path_of(p));
+    case 64: return split_kernel_for_loads<E, 64>(p.rows_per_block, load_path_of(p));
+    case 128: return split_kernel_for_loads<E, 128>(p.rows_per_block, load_path_of(p));
+    case 256: return split_kernel_for_loads<E, 256>(p.rows_per_block, load_path_of(p));
   }
   return nullptr;
 }
@@ -454,13 +485,13 @@ AttentionKernel split_kernel_for(int64_t head_dim, int rows_per_block) {
 // Cached per kernel after the first query (assumes one GPU model per process).
 template <typename E>
 int split_kernel_occupancy(const DecodeAttentionParams& p) {
-  static std::atomic<int> cached[kNumCapacities][3];
-  const AttentionKernel kernel = split_kernel_for<E>(p.head_dim, p.rows_per_block);
+  static std::atomic<int> cached[kNumCapacities][3][3];
+  const AttentionKernel kernel = split_kernel_for<E>(p);
   if (kernel == nullptr) return 0;
   int capacity_index = 0;
   while ((8 << capacity_index) < head_dim_capacity(p.head_dim)) ++capacity_index;
   const int rows_index = p.rows_per_block == 1 ? 0 : (p.rows_per_block == 4 ? 1 : 2);
-  std::atomic<int>& slot = cached[capacity_index][rows_index];
+  std::atomic<int>& slot = cached[capacity_index][rows_index][static_cast<int>(load_path_of(p))];
   int blocks = slot.load(std::memory_order_relaxed);
   if (blocks > 0) return blocks;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttentionThreads, 0) != cudaSuccess) {
@@ -471,18 +502,25 @@ int split_kernel_occupancy(const DecodeAttentionParams& p) {
   return blocks;
 }
 
-// `max_blocks` caps either grid (the tests' emulation lowers it to exercise the block strides).
+// `max_blocks` caps either grid (the tests' emulation lowers it to exercise the repeated
+// launches and the combine kernel's stride).
 template <typename E, typename Launch>
 cudaError_t dispatch_decode_attention(const DecodeAttentionParams& p, Launch&& launch,
                                       int64_t max_blocks = kMaxGridX) {
-  const AttentionKernel split_kernel = split_kernel_for<E>(p.head_dim, p.rows_per_block);
+  const AttentionKernel split_kernel = split_kernel_for<E>(p);
   if (split_kernel == nullptr || p.window < 1 || p.window > kMaxLength) return cudaErrorInvalidValue;
   const int64_t units = p.batch * p.kv_heads * p.row_chunks * p.splits;
-  cudaError_t status = launch(split_kernel, units < max_blocks ? units : max_blocks, kAttentionThreads);
-  if (status != cudaSuccess || p.splits == 1) return status;
+  for (int64_t first_unit = 0; first_unit < units; first_unit += max_blocks) {
+    DecodeAttentionParams part = p;
+    part.first_unit = first_unit;
+    const int64_t blocks = units - first_unit < max_blocks ? units - first_unit : max_blocks;
+    const cudaError_t status = launch(split_kernel, blocks, kAttentionThreads, part);
+    if (status != cudaSuccess) return status;
+  }
+  if (p.splits == 1) return cudaSuccess;
   const int64_t rows = p.batch * p.q_heads * p.num_new;
   return launch(static_cast<AttentionKernel>(combine_splits_kernel<E>), rows < max_blocks ? rows : max_blocks,
-                kCombineThreads);
+                kCombineThreads, p);
 }
 
 }  // namespace kvcache_ext::cuda

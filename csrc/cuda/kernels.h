@@ -85,6 +85,8 @@ struct DecodeAttentionParams {
   int rows_per_block;  // query rows (group member x new token) one block serves: 1, 4 or 8
   int64_t row_chunks;  // ceil(group * num_new / rows_per_block)
   int splits;          // chunks the visible positions are split into (Flash-Decoding)
+  // Set by the launcher: the split kernel's block x serves work unit first_unit + x.
+  int64_t first_unit;
 };
 
 // The window the kernels take, from the op's (0: none): no window and any window beyond
@@ -102,7 +104,7 @@ inline void choose_decode_loads(DecodeAttentionParams& p, int64_t elem_bytes) {
 
 constexpr int kMaxSplits = 64;
 
-// Chooses rows_per_block, row_chunks and splits from shapes only (never from lengths, which
+// Chooses rows_per_block, row_chunks and splits from shapes (and vector_loads) only (never from lengths, which
 // live on the device), so the scratch size is known before launch and a decode step can be
 // captured in a CUDA graph. `sm_count`: multiprocessors of the device. Queries the occupancy
 // of the chosen kernel (a host-side query: no synchronisation, allowed during capture).

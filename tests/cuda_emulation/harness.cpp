@@ -14,8 +14,8 @@ template <typename E>
 cudaError_t emulate_decode_attention(const DecodeAttentionParams& p) {
   return dispatch_decode_attention<E>(
       p,
-      [&](AttentionKernel kernel, int64_t blocks, int threads) {
-        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), p);
+      [&](AttentionKernel kernel, int64_t blocks, int threads, const DecodeAttentionParams& params) {
+        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
       },
       max_emulated_blocks);
 }
