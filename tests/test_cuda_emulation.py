@@ -270,8 +270,9 @@ def test_large_gqa_groups(emulator, q_heads, num_new):
 
 
 @pytest.mark.parametrize("sm_count", [1, 132], ids=["one_split", "splits"])
-def test_blocks_stride_over_more_work_than_the_grid(emulator, sm_count):
-    # A grid of 3 blocks for every launch: the split and combine kernels loop over their units.
+def test_more_work_than_one_grid(emulator, sm_count):
+    # Grids of at most 3 blocks: the split kernel is launched once per 3 work units, the combine
+    # kernel's blocks stride over the rows.
     q, k_cache, v_cache = random_attention(3, 8, 2, 2, 64, 600, torch.float32, seed=13)
     plan = check_attention(emulator, q, k_cache, v_cache, torch.tensor([600, 2, 1]), sm_count=sm_count, max_blocks=3)
     assert plan["row_chunks"] * 3 * 2 * plan["splits"] > 3
