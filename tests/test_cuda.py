@@ -310,6 +310,12 @@ def test_non_finite_scale_is_a_clear_error(scale):
         torch.ops.kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, scale)
 
 
+def test_scale_overflowing_float32_is_a_clear_error():
+    q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 64, 16, [4], torch.float32, False, 0)
+    with pytest.raises(RuntimeError, match="scale must be below 1.7e38 in magnitude"):
+        torch.ops.kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, 1e300)
+
+
 def test_mixed_devices_are_rejected():
     q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 64, 16, [4], torch.float32, False, 0)
     with pytest.raises((ValueError, RuntimeError), match="device|CUDA"):
