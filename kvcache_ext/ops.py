@@ -15,7 +15,8 @@ The contract, the same on every device (``csrc/ops.cpp`` has the schemas):
   bounds is ever touched. ``KVCACHE_EXT_DEBUG=1`` adds device-side asserts on CUDA that turn an
   invalid length into an error (at the next synchronisation).
 * ``window`` is any int >= 1 (or None); a window longer than every row changes nothing. ``scale``
-  is any finite float (None: ``1/sqrt(head_dim)``).
+  is any finite float up to 1.7e38 in magnitude (None: ``1/sqrt(head_dim)``); ``softcap`` any
+  positive finite float (None: no capping); ``sinks`` one float logit per query head.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .capabilities import MAX_LENGTH, capabilities
 
 DEBUG_ENV = "KVCACHE_EXT_DEBUG"
 _INT64_MAX = 2**63 - 1
+_MAX_ABS_SCALE = torch.finfo(torch.float32).max / 2  # as the kernels check it (binding_common.h)
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -107,14 +109,16 @@ def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None
         raise TypeError(f"q must have the cache's dtype {k_cache.dtype}, got {q.dtype}")
     if q.device != k_cache.device:
         raise ValueError(f"q must be on the cache's device {k_cache.device}, got {q.device}")
-    if q.shape[1] % H_kv or q.shape[1] == 0:
+    if H_kv == 0 or q.shape[1] % H_kv or q.shape[1] == 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of KV heads ({H_kv})")
     if q.shape[2] < 1:
         raise ValueError("q must hold at least one new token")
     if window is not None and (not isinstance(window, int) or not 1 <= window <= _INT64_MAX):
         raise ValueError(f"window must be a positive number of tokens (at most 2^63 - 1) or None, got {window!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                  and abs(scale) <= _MAX_ABS_SCALE):
+        raise ValueError(f"scale must be a finite float of magnitude at most 1.7e38 (float32 arithmetic) or None, "
+                         f"got {scale!r}")
     if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
     if sinks is not None:

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext import _native
 from python_ref import build_gpt2, generate, reference_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
@@ -22,9 +21,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(autouse=True)
 def cuda_kernels_loaded():
-    if not _native.cuda_available:
-        message = f"kvcache_ext's CUDA kernels are not loaded: {_native.cuda_unavailable_reason}"
-        if os.environ.get(_native.REQUIRE_NATIVE_ENV) == "1":
+    if not kvcache_ext.native_available("cuda"):
+        message = f"kvcache_ext's CUDA kernels are not loaded: {kvcache_ext.build_info().get('cuda_unavailable_reason')}"
+        if os.environ.get("KVCACHE_EXT_REQUIRE_NATIVE") == "1":
             pytest.fail(message)
         pytest.skip(message)
 
@@ -303,16 +302,33 @@ def test_unsupported_head_dim_is_a_clear_error(head_dim):
         torch.ops.kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (None, True), (3.0, True)])
+@pytest.mark.parametrize("slots", [40, 8192], ids=["short", "split-KV"])
+def test_softcap_and_sinks_parity(dtype, softcap, with_sinks, slots):
+    q, k_cache, v_cache, lengths = random_problem(2, 8, 2, 2, 64, slots, [2, slots], dtype, True, 11)
+    q = q * 4
+    sinks = torch.randn(8) * 3 if with_sinks else None
+    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), softcap=softcap,
+                                            sinks=None if sinks is None else sinks.cuda())
+    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True,
+                                           softcap=softcap, sinks=sinks)
+    plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), softcap=softcap,
+                                sinks=None if sinks is None else sinks.cuda())
+    assert max_error(out.cpu(), exact) <= 2 * max_error(plain.cpu(), exact) + 1e-5
+    torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
 def test_non_finite_scale_is_a_clear_error(scale):
     q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 64, 16, [4], torch.float32, False, 0)
-    with pytest.raises(RuntimeError, match=f"scale must be finite, got {scale}"):
+    with pytest.raises(RuntimeError, match=f"scale must be finite and at most 1.7e38 .*, got {scale}"):
         torch.ops.kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, scale)
 
 
 def test_scale_overflowing_float32_is_a_clear_error():
     q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 64, 16, [4], torch.float32, False, 0)
-    with pytest.raises(RuntimeError, match="scale must be below 1.7e38 in magnitude"):
+    with pytest.raises(RuntimeError, match="scale must be finite and at most 1.7e38"):
         torch.ops.kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, 1e300)
 
 

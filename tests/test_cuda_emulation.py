@@ -60,18 +60,20 @@ def ptr(t: torch.Tensor):
 
 
 def emulated_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=None, sm_count=132,
-                       max_blocks=MAX_GRID_X):
+                       max_blocks=MAX_GRID_X, softcap=None, sinks=None):
     """Runs the CUDA binding's steps (window clamp, load path, plan, launches) under emulation."""
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
     out = torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H_q, T), float("nan"))
     plan = (ctypes.c_int64 * 4)()
+    sinks32 = None if sinks is None else sinks.float().contiguous()  # alive until the call returns
     status = lib.emu_decode_attention(
         ELEM[q.dtype], ptr(q), int64s(q.stride()), ptr(k_cache), ptr(v_cache),
         int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])), ptr(lengths),
         ctypes.c_int64(lengths.stride(0)), ptr(out), ptr(lse), int64s([B, H_q, H_kv, T, D, S]),
         ctypes.c_int64(window or 0), ctypes.c_double(1.0 / math.sqrt(D) if scale is None else scale),
+        ctypes.c_double(softcap or 0.0), None if sinks32 is None else ptr(sinks32),
         ctypes.c_int(sm_count), ctypes.c_int64(max_blocks), plan)
     assert status == 0, f"emulated launch failed with status {status}"
     return out, lse, {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2],
@@ -222,6 +224,24 @@ def test_scale_and_non_contiguous_q(emulator):
                                            return_lse=True)
     torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (None, True), (3.0, True)])
+@pytest.mark.parametrize("slots,split", [(40, False), (3000, True)], ids=["one split", "split-KV"])
+def test_softcap_and_sinks(emulator, dtype, softcap, with_sinks, slots, split):
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(1, 4, 2, 64, generator=g) * 4).to(dtype)
+    k_cache, v_cache = (torch.randn(1, 2, slots, 64, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.tensor([slots])
+    sinks = torch.randn(4, generator=g) * 3 if with_sinks else None
+    out, lse, plan = emulated_attention(emulator, q, k_cache, v_cache, lengths, softcap=softcap, sinks=sinks)
+    assert (plan["splits"] > 1) == split, plan
+    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True,
+                                           softcap=softcap, sinks=sinks)
+    plain = reference_attention(q, k_cache, v_cache, lengths, softcap=softcap, sinks=sinks)
+    assert max_error(out, exact) <= 2 * max_error(plain, exact) + 1e-5
+    torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
 
 
 # ---- lengths and windows at the edges of int64 --------------------------------------------------

@@ -167,6 +167,7 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
   const int64_t group = p.q_heads / p.kv_heads;
   const int64_t T = p.num_new, S = p.slots, total_rows = group * T;
   const float scale_log2 = p.scale * kLog2e;
+  const float softcap_log2 = p.softcap * kLog2e, inv_softcap_log2 = p.softcap > 0.0f ? 1.0f / softcap_log2 : 0.0f;
   const E* q = static_cast<const E*>(p.q);
 
   __shared__ float group_acc[kKeyGroups][kRows][kCapacity];
@@ -294,6 +295,12 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
 
     // Mask, then online softmax. Every lane of a group holds the same scores, so each keeps
     // identical running statistics for its slice of the accumulator.
+    if (p.softcap > 0.0f) {  // scores are in log2 units: cap at softcap * log2(e), same tanh
+#pragma unroll
+      for (int m = 0; m < kRows; ++m)
+#pragma unroll
+        for (int u = 0; u < kSteps; ++u) score[m][u] = softcap_log2 * tanhf(score[m][u] * inv_softcap_log2);
+    }
 #pragma unroll
     for (int m = 0; m < kRows; ++m) {
       float step_max = -INFINITY;
@@ -360,6 +367,13 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
         value = fmaf(group_acc[g][m][d], weight, value);
       }
     }
+    if (p.splits == 1 && p.sinks) {  // the sink logit joins the denominator (splits: in the combine)
+      const float sink = p.sinks[(out_row[m] / T) % p.q_heads * p.sinks_stride] * kLog2e;
+      const float shared = fmaxf(best, sink), weight = best == -INFINITY ? 0.0f : exp2f(best - shared);
+      total = total * weight + exp2f(sink - shared);
+      value *= weight;
+      best = shared;
+    }
     const float normalised = total > 0.0f ? value / total : 0.0f;
     const float row_lse = total > 0.0f ? (best + log2f(total)) * kLn2 : -INFINITY;  // natural log
     if (p.splits == 1) {
@@ -408,8 +422,16 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const D
       if (lane < splits) weight[lane] = w0;
       if (lane + 32 < splits) weight[lane + 32] = w1;
       if (lane == 0) {
-        inverse_total = total > 0.0f ? 1.0f / total : 0.0f;
-        p.lse[row] = total > 0.0f ? best + logf(total) : -INFINITY;
+        float row_lse = total > 0.0f ? best + logf(total) : -INFINITY, factor = 1.0f;
+        if (p.sinks) {  // the sink logit joins the denominator: lse' = logaddexp(lse, sink)
+          const float sink = p.sinks[(row / p.num_new) % p.q_heads * p.sinks_stride];
+          const float shared = fmaxf(row_lse, sink);
+          const float with_sink = shared + logf(expf(row_lse - shared) + expf(sink - shared));
+          factor = row_lse == -INFINITY ? 0.0f : expf(row_lse - with_sink);
+          row_lse = with_sink;
+        }
+        inverse_total = total > 0.0f ? factor / total : 0.0f;
+        p.lse[row] = row_lse;
       }
     }
     __syncthreads();

@@ -77,6 +77,9 @@ struct DecodeAttentionParams {
   int64_t v_stride[3];
   int64_t window;  // in [1, kMaxLength]: "no window" is kMaxLength, which no valid row exceeds
   float scale;     // applied to q . k (natural-log softmax domain)
+  float softcap;   // > 0: scores become softcap * tanh(score / softcap); 0: not capped
+  const float* sinks;    // [q_heads] sink logits joining each row's softmax denominator, or null
+  int64_t sinks_stride;
   ElemType elem;
   // Whether every K/V row start is 16-byte aligned (data pointers and strides), so the kernel
   // may read rows with 16-byte loads; otherwise it reads them element by element.

@@ -114,7 +114,8 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
 }
 
 std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
-                                            std::optional<int64_t> window, std::optional<double> scale) {
+                                            std::optional<int64_t> window, std::optional<double> scale,
+                                            std::optional<double> softcap, std::optional<Tensor> sinks) {
   check_cache(k_cache, v_cache, lengths);
   STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
   check_on_device(q, "q", k_cache);
@@ -128,11 +129,8 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   STD_TORCH_CHECK(H_kv >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv,
                   ") and kv_heads at least 1");
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  const double scale_value = scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
-  STD_TORCH_CHECK(std::isfinite(scale_value), "scale must be finite, got ", scale_value);
-  // The kernel multiplies q by scale * log2(e) (< 2 * scale) in float32: that product must be finite.
-  STD_TORCH_CHECK(std::abs(scale_value) <= std::numeric_limits<float>::max() / 2,
-                  "scale must be below 1.7e38 in magnitude (float32 arithmetic), got ", scale_value);
+  const float scale_value = checked_scale(scale, D);
+  check_softcap_and_sinks(softcap, sinks, q);
 
   DecodeAttentionParams p{};
   p.elem = elem_type_of(q, "q");
@@ -145,7 +143,10 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_cache.stride(i), p.v_stride[i] = v_cache.stride(i);
   p.window = kernel_window(window.value_or(0));
-  p.scale = static_cast<float>(scale_value);
+  p.scale = scale_value;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
   choose_decode_loads(p, static_cast<int64_t>(k_cache.element_size()));
 
   const int32_t device = k_cache.get_device_index();

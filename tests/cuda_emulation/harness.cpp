@@ -46,7 +46,8 @@ extern "C" {
 int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const void* k_cache,
                          const void* v_cache, const int64_t* kv_stride, const int64_t* lengths,
                          int64_t lengths_stride, void* out, float* lse, const int64_t* sizes, int64_t window,
-                         double scale, int sm_count, int64_t max_blocks, int64_t* plan_out) {
+                         double scale, double softcap, const float* sinks, int sm_count, int64_t max_blocks,
+                         int64_t* plan_out) {
   DecodeAttentionParams p{};
   p.elem = static_cast<kvcache_ext::ElemType>(elem);
   p.q = q, p.k_cache = k_cache, p.v_cache = v_cache, p.lengths = lengths;
@@ -58,6 +59,8 @@ int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const
   for (int i = 0; i < 3; ++i) p.k_stride[i] = kv_stride[i], p.v_stride[i] = kv_stride[3 + i];
   p.window = kernel_window(window);
   p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.sinks = sinks, p.sinks_stride = 1;
   const int64_t elem_bytes = p.elem == kvcache_ext::ElemType::kFloat32 ? 4 : 2;
   choose_decode_loads(p, elem_bytes);
   if (!kvcache_ext::head_dim_supported(p.head_dim)) return -1;
