@@ -6,7 +6,7 @@ import pytest
 import torch
 
 FUZZ_EXAMPLES_ENV = "KVCACHE_EXT_FUZZ_EXAMPLES"
-DEFAULT_FUZZ_EXAMPLES = 150
+DEFAULT_FUZZ_EXAMPLES = 100
 
 
 def pytest_addoption(parser):

@@ -13,7 +13,9 @@ with the expected one, so a write outside the view is caught. Calls with a lengt
 2**62 (where int64 arithmetic can overflow) run in a forked child, so that a crash is reported as a
 violation instead of ending the run.
 
-Default: --fuzz-examples (150) examples per test, one call each. The long run:
+Default: 100 examples per test (--fuzz-examples N or KVCACHE_EXT_FUZZ_EXAMPLES=N), one call each,
+after the pinned regression cases.
+The long run:
 
     KVCACHE_EXT_REQUIRE_NATIVE=1 pytest -q tests/test_fuzz.py --fuzz-examples 6000 --fuzz-keep-going
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvcache_ext
@@ -282,6 +284,49 @@ def decode_cases(draw):
 
 def other_dtype(dtype):
     return DTYPES[(DTYPES.index(dtype) + 1) % len(DTYPES)]
+
+
+# Cases that broke the contract once, run first on every run (small: B=2, S=4, D=8 unless said).
+def append_case(**changes):
+    defaults = dict(api="wrapper", dtype=torch.float32, B=2, H=1, S=4, T=1, D=8, lengths=(1, 2),
+                    lengths_layout="contiguous", k_cache_layout=Layout(), v_cache_layout=Layout(),
+                    k_new_layout=Layout(), v_new_layout=Layout(), fault=None, seed=0)
+    return AppendCase(**{**defaults, **changes})
+
+
+def decode_case(**changes):
+    defaults = dict(api="wrapper", dtype=torch.float32, B=2, H_kv=1, group=2, S=4, T=1, D=8, lengths=(3, 2),
+                    lengths_layout="contiguous", window=None, scale=None, q_layout=Layout(),
+                    k_cache_layout=Layout(), v_cache_layout=Layout(), fault=None, seed=0)
+    return DecodeCase(**{**defaults, **changes})
+
+
+APPEND_REGRESSIONS = [
+    append_case(lengths_layout="strided"),  # lengths read as if contiguous
+    append_case(lengths=(3, 3), lengths_layout="expanded"),
+    append_case(api="raw op", S=3, T=2, lengths=(INT64_MAX, 0)),  # lengths + t overflows: writes before the cache
+    append_case(lengths=(MAX_LENGTH + 1, 0)),
+    append_case(k_cache_layout=Layout(squash=0)),  # batch rows of k_cache overlap
+    append_case(api="raw op", fault="k_new_meta"),
+]
+DECODE_REGRESSIONS = [
+    decode_case(lengths_layout="strided"),
+    decode_case(lengths=(INT64_MAX, 3)),  # crashed the process
+    decode_case(lengths=(MAX_LENGTH + 1, 3)),
+    decode_case(B=1, group=96, lengths=(3,)),
+    decode_case(scale=math.nan),
+    decode_case(api="raw op", scale=-math.inf),
+    decode_case(window=2**63),
+    decode_case(api="raw op", fault="q_meta"),
+]
+
+
+def pinned(cases):
+    def decorate(test):
+        for case in reversed(cases):
+            test = example(case=case)(test)
+        return test
+    return decorate
 
 
 # --- what the contract says about an input -------------------------------------------------------
@@ -588,6 +633,7 @@ def test_append_kv_fuzz(request, fuzz_tally):
 
     @fuzz_settings(request.config)
     @given(append_cases())
+    @pinned(APPEND_REGRESSIONS)
     def fuzz(case):
         run_case(fuzz_tally, keep_going, "append_kv", check_append, case)
 
@@ -601,6 +647,7 @@ def test_decode_attention_fuzz(request, fuzz_tally):
 
     @fuzz_settings(request.config)
     @given(decode_cases())
+    @pinned(DECODE_REGRESSIONS)
     def fuzz(case):
         run_case(fuzz_tally, keep_going, "decode_attention", check_decode, case)
 
