@@ -24,6 +24,7 @@ The long run:
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import pickle
@@ -573,6 +574,7 @@ def run_in_child(check, case) -> str:
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
+        faulthandler.disable()  # a crash is the parent's to report, not a traceback on the shared stderr
         try:
             torch.set_num_threads(1)
             message = ("outcome", check(case))
