@@ -105,6 +105,13 @@ inline float checked_scale(std::optional<double> scale, int64_t head_dim) {
   return static_cast<float>(value);
 }
 
+// decode_attention's new tokens must fit the cache's slots: with more, the earliest queries' own
+// positions are already overwritten and they would attend to nothing.
+inline void check_new_tokens_fit(int64_t num_new, int64_t slots) {
+  STD_TORCH_CHECK(num_new <= slots, "q holds ", num_new, " new tokens but the cache has ", slots,
+                  " slots: at most as many new tokens as slots");
+}
+
 // The optional arguments of decode_attention that both devices check alike: softcap must be a
 // positive finite number, sinks a float32 [q_heads] tensor on q's device.
 inline void check_softcap_and_sinks(std::optional<double> softcap, const std::optional<torch::stable::Tensor>& sinks,

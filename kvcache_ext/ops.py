@@ -111,8 +111,8 @@ def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None
         raise ValueError(f"q must be on the cache's device {k_cache.device}, got {q.device}")
     if H_kv == 0 or q.shape[1] % H_kv or q.shape[1] == 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of KV heads ({H_kv})")
-    if q.shape[2] < 1:
-        raise ValueError("q must hold at least one new token")
+    if not 1 <= q.shape[2] <= S:
+        raise ValueError(f"q must hold between 1 and {S} (the cache's slots) new tokens, got {q.shape[2]}")
     if window is not None and (not isinstance(window, int) or not 1 <= window <= _INT64_MAX):
         raise ValueError(f"window must be a positive number of tokens (at most 2^63 - 1) or None, got {window!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
@@ -169,13 +169,23 @@ def run_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, 
         None if softcap is None else float(softcap), None if sinks is None else sinks.float())
 
 
+def _check_one_device(*tensors) -> None:
+    # A raw op called with one meta tensor among CPU tensors dispatches to the fake kernel;
+    # it must refuse like the real kernels do instead of returning as if it had run.
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise RuntimeError(f"kvcache_ext ops need all tensors on one device, got {sorted(map(str, devices))}")
+
+
 if _native.available:
 
     @torch.library.register_fake("kvcache_ext::append_kv")
     def _append_kv_fake(k_cache, v_cache, k_new, v_new, lengths):
+        _check_one_device(k_cache, v_cache, k_new, v_new, lengths)
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention")
     def _decode_attention_fake(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
+        _check_one_device(q, k_cache, v_cache, lengths, sinks)
         B, H_q, T, _ = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
