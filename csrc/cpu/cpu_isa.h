@@ -35,7 +35,7 @@ Isa select_isa(Isa requested);
 PartialAttentionFn partial_attention_kernel();
 StoreRowFn store_row_kernel();
 
-// The raw values the decision is made from, kept apart from reading them (cpu_isa.cpp) so that
+// The raw values the decision is made from, kept apart from reading them (read_cpuid) so that
 // the decision can be tested on CPUs we do not have (tests/test_cpu_isa.py).
 struct CpuidValues {
   uint32_t max_leaf = 0;   // CPUID.(EAX=0):EAX, the highest basic leaf; leaf 7 is valid if >= 7
