@@ -6,6 +6,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "../gather_rows.h"
@@ -56,9 +57,10 @@ void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
   };
   const int64_t vector_bytes = D * elem, row_bytes = H * S * vector_bytes;
   // Staged rows, contiguous (row, head, slot, head_dim), one block per side.
-  std::vector<char> scratch(static_cast<size_t>(2 * staged.size() * row_bytes));
+  // Uninitialised (new char[], not std::vector): every byte is written before it is read.
+  const std::unique_ptr<char[]> scratch(new char[static_cast<size_t>(2 * staged.size() * row_bytes)]);
   auto scratch_at = [&](int64_t side, int64_t slot, int64_t h, int64_t s) {
-    return scratch.data() + ((side * static_cast<int64_t>(staged.size()) + slot) * H * S + h * S + s) * vector_bytes;
+    return scratch.get() + ((side * static_cast<int64_t>(staged.size()) + slot) * H * S + h * S + s) * vector_bytes;
   };
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(S * vector_bytes, 1));
 
