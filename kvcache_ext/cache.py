@@ -22,7 +22,8 @@ class KVCache(PreallocatedCache):
     What the device's kernels support (:func:`kvcache_ext.capabilities`) is checked here, at
     construction, and every step checks both ops' arguments once, before it writes anything, so
     a refused call leaves the cache as it was. The lengths it passes are its own, valid by
-    construction.
+    construction. Row operations (``reorder``, ``fork``, ...) and ``save``/``load`` are
+    python_ref's; ``reorder`` and ``fork`` copy rows with the native ``gather_rows`` op.
     """
 
     def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_cache_len=None, window=None,
@@ -45,6 +46,12 @@ class KVCache(PreallocatedCache):
 
     def _append(self, layer, k, v, lengths):
         ops.run_append_kv(self.k[layer], self.v[layer], k, v, lengths)  # checked by _check_step
+
+    def _gather_rows(self, src_rows):
+        # In place, per layer: only the rows that change are written (python_ref copies the
+        # whole cache out and back to get the same in-place semantics).
+        for layer in range(self.num_layers):
+            ops.gather_rows(self.k[layer], self.v[layer], src_rows)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
         return ops.run_decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)[0]

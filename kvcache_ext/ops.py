@@ -177,6 +177,40 @@ def _check_one_device(*tensors) -> None:
         raise RuntimeError(f"kvcache_ext ops need all tensors on one device, got {sorted(map(str, devices))}")
 
 
+def check_gather_rows(k_cache, v_cache, src_rows) -> None:
+    """Everything ``gather_rows`` needs of its arguments, values of ``src_rows`` excepted."""
+    check_cache_pair(k_cache, v_cache)
+    B = k_cache.shape[0]
+    if src_rows.dtype != torch.long or src_rows.shape != (B,):
+        raise ValueError(f"src_rows must be int64 of shape ({B},), one source row per row, got {src_rows.dtype} of "
+                         f"shape {tuple(src_rows.shape)}")
+    if src_rows.device != k_cache.device:
+        raise ValueError(f"src_rows must be on the cache's device {k_cache.device}, got {src_rows.device}")
+
+
+def gather_rows(k_cache, v_cache, src_rows) -> None:
+    """Row ``i`` of ``k_cache``/``v_cache`` ``(B, H_kv, S, D)`` becomes old row ``src_rows[i]``, in place.
+
+    ``src_rows`` ``(B,)`` int64 on the cache's device, values in ``[0, B)`` (checked before anything is
+    written on the CPU; on CUDA, as for ``lengths``, an invalid row is left unchanged, and
+    ``KVCACHE_EXT_DEBUG=1`` asserts on the device). Only changed rows are written.
+    """
+    check_gather_rows(k_cache, v_cache, src_rows)
+    B = k_cache.shape[0]
+    if src_rows.device.type == "cpu":
+        bad = ((src_rows < 0) | (src_rows >= B)).nonzero()
+        if len(bad):
+            row = int(bad[0, 0])
+            raise ValueError(f"src_rows must be row indices in [0, {B}), got {int(src_rows[row])} for row {row}")
+    elif os.environ.get(DEBUG_ENV) == "1":
+        torch._assert_async(((src_rows >= 0) & (src_rows < B)).all(), f"kvcache_ext: src_rows must be in [0, {B})")
+    if not capabilities(k_cache.device).native:
+        k_cache.copy_(k_cache.index_select(0, src_rows))
+        v_cache.copy_(v_cache.index_select(0, src_rows))
+        return
+    torch.ops.kvcache_ext.gather_rows(k_cache, v_cache, src_rows)
+
+
 if _native.available:
 
     @torch.library.register_fake("kvcache_ext::append_kv")
@@ -189,3 +223,7 @@ if _native.available:
         _check_one_device(q, k_cache, v_cache, lengths, sinks)
         B, H_q, T, _ = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+
+    @torch.library.register_fake("kvcache_ext::gather_rows")
+    def _gather_rows_fake(k_cache, v_cache, src_rows):
+        return None
