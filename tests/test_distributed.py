@@ -101,6 +101,11 @@ def run_ranks(size: int, files: dict, tmp_dir) -> list[dict]:
     """Start ``size`` ranks, wait for them at most RUN_TIMEOUT_S, return each rank's results."""
     context = mp.start_processes(rank_main, args=(size, str(tmp_dir / "store"), files, str(tmp_dir)),
                                  nprocs=size, join=False, start_method="spawn")
+    _wait(context, size)
+    return [torch.load(tmp_dir / f"rank{rank}.pt") for rank in range(size)]
+
+
+def _wait(context, size: int) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while not context.join(timeout=1):  # raises, with the rank's traceback, if a rank failed
@@ -110,7 +115,6 @@ def run_ranks(size: int, files: dict, tmp_dir) -> list[dict]:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    return [torch.load(tmp_dir / f"rank{rank}.pt") for rank in range(size)]
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +135,9 @@ def checkpoint_files(tmp_path_factory) -> dict:
     llama = transformers.LlamaForCausalLM(llama_config)
     save_file({k: v.contiguous() for k, v in llama.state_dict().items()}, folder / "llama.safetensors")
     (folder / "config.json").write_text(json.dumps(llama_config.to_dict()))
+    llama.save_pretrained(folder / "llama-hf")  # the same model, for transformers itself
     return {"gpt2": str(folder / "gpt2.safetensors"), "llama": str(folder / "llama.safetensors"),
-            "llama_config": str(folder / "config.json")}
+            "llama_config": str(folder / "config.json"), "llama_hf_dir": str(folder / "llama-hf")}
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +224,46 @@ def test_torchrun_demo_prints_the_single_process_text_once():
     assert text == [line for line in single.splitlines() if line.startswith("Output text:")]
     assert "tensor-parallel over 2 ranks (gloo)" in sharded
     assert sharded.count("identical") == 4 and "DIFFERENT" not in sharded
+
+
+def hf_rank_main(rank: int, size: int, store: str, model_dir: str, out_dir: str) -> None:
+    import kvcache_ext.hf
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=RUN_TIMEOUT_S))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                     attn_implementation="kvcache_ext")
+        idx = prompt(model.config.vocab_size)
+        cache = kvcache_ext.hf.NativeCache(model.config, max_cache_len=PROMPT_LEN + NEW_TOKENS)
+        tokens = model.generate(idx, attention_mask=torch.ones_like(idx), cache=cache, max_new_tokens=NEW_TOKENS,
+                                do_sample=False)
+        torch.save({"tokens": tokens, "keys_shape": tuple(cache.layers[0].keys.shape)},
+                   os.path.join(out_dir, f"hf-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_transformers_tp_plan_runs_on_native_cache(checkpoint_files, tmp_path):
+    """transformers' own tensor parallelism (tp_plan="auto", DTensor weights) over 2 gloo ranks
+    with kvcache_ext.hf.NativeCache: the single-process tokens, half the KV heads per rank."""
+    pytest.importorskip("accelerate")  # transformers needs it for any tp_plan
+    import kvcache_ext.hf
+    from transformers import AutoModelForCausalLM
+
+    model_dir = checkpoint_files["llama_hf_dir"]
+    single = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="kvcache_ext")
+    idx = prompt(single.config.vocab_size)
+    expected = single.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=NEW_TOKENS, do_sample=False)
+    size = 2
+    context = mp.start_processes(hf_rank_main, args=(size, str(tmp_path / "store"), model_dir, str(tmp_path)),
+                                 nprocs=size, join=False, start_method="spawn")
+    _wait(context, size)
+    for rank in range(size):
+        got = torch.load(tmp_path / f"hf-rank{rank}.pt")
+        assert torch.equal(got["tokens"], expected), f"rank {rank}"
+        kv_heads = single.config.num_key_value_heads
+        assert got["keys_shape"] == (BATCH, kv_heads // size, PROMPT_LEN + NEW_TOKENS, single.config.head_dim)
