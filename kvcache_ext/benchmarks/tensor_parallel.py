@@ -45,15 +45,22 @@ class TensorParallelCase:
     tp: int
     new_tokens: int
     collective_repeats: int
+    threads_per_rank: int | None = None  # on a CPU; None: the machine's cores // tp
 
     @property
     def id(self) -> str:
-        return f"gpt2-{self.model}-N{self.new_tokens}-tp{self.tp}"
+        threads = "" if self.threads_per_rank is None else f"-{self.threads_per_rank}thread"
+        return f"gpt2-{self.model}-N{self.new_tokens}-tp{self.tp}{threads}"
 
 
 def tensor_parallel_cases(full: bool) -> list[TensorParallelCase]:
     model, new_tokens, repeats = ("124M", 100, 200) if full else ("tiny", 4, 5)
-    return [TensorParallelCase(model, tp, new_tokens, repeats) for tp in (1, 2)]
+    cases = [TensorParallelCase(model, tp, new_tokens, repeats) for tp in (1, 2)]
+    if full:
+        # tp = 1 with one thread too, as each tp = 2 rank has: on a busy shared machine two
+        # threads of one process can run far slower than two one-thread processes.
+        cases.append(TensorParallelCase(model, 1, new_tokens, repeats, threads_per_rank=1))
+    return cases
 
 
 def _rank_main(rank: int, case: TensorParallelCase, device_type: str, store: str, out: str) -> None:
@@ -61,7 +68,7 @@ def _rank_main(rank: int, case: TensorParallelCase, device_type: str, store: str
     if device_type == "cuda":
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // case.tp))
+        torch.set_num_threads(case.threads_per_rank or max(1, (os.cpu_count() or 1) // case.tp))
     dist.init_process_group(BACKENDS[device_type], init_method=f"file://{store}", rank=rank, world_size=case.tp,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
