@@ -93,7 +93,7 @@ setup(
     package_data={"python_ref": ["assets/gpt2.tiktoken", "assets/gpt2.tiktoken.LICENSE"], "kvcache_ext": ["_build_info.json"]},
     install_requires=[f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}", "tiktoken", "safetensors", "numpy"],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.24,<6", "matplotlib"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.24,<6", "accelerate", "matplotlib"],
         "bench": ["pytest", "pytest-benchmark", "matplotlib"],
         "hf": ["transformers>=5.24,<6"],
     },

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="nati
 
 CYCLES, WARM_UP_CYCLES = 1000, 50
 MAX_RSS_GROWTH = 4 * 2**20  # bytes, after the warm-up
-LAYERS, BATCH, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_LEN = 2, 2, 2, 4, 16, 32
-STEPS = (13, 1, 7, 1, 10)  # new tokens per step of one cycle; they fill MAX_LEN exactly
+LAYERS, BATCH, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_CACHE_LEN = 2, 2, 2, 4, 16, 32
+STEPS = (13, 1, 7, 1, 10)  # new tokens per step of one cycle; they fill MAX_CACHE_LEN exactly
 
 
 def resident_bytes() -> int:
@@ -42,23 +42,23 @@ def fill_and_reset(cache, step_inputs):
         cache.start_step(q.shape[2])
         outputs += [cache.attend(layer, q, k, v) for layer in range(LAYERS)]
         cache.finish_step()
-    assert cache.lengths.tolist() == [MAX_LEN] * BATCH and cache.max_length == MAX_LEN
+    assert cache.lengths.tolist() == [MAX_CACHE_LEN] * BATCH and cache.seq_length == MAX_CACHE_LEN
     with pytest.raises(CacheOverflowError):
         cache.start_step(1)
     cache.reset()
-    assert cache.lengths.tolist() == [0] * BATCH and cache.max_length == 0
+    assert cache.lengths.tolist() == [0] * BATCH and cache.seq_length == 0
     return outputs
 
 
 def test_kvcache_fill_reset_cycles_do_not_grow_memory():
-    assert sum(STEPS) == MAX_LEN
-    cache = kvcache_ext.KVCache(LAYERS, BATCH, KV_HEADS, HEAD_DIM, max_len=MAX_LEN)
+    assert sum(STEPS) == MAX_CACHE_LEN
+    cache = kvcache_ext.KVCache(LAYERS, BATCH, KV_HEADS, HEAD_DIM, max_cache_len=MAX_CACHE_LEN)
     step_inputs = [(torch.randn(BATCH, Q_HEADS, T, HEAD_DIM), torch.randn(BATCH, KV_HEADS, T, HEAD_DIM),
                     torch.randn(BATCH, KV_HEADS, T, HEAD_DIM)) for T in STEPS]
     growth = soak(lambda: fill_and_reset(cache, step_inputs))
     assert growth <= MAX_RSS_GROWTH, f"resident memory grew by {growth / 2**20:.1f} MiB over the cycles"
     # The cycles did the cache's real work: a last one agrees with the pure-PyTorch cache.
-    reference = PreallocatedCache(LAYERS, BATCH, KV_HEADS, HEAD_DIM, max_len=MAX_LEN)
+    reference = PreallocatedCache(LAYERS, BATCH, KV_HEADS, HEAD_DIM, max_cache_len=MAX_CACHE_LEN)
     for native_out, reference_out in zip(fill_and_reset(cache, step_inputs), fill_and_reset(reference, step_inputs)):
         torch.testing.assert_close(native_out, reference_out, atol=2e-5, rtol=1e-5)
 
