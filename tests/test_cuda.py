@@ -234,7 +234,6 @@ def test_append_edge_lengths(dtype):
     B, H, S, D, T = len(EDGE_LENGTHS), 2, 24, 16, 3
     lengths = torch.tensor(EDGE_LENGTHS)
     buffer = torch.randn(2 * B * H * S * D + 64).to(dtype)
-    k_cpu, v_cpu = buffer[16:16 + B * H * S * D].view(B, H, S, D), buffer[-16 - B * H * S * D:-16].view(B, H, S, D)
     k_new, v_new = torch.randn(B, H, T, D).to(dtype), torch.randn(B, H, T, D).to(dtype)
     expected = buffer.clone()
     expected_k = expected[16:16 + B * H * S * D].view(B, H, S, D)

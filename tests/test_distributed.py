@@ -227,7 +227,7 @@ def test_torchrun_demo_prints_the_single_process_text_once():
 
 
 def hf_rank_main(rank: int, size: int, store: str, model_dir: str, out_dir: str) -> None:
-    import kvcache_ext.hf
+    import kvcache_ext.hf  # noqa: F401 (registers attn_implementation="kvcache_ext")
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     torch.set_num_threads(1)
@@ -251,7 +251,7 @@ def test_transformers_tp_plan_runs_on_native_cache(checkpoint_files, tmp_path):
     """transformers' own tensor parallelism (tp_plan="auto", DTensor weights) over 2 gloo ranks
     with kvcache_ext.hf.NativeCache: the single-process tokens, half the KV heads per rank."""
     pytest.importorskip("accelerate")  # transformers needs it for any tp_plan
-    import kvcache_ext.hf
+    import kvcache_ext.hf  # noqa: F401 (registers attn_implementation="kvcache_ext")
     from transformers import AutoModelForCausalLM
 
     model_dir = checkpoint_files["llama_hf_dir"]
