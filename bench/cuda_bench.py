@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import io
 import json
 import math
 import os
@@ -428,6 +429,7 @@ def run_bench(json_path: str | None = None) -> dict:
 # ---- report --------------------------------------------------------------------------------------------
 ARCHIVE = "gpu_check_logs.tar.gz"
 MAX_MEMBER_BYTES = 3 * 2**20  # per file in the archive: head and tail kept beyond this
+MAX_ARCHIVE_BYTES = 15 * 2**20  # files over 16 MiB do not come back from the GPU machine
 
 
 def load_json(path: Path):
@@ -491,25 +493,23 @@ def tail(path: Path, lines: int = 25) -> list[str]:
         return []
 
 
-def write_archive(logs: Path, out: Path) -> None:
-    """All of `logs` into out/ARCHIVE, atomically; a file over MAX_MEMBER_BYTES keeps its head and tail."""
+def write_archive(logs: Path, out: Path, limit: int = MAX_MEMBER_BYTES) -> None:
+    """All of `logs` into out/ARCHIVE, atomically; a file over `limit` bytes keeps its head and tail."""
     tmp = out / (ARCHIVE + ".tmp")
     with tarfile.open(tmp, "w:gz") as archive:
         for path in sorted(p for p in logs.rglob("*") if p.is_file()):
             name = f"gpu_check_logs/{path.relative_to(logs)}"
             try:
                 size = path.stat().st_size
-                if size <= MAX_MEMBER_BYTES:
+                if size <= limit:
                     archive.add(path, arcname=name)
                     continue
                 with path.open("rb") as f:
-                    head = f.read(MAX_MEMBER_BYTES // 2)
-                    f.seek(size - MAX_MEMBER_BYTES // 2)
-                    data = head + f"\n\n[... {size - MAX_MEMBER_BYTES} bytes cut ...]\n\n".encode() + f.read()
+                    head = f.read(limit // 2)
+                    f.seek(size - limit // 2)
+                    data = head + f"\n\n[... {size - limit} bytes cut ...]\n\n".encode() + f.read()
             except OSError:
                 continue
-            import io
-
             info = tarfile.TarInfo(name)
             info.size, info.mtime = len(data), int(time.time())
             archive.addfile(info, io.BytesIO(data))
@@ -588,7 +588,10 @@ def write_report(logs: Path, out: Path, status: str) -> dict:
     tmp = out / "report.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out / "report.md")
-    write_archive(logs, out)
+    for limit in (MAX_MEMBER_BYTES, MAX_MEMBER_BYTES // 4, MAX_MEMBER_BYTES // 16):  # one file comes back whole
+        write_archive(logs, out, limit)
+        if (out / ARCHIVE).stat().st_size <= MAX_ARCHIVE_BYTES:
+            break
     return report
 
 
