@@ -553,7 +553,8 @@ def write_report(logs: Path, out: Path, status: str) -> dict:
              f"{toolkit.get('compute_sanitizer') or 'none'}",
              f"- everything else: {ARCHIVE} (all logs, JSON, junit XML)", "",
              "| step | outcome | seconds | limit |", "| --- | --- | --- | --- |"]
-    lines += [f"| {s['name']} | {s.get('status')} | {s.get('seconds', '')} | {s.get('limit', '')} |" for s in steps]
+    lines += [f"| {s['name']} | {s.get('status')} | {'' if s.get('seconds') is None else s['seconds']} | "
+              f"{'' if s.get('limit') is None else s['limit']} |" for s in steps]
     if report["build_info"]:
         lines += ["", f"build_info: `{json.dumps(report['build_info'])}`"]
     kernels = report["kernels"]
