@@ -39,6 +39,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+DEVICE = "cuda"  # the benchmarks' tensors (a test of this script on the CPU sets "cpu")
+SHRINK = 1  # divides the benchmarks' lengths and sizes (a test of this script sets more)
 
 
 def log(message: str) -> None:
@@ -201,7 +203,7 @@ class Timer:
         props = torch.cuda.get_device_properties(0)
         self.l2_bytes = getattr(props, "L2_cache_size", 0) or 50 * 2**20
         self.flush_bytes = 4 * self.l2_bytes
-        self.flush_buffer = torch.ones(self.flush_bytes // 4, dtype=torch.int32, device="cuda")
+        self.flush_buffer = torch.ones(self.flush_bytes // 4, dtype=torch.int32, device=DEVICE)
         self.memory_cap = props.total_memory // 4  # most bytes of input copies one case may allocate
 
     def flush(self) -> None:
@@ -283,8 +285,8 @@ def run_bench(json_path: str | None = None) -> dict:
 
     # Device-to-device copy of 1 GiB: the bandwidth yardstick (bytes read + written).
     def measure_copy():
-        copy_bytes = 1 << 30
-        src = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
+        copy_bytes = (1 << 30) // SHRINK
+        src = torch.empty(copy_bytes, dtype=torch.uint8, device=DEVICE)
         dst = torch.empty_like(src)
         us = timer.eager_us([lambda: dst.copy_(src)])
         graph = timer.graph_us([lambda: dst.copy_(src)], min_calls=5)
@@ -302,12 +304,13 @@ def run_bench(json_path: str | None = None) -> dict:
     def decode_inputs(b, hq, hkv, length, d, dt, n):
         sets = []
         for _ in range(n):
-            k = torch.randn(b, hkv, length, d, device="cuda", dtype=dt)
-            sets.append((torch.randn(b, hq, 1, d, device="cuda", dtype=dt), k, torch.randn_like(k),
-                         torch.full((b,), length, device="cuda", dtype=torch.long)))
+            k = torch.randn(b, hkv, length, d, device=DEVICE, dtype=dt)
+            sets.append((torch.randn(b, hq, 1, d, device=DEVICE, dtype=dt), k, torch.randn_like(k),
+                         torch.full((b,), length, device=DEVICE, dtype=torch.long)))
         return sets
 
     def time_decode(b, hq, hkv, length, d, dt, window=None, max_rows=None, splits=None, with_sdpa=True):
+        length, window = max(64, length // SHRINK), window and max(16, window // SHRINK)
         element = torch.tensor([], dtype=dt).element_size()
         visible = min(length, window or length)
         read = 2 * b * hkv * visible * d * element
@@ -398,13 +401,13 @@ def run_bench(json_path: str | None = None) -> dict:
 
     # Append: a long chunk (bandwidth) and a single decode token (latency).
     def measure_append():
-        B, H_kv, D, S, T, dtype = 8, 8, 128, 16384, 4096, torch.bfloat16
-        k_big = torch.zeros(B, H_kv, S, D, device="cuda", dtype=dtype)
+        B, H_kv, D, S, T, dtype = 8, 8, 128, 16384 // SHRINK, 4096 // SHRINK, torch.bfloat16
+        k_big = torch.zeros(B, H_kv, S, D, device=DEVICE, dtype=dtype)
         v_big = torch.zeros_like(k_big)
         new_bytes = 2 * B * H_kv * T * D * 2
-        sets = [(torch.randn(B, H_kv, T, D, device="cuda", dtype=dtype), torch.randn(B, H_kv, T, D, device="cuda",
+        sets = [(torch.randn(B, H_kv, T, D, device=DEVICE, dtype=dtype), torch.randn(B, H_kv, T, D, device=DEVICE,
                  dtype=dtype)) for _ in range(timer.copies(2 * new_bytes))]
-        start = torch.full((B,), S - T // 2, device="cuda", dtype=torch.long)  # wraps around the ring
+        start = torch.full((B,), S - T // 2, device=DEVICE, dtype=torch.long)  # wraps around the ring
         chunk = [lambda s=s: kvcache_ext.append_kv(k_big, v_big, s[0], s[1], start) for s in sets]
         us, graph = timer.eager_us(chunk), timer.graph_us(chunk)
         moved = 2 * new_bytes  # read new + write cache, K and V

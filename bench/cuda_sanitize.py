@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+DEVICE = "cuda"  # (a test of this script on the CPU kernels sets "cpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Max abs error against float64 allowed per dtype (inputs ~N(0, 1)): a smoke test for gross bugs;
 # the exact bounds are tests/test_cuda.py's.
@@ -89,12 +90,12 @@ def append_case(dtype, layout, head_dim, kvcache_ext, raw=False, lengths=(0, 14,
                   "strided": (B, H, T, 2 * head_dim)}[layout]
     bases = [torch.randn(base_shape, generator=g).to(dtype) for _ in range(2)]
     k_new, v_new = (view(b) for b in bases)
-    k_new_gpu, v_new_gpu = (view(b.cuda()) for b in bases)
+    k_new_gpu, v_new_gpu = (view(b.to(DEVICE)) for b in bases)
     k_cpu, v_cpu = (torch.randn(B, H, S, head_dim, generator=g).to(dtype) for _ in range(2))
     lengths_cpu = torch.tensor(lengths, dtype=torch.long)
-    k_gpu, v_gpu = k_cpu.cuda(), v_cpu.cuda()
+    k_gpu, v_gpu = k_cpu.to(DEVICE), v_cpu.to(DEVICE)
     op = torch.ops.kvcache_ext.append_kv if raw else kvcache_ext.append_kv
-    op(k_gpu, v_gpu, k_new_gpu, v_new_gpu, lengths_cpu.cuda())
+    op(k_gpu, v_gpu, k_new_gpu, v_new_gpu, lengths_cpu.to(DEVICE))
     synchronize()
     # Expected: token t of row b at slot (lengths[b] + t) % S; rows with a negative length untouched.
     for b, start in enumerate(lengths):
@@ -124,23 +125,23 @@ def decode_case(dtype, head_dim, group, num_new, window, splits, kvcache_ext, re
     k = torch.randn(B, H_kv, slots, head_dim, generator=g).to(dtype)
     v = torch.randn(B, H_kv, slots, head_dim, generator=g).to(dtype)
     lengths_cpu = torch.tensor(lengths, dtype=torch.long)
-    q_gpu = q.transpose(1, 2).contiguous().cuda().transpose(1, 2) if q_layout == "transposed" else q.cuda()
+    q_gpu = q.transpose(1, 2).contiguous().to(DEVICE).transpose(1, 2) if q_layout == "transposed" else q.to(DEVICE)
     if cache_layout == "slice":  # the cache is the first `slots` of a larger ring: strides of the larger one
-        k_big = torch.zeros(B, H_kv, slots + 8, head_dim, dtype=dtype, device="cuda")
+        k_big = torch.zeros(B, H_kv, slots + 8, head_dim, dtype=dtype, device=DEVICE)
         v_big = torch.zeros_like(k_big)
-        k_big[:, :, :slots], v_big[:, :, :slots] = k.cuda(), v.cuda()
+        k_big[:, :, :slots], v_big[:, :, :slots] = k.to(DEVICE), v.to(DEVICE)
         k_gpu, v_gpu = k_big[:, :, :slots], v_big[:, :, :slots]
     else:
-        k_gpu, v_gpu = k.cuda(), v.cuda()
+        k_gpu, v_gpu = k.to(DEVICE), v.to(DEVICE)
     kwargs = dict(extra or {})
     with with_env("KVCACHE_EXT_CUDA_SPLITS", splits), with_env("KVCACHE_EXT_CUDA_MAX_ROWS", max_rows):
         if raw:  # past the public API's checks: the kernel's own bounds
-            out, lse = torch.ops.kvcache_ext.decode_attention(q_gpu, k_gpu, v_gpu, lengths_cpu.cuda(), window, None,
+            out, lse = torch.ops.kvcache_ext.decode_attention(q_gpu, k_gpu, v_gpu, lengths_cpu.to(DEVICE), window, None,
                                                               kwargs.get("softcap"), kwargs.get("sinks"))
         else:
             if "sinks" in kwargs:
-                kwargs["sinks"] = kwargs["sinks"].cuda()
-            out, lse = kvcache_ext.decode_attention(q_gpu, k_gpu, v_gpu, lengths_cpu.cuda(), window, **kwargs)
+                kwargs["sinks"] = kwargs["sinks"].to(DEVICE)
+            out, lse = kvcache_ext.decode_attention(q_gpu, k_gpu, v_gpu, lengths_cpu.to(DEVICE), window, **kwargs)
         synchronize()
     out, lse = out.cpu(), lse.cpu()
     if raw:  # rows a valid call cannot have: only finiteness and shape are checked
