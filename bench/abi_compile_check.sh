@@ -102,8 +102,9 @@ compile_one() {  # compile_one OUT_DIR SOURCE (uses CXX_FLAGS/NVCC_FLAGS, INCLUD
   else
     "${CXX:-g++}" -c "${CXX_FLAGS[@]}" -I"$INCLUDE" "$src" -o "$obj" >"$log" 2>&1
   fi || { echo "  ERROR $src"; sed 's/^/        /' "$log"; return 1; }
-  echo "  ok    $src ($((SECONDS - t0)) s)"
-  if [[ -s "$log" ]]; then sed 's/^/        /' "$log"; fi
+  # Warnings are shown by the real build too (-Wall); here only their count and the first lines.
+  echo "  ok    $src ($((SECONDS - t0)) s$([[ -s "$log" ]] && echo ", $(grep -c 'warning:' "$log") warnings"))"
+  if [[ -s "$log" ]]; then grep -m 3 'warning:' "$log" | sed 's/^/        /'; fi
   return 0
 }
 
