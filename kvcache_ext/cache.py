@@ -20,8 +20,9 @@ class KVCache(PreallocatedCache):
     ``nn.Module`` whose buffers move with ``.to()``.
 
     What the device's kernels support (:func:`kvcache_ext.capabilities`) is checked here, at
-    construction, and every step checks both ops' arguments before it writes anything, so a
-    refused call leaves the cache as it was.
+    construction, and every step checks both ops' arguments once, before it writes anything, so
+    a refused call leaves the cache as it was. The lengths it passes are its own, valid by
+    construction.
     """
 
     def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_cache_len=None, window=None,
@@ -43,7 +44,7 @@ class KVCache(PreallocatedCache):
         ops.check_decode_attention(q[:, :, piece], self.k[layer], self.v[layer], self.lengths, self.window, scale)
 
     def _append(self, layer, k, v, lengths):
-        ops.append_kv(self.k[layer], self.v[layer], k, v, lengths)
+        ops.run_append_kv(self.k[layer], self.v[layer], k, v, lengths)  # checked by _check_step
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
-        return ops.decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)[0]
+        return ops.run_decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)[0]

@@ -130,10 +130,16 @@ def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
     """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the caches at slots ``(lengths + t) % S``."""
     check_append_kv(k_cache, v_cache, k_new, v_new, lengths)
     check_length_values(lengths, 0, "the tokens already in each row")
-    if not capabilities(k_cache.device).native:
+    run_append_kv(k_cache, v_cache, k_new, v_new, lengths)
+
+
+def run_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
+    """``append_kv`` on arguments the caller has checked (``check_append_kv``): the native op, or
+    the pure-PyTorch path where no kernel serves the device."""
+    if capabilities(k_cache.device).native:
+        torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
+    else:
         append_to_slots(k_cache, v_cache, k_new, v_new, lengths)
-        return
-    torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
@@ -145,6 +151,11 @@ def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, soft
     """
     check_decode_attention(q, k_cache, v_cache, lengths, window, scale, softcap, sinks)
     check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
+    return run_decode_attention(q, k_cache, v_cache, lengths, window, scale, softcap, sinks)
+
+
+def run_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
+    """``decode_attention`` on arguments the caller has checked (``check_decode_attention``)."""
     if not capabilities(k_cache.device).native:
         out, lse = reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse=True,
                                        softcap=softcap, sinks=sinks)
