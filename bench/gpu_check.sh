@@ -122,6 +122,7 @@ finish() {  # finish STATUS EXIT_CODE
   progress "finished: $1 (exit $2); report in $REPORT_DIR"
   snapshot "$1"
   ls -la "$REPORT_DIR"
+  head -n 60 "$REPORT_DIR/report.md"  # the summary also on stdout, in case the files do not come back
   exit "$2"
 }
 
