@@ -233,8 +233,13 @@ install_kvcache_ext() {
   "$PYTHON" -c 'import ninja' 2>/dev/null || echo "== (no ninja: setuptools compiles one file at a time)"
   # A copy of the tree, so that the build's build/ and _build_info.json stay out of the repository.
   mkdir -p "$WORK/src"
-  (cd "$REPO" && git ls-files -co --exclude-standard -z 2>/dev/null | tar --null --ignore-failed-read -T - -cf - 2>/dev/null) |
-    tar -xf - -C "$WORK/src" 2>/dev/null || cp -r "$REPO/." "$WORK/src"
+  if git -C "$REPO" rev-parse --git-dir >/dev/null 2>&1; then  # what git tracks or would (no build outputs)
+    (cd "$REPO" && git ls-files -co --exclude-standard -z | tar --null --ignore-failed-read -T - -cf - 2>/dev/null) |
+      tar -xf - -C "$WORK/src"
+  else  # a copy without .git: all of it but earlier builds
+    (cd "$REPO" && tar --exclude=./build --exclude=./dist --exclude='*.so' -cf - .) | tar -xf - -C "$WORK/src"
+  fi
+  [[ -f "$WORK/src/setup.py" ]] || { echo "== could not copy the source tree"; return 1; }
   if "$PYTHON" -m pip --version >/dev/null 2>&1; then
     "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index --target "$SITE" "$WORK/src" || return 1
   else
