@@ -126,9 +126,10 @@ def _read_saved_cache(path):
     except (OSError, SafetensorError) as error:
         raise ValueError(f"{path} is not a readable saved cache (missing, truncated or not safetensors): {error}") \
             from error
-    if header is None or set(tensors) != {"k", "v", "lengths"}:
-        raise ValueError(f"{path} is a safetensors file but not a saved cache: expected tensors k, v, lengths and "
-                         f"'{SAVED_CACHE_KEY}' metadata, got tensors {sorted(tensors)}")
+    if header is None or set(tensors) - {"sink_k", "sink_v"} != {"k", "v", "lengths"}:
+        raise ValueError(f"{path} is a safetensors file but not a saved cache: expected tensors k, v, lengths "
+                         f"(and sink_k, sink_v with sink tokens) and '{SAVED_CACHE_KEY}' metadata, got tensors "
+                         f"{sorted(tensors)}")
     try:
         meta = json.loads(header)
     except json.JSONDecodeError as error:
@@ -457,20 +458,20 @@ class PreallocatedCache(nn.Module):
         from safetensors.torch import save_file
 
         self._check_between_steps("save")
-        if self.sink_tokens:
-            raise NotImplementedError(f"save() does not support caches with sink_tokens (this one keeps "
-                                      f"{self.sink_tokens}); save a cache without them, or regenerate the prompt")
         if not isinstance(fingerprint, str):
             raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
         used = min(self._host_length, self.slots)
         tensors = {"k": self.k[..., :used, :].contiguous().cpu(), "v": self.v[..., :used, :].contiguous().cpu(),
                    "lengths": self.lengths.cpu()}
+        if self.sink_tokens:
+            tensors["sink_k"] = self.sink_k[..., :self.sink_tokens, :].contiguous().cpu()
+            tensors["sink_v"] = self.sink_v[..., :self.sink_tokens, :].contiguous().cpu()
         meta = {"format_version": self.FORMAT_VERSION, "num_layers": self.num_layers,
                 "batch_size": self.batch_size, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "slots": self.slots, "max_cache_len": self.max_cache_len, "window": self.window,
                 "chunk_size": self.chunk_size, "dtype": str(self.k.dtype).removeprefix("torch."),
                 "lengths": tensors["lengths"].tolist(), "ring_rewindable": self._ring_rewindable,
-                "fingerprint": fingerprint}
+                "sink_tokens": self.sink_tokens, "fingerprint": fingerprint}
         meta["sha256"] = _checksum(tensors, meta)
         partial = f"{os.fspath(path)}.partial"
         save_file(tensors, partial, metadata={SAVED_CACHE_KEY: json.dumps(meta)})
@@ -512,22 +513,32 @@ class PreallocatedCache(nn.Module):
             raise ValueError("max_cache_len applies to caches without a window; this one has window="
                              f"{window} and chunk_size={meta['chunk_size']}")
         used = min(longest, meta["slots"])
-        expected = (meta["num_layers"], meta["batch_size"], meta["kv_heads"], used, meta["head_dim"])
-        for name in ("k", "v"):
-            if tuple(tensors[name].shape) != expected or tensors[name].dtype != dtype:
-                raise ValueError(f"{path}: {name} must be {meta['dtype']} of shape {expected}, got "
+        sink_tokens = meta.get("sink_tokens", 0)  # files from before sink tokens have none
+        rows = (meta["num_layers"], meta["batch_size"], meta["kv_heads"])
+        expected = {"k": (*rows, used, meta["head_dim"]), "v": (*rows, used, meta["head_dim"])}
+        if sink_tokens:
+            expected.update(sink_k=(*rows, sink_tokens, meta["head_dim"]), sink_v=(*rows, sink_tokens, meta["head_dim"]))
+        if set(tensors) != {"lengths", *expected}:
+            raise ValueError(f"{path}: a cache with sink_tokens={sink_tokens} holds tensors "
+                             f"{sorted({'lengths', *expected})}, got {sorted(tensors)}")
+        for name, shape in expected.items():
+            if tuple(tensors[name].shape) != shape or tensors[name].dtype != dtype:
+                raise ValueError(f"{path}: {name} must be {meta['dtype']} of shape {shape}, got "
                                  f"{tensors[name].dtype} of shape {tuple(tensors[name].shape)}")
         if lengths.dtype != torch.long or lengths.tolist() != meta["lengths"] or min(meta["lengths"], default=0) < 0:
             raise ValueError(f"{path}: lengths must be the {meta['batch_size']} non-negative row lengths recorded "
                              f"in its metadata, got {lengths.tolist()}")
         cache = cls(meta["num_layers"], meta["batch_size"], meta["kv_heads"], meta["head_dim"],
                     max_cache_len=capacity if window is None else None, window=window,
-                    chunk_size=meta["chunk_size"] or 128, dtype=dtype, device=device)
+                    chunk_size=meta["chunk_size"] or 128, dtype=dtype, device=device, sink_tokens=sink_tokens)
         if window is not None and cache.slots != meta["slots"]:
             raise ValueError(f"{path}: a window of {window} with chunk_size {meta['chunk_size']} has "
                              f"{cache.slots} slots, but the file says {meta['slots']}")
         cache.k[..., :used, :] = tensors["k"]
         cache.v[..., :used, :] = tensors["v"]
+        if sink_tokens:
+            cache.sink_k[..., :sink_tokens, :] = tensors["sink_k"]
+            cache.sink_v[..., :sink_tokens, :] = tensors["sink_v"]
         cache.lengths.copy_(lengths)
         cache._host_length = longest
         cache._ring_rewindable = meta["ring_rewindable"]

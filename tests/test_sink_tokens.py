@@ -136,3 +136,25 @@ def test_row_operations_carry_sink_tokens():
     expected_cache = GatheredSinkCache(WINDOW, SINKS)
     expected_cache.attend(0, q[1:], k[1:], v[1:])
     torch.testing.assert_close(out, expected_cache.attend(0, q1, k1, v1))
+
+
+@pytest.mark.parametrize("cache_cls", [PreallocatedCache, KVCache])
+def test_saved_cache_keeps_its_sink_tokens(cache_cls, tmp_path):
+    # Save after the sink tokens have left the window, load, and continue: the same attention as
+    # the cache that was never saved.
+    generator = torch.Generator().manual_seed(6)
+    cache = cache_cls(1, 1, 2, 16, window=WINDOW, chunk_size=CHUNK, sink_tokens=SINKS)
+    q, k, v = (torch.randn(1, H, 9, 16, generator=generator) for H in (4, 2, 2))
+    cache.start_step(9)
+    cache.attend(0, q, k, v)
+    cache.finish_step()
+    cache.save(tmp_path / "cache.safetensors", fingerprint="test")
+    loaded = cache_cls.load(tmp_path / "cache.safetensors", fingerprint="test")
+    assert loaded.sink_tokens == SINKS
+    q1, k1, v1 = (torch.randn(1, H, 1, 16, generator=generator) for H in (4, 2, 2))
+    outs = []
+    for c in (cache, loaded):
+        c.start_step(1)
+        outs.append(c.attend(0, q1, k1, v1))
+        c.finish_step()
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
