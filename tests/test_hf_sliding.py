@@ -117,6 +117,9 @@ def test_generate_matches_transformers(model, batch, monkeypatch):
     assert {w for w, _, _ in kernel_kwargs} == {layer.window for layer in cache.layers}
     assert {c for _, c, _ in kernel_kwargs} == {getattr(config, "attn_logit_softcapping", None)}
     assert {s for _, _, s in kernel_kwargs} == {config.model_type == "gpt_oss"}
+    # transformers' own cache with the registered attention: its masked PyTorch path, which must
+    # soft-cap and add sinks as the models' eager attention does.
+    assert torch.equal(model.generate(ids, **common), expected)
 
 
 def test_beam_search_matches_transformers(mistral):
