@@ -15,7 +15,8 @@ class KVCache(PreallocatedCache):
     read by the fused ``decode_attention`` op.
 
     Same constructor, protocol and bookkeeping as :class:`python_ref.PreallocatedCache`
-    (``max_cache_len`` capacity or a ``window`` ring buffer, ``lengths`` per row, ``reset()``,
+    (``max_cache_len`` capacity or a ``window`` ring buffer, with ``sink_tokens`` kept besides it,
+    ``lengths`` per row, ``reset()``,
     ``bytes_used()``/``bytes_allocated()``); only storage and attention run natively. It is an
     ``nn.Module`` whose buffers move with ``.to()``.
 
@@ -27,13 +28,13 @@ class KVCache(PreallocatedCache):
     """
 
     def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_cache_len=None, window=None,
-                 chunk_size=128, dtype=torch.float32, device=None):
+                 chunk_size=128, dtype=torch.float32, device=None, sink_tokens=0):
         table = capabilities(device)
         table.check_dtype(dtype, "KVCache dtype")
         if isinstance(head_dim, int):
             table.check_head_dim(head_dim)
         super().__init__(num_layers, batch_size, kv_heads, head_dim, max_cache_len=max_cache_len, window=window,
-                         chunk_size=chunk_size, dtype=dtype, device=device)
+                         chunk_size=chunk_size, dtype=dtype, device=device, sink_tokens=sink_tokens)
         table.check_slots(self.slots)
 
     def _check_step(self, layer, q, k, v, scale):
@@ -54,4 +55,4 @@ class KVCache(PreallocatedCache):
             ops.gather_rows(self.k[layer], self.v[layer], src_rows)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
-        return ops.run_decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)[0]
+        return ops.run_decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)

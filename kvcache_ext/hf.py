@@ -14,12 +14,20 @@ Usage::
     cache = kvcache_ext.hf.NativeCache(model.config, max_cache_len=prompt_len + max_new_tokens)
     out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=...)
 
-Left padding. The kernel reads each row's first ``lengths[row]`` slots, so a row must not hold
-padding. The prompt step therefore runs transformers' own SDPA attention with its padding mask
-(so prompt logits are exactly transformers') and then stores only each row's real tokens, at
-slots 0, 1, ...; every later step appends one real token per row and uses the kernel. This
-matches transformers' results because keys are stored after RoPE (or, for GPT-2, carry no
-position at all): where a key sits in the buffer does not change what it says.
+Left padding. The kernel reads each row's positions ``0 .. lengths[row] - 1``, so a row must not
+hold padding. The prompt step therefore runs attention in PyTorch under transformers' own mask
+(SDPA; plain matmuls where scores are soft-capped or have sink logits) and then stores only each
+row's real tokens, at positions 0, 1, ...; every later step appends its tokens and uses the
+kernel. This matches transformers' results because keys are stored after RoPE (or, for GPT-2,
+carry no position at all): where a key sits in the buffer does not change what it says.
+
+Sliding-window layers. A layer whose config type is ``sliding_attention`` (or every layer of a
+config with ``sliding_window`` and no ``layer_types``, like Mistral) keeps a ring buffer of
+``window + chunk_size - 1`` slots (``NativeCache(..., chunk_size=)``), position ``p`` in slot
+``p % slots``, and passes its window to the kernel; a prompt longer than the ring keeps each
+row's last ``slots`` real tokens. Gemma 2's ``softcap`` and GPT-OSS's sink logits (the ``s_aux``
+argument transformers passes to the attention function) go to the kernel as ``softcap`` and
+``sinks``.
 
 How the pieces find each other. transformers calls ``cache.update(k, v, layer)`` and then the
 attention function with what ``update`` returned; the returned key tensor carries a reference to
@@ -30,16 +38,21 @@ silently attending over the wrong slots.
 
 Row operations. Beam search reorders rows (``reorder_cache``, with the native ``gather_rows``
 op: only rows that change are copied); assisted decoding and prompt lookup remove rejected draft
-tokens (``crop(-n)``, per row: see :meth:`NativeCacheLayer.crop`); ``batch_repeat_interleave``
-and ``batch_select_indices`` reallocate the buffers at the new batch size.
+tokens (``crop(-n)``, per row: see :meth:`NativeCacheLayer.crop`; a ring can remove only the
+tokens it holds beyond every row's window, at least ``chunk_size`` right after a step, and
+refuses more); ``batch_repeat_interleave`` and ``batch_select_indices`` reallocate the buffers at
+the new batch size.
 
 Supported: decoder-only models whose attention layers go through transformers' attention
-interface, with full attention; tested with GPT-2, Llama and Qwen3: greedy, sampling, beam search
-(with ``num_return_sequences``, ``length_penalty``, ``early_stopping``), several samples per
-prompt, assisted decoding (``assistant_model=``) and prompt lookup, batch 1 and left-padded
-batches (transformers itself runs assisted decoding and prompt lookup on batch 1 only). Not
-supported: sliding-window or hybrid layers (``NativeCache`` refuses such configs; use
-transformers' ``DynamicCache``).
+interface, with full-attention and sliding-window layers. Tested with GPT-2, Llama and Qwen3
+(greedy, sampling, beam search with ``num_return_sequences``, ``length_penalty``,
+``early_stopping``, several samples per prompt, assisted decoding (``assistant_model=``) and
+prompt lookup), and with Mistral, Qwen2 (``use_sliding_window``), Gemma 2, Gemma 3 and GPT-OSS
+(greedy; Mistral also beam search and assisted decoding), batch 1 and left-padded batches
+(transformers itself runs assisted decoding and prompt lookup on batch 1 only). Refused, at
+construction: other layer types (chunked attention, linear attention/SSM layers; use
+transformers' ``DynamicCache``) and encoder-decoder models; at the attention call: a model whose
+layer window differs from the config's, ``position_bias`` and attention dropout in training.
 """
 
 from __future__ import annotations
@@ -53,6 +66,8 @@ from python_ref.caches import CacheOverflowError
 # attention-interface APIs change between releases, so other versions are refused.
 SUPPORTED_TRANSFORMERS = ("5.24", "6")  # >= first, < second
 ATTN_IMPLEMENTATION = "kvcache_ext"
+# Tokens a sliding-window layer's ring holds beyond its window (python_ref's PreallocatedCache default).
+DEFAULT_CHUNK_SIZE = 128
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -83,25 +98,43 @@ from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 
 class NativeCacheLayer(CacheLayerMixin):
-    """One attention layer's keys/values: ``(batch, kv_heads, max_cache_len, head_dim)`` buffers
-    allocated at the first update (taking dtype, device and head counts from the keys), plus
-    each row's number of real tokens in ``lengths``."""
+    """One attention layer's keys/values: ``(batch, kv_heads, slots, head_dim)`` buffers allocated
+    at the first update (taking dtype, device and head counts from the keys), plus each row's
+    number of real tokens in ``lengths``.
 
-    is_sliding = False
+    A full-attention layer has ``slots = max_cache_len``. A sliding-window layer (``window``) has
+    ``slots = min(max_cache_len, window + chunk_size - 1)``: once a row holds more tokens than
+    that, the buffer is a ring and token position ``p`` lives in slot ``p % slots`` (the native
+    ops' ring semantics), so memory stays ``window + chunk_size - 1`` tokens however long the
+    sequence grows. A step adds its tokens ``chunk_size`` at a time there, so that each query
+    still finds its whole window in the ring.
+    """
+
     is_croppable = True  # crop() puts a layer back exactly as it was (assisted decoding relies on it)
 
-    def __init__(self, max_cache_len: int):
+    def __init__(self, max_cache_len: int, window: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE):
         super().__init__()
         self.max_cache_len = max_cache_len
+        self.window = window
+        self.is_sliding = window is not None
+        self.slots = max_cache_len if window is None else min(max_cache_len, window + chunk_size - 1)
+        # Tokens one attention call may add: any number while the buffer cannot wrap, else as many
+        # as the ring holds beyond the window - 1 keys the earliest of them needs.
+        self.tokens_per_call = self.slots if self.slots == max_cache_len else chunk_size
         self.lengths: torch.Tensor | None = None  # real tokens per row, on the device
         self.seen_tokens = 0      # columns of input processed, padding included (transformers' length)
+        # Host-side, for crop on a ring: the longest row's real tokens now, and the most it ever held
+        # (what was written last overwrote everything more than `slots` positions before it).
+        self._longest = 0
+        self._high_water = 0
         self._prompt = None       # (keys, values) of the prompt, stored once its padding is known
+        self._new = None          # (keys, values) of a later step, stored by the attention function
         self._awaiting_attention = False
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         self.device = key_states.device
-        shape = (self.batch_size, self.num_heads, self.max_cache_len, self.head_dim)
+        shape = (self.batch_size, self.num_heads, self.slots, self.head_dim)
         self.keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
         ops.check_cache_pair(self.keys, self.values)  # dtype and head_dim the kernels support
@@ -132,25 +165,59 @@ class NativeCacheLayer(CacheLayerMixin):
             self._prompt = (key_states, value_states)
             key_states._kvcache_ext_layer = self
             return key_states, value_states
-        ops.append_kv(self.keys, self.values, key_states, value_states, self.lengths)
-        self.lengths += num_new
+        # Stored by the attention function, which on a ring interleaves storing and attending.
+        self._new = (key_states, value_states)
         return self.keys, self.values
 
     def store_prompt(self, attention_mask) -> None:
         keys, values = self._prompt
         self._prompt = None
-        real = _real_tokens(attention_mask, keys.shape[0], keys.shape[2])
-        if real is None:  # no padding: one append
-            ops.append_kv(self.keys, self.values, keys, values, self.lengths)
-            self.lengths += keys.shape[2]
-            return
-        # Pack each row's real tokens into slots 0, 1, ... so that the kernel, which reads the
-        # first lengths[row] slots, never sees padding.
-        rows, columns = real.nonzero(as_tuple=True)
-        slots = real.cumsum(dim=1)[rows, columns] - 1
-        self.keys[rows, :, slots] = keys[rows, :, columns]
-        self.values[rows, :, slots] = values[rows, :, columns]
-        self.lengths.copy_(real.sum(dim=1))
+        length = keys.shape[2]
+        real = _real_tokens(attention_mask, keys.shape[0], length)
+        if real is None:  # no padding: one append of the tokens the buffer keeps (a ring: the last `slots`)
+            kept = min(length, self.slots)
+            self.lengths.fill_(length - kept)
+            ops.append_kv(self.keys, self.values, keys[:, :, length - kept:], values[:, :, length - kept:],
+                          self.lengths)
+            self.lengths.fill_(length)
+            longest = length
+        else:
+            # Each row's real tokens take positions 0, 1, ... (so that the kernel, which reads a
+            # row's positions 0 .. lengths[row] - 1, never sees padding); position p goes to slot
+            # p % slots, and a ring keeps only each row's last `slots` positions.
+            counts = real.sum(dim=1)
+            rows, columns = real.nonzero(as_tuple=True)
+            positions = real.cumsum(dim=1)[rows, columns] - 1
+            held = positions >= counts[rows] - self.slots
+            rows, columns, positions = rows[held], columns[held], positions[held]
+            slots = positions % self.slots
+            self.keys[rows, :, slots] = keys[rows, :, columns]
+            self.values[rows, :, slots] = values[rows, :, columns]
+            self.lengths.copy_(counts)
+            longest = int(counts.max())
+        self._longest = self._high_water = longest
+
+    def attend(self, query, scaling, softcap, sinks):
+        """Store the step's new keys/values and return the attention of ``query`` over each row's
+        tokens, ``(batch, heads, new tokens, head_dim)``, with the native ops."""
+        keys, values = self._new
+        first = slice(0, self.tokens_per_call)
+        # Both ops' arguments are checked before anything is written: a refused step changes nothing.
+        ops.check_append_kv(self.keys, self.values, keys[:, :, first], values[:, :, first], self.lengths)
+        ops.check_decode_attention(query[:, :, first], self.keys, self.values, self.lengths, self.window, scaling,
+                                   softcap, sinks)
+        self._new = None
+        outs = []
+        for start in range(0, keys.shape[2], self.tokens_per_call):
+            piece = slice(start, start + self.tokens_per_call)
+            ops.append_kv(self.keys, self.values, keys[:, :, piece], values[:, :, piece], self.lengths)
+            self.lengths += keys[:, :, piece].shape[2]
+            # Bottom-right causal attention of the new queries over each row's real tokens.
+            outs.append(ops.decode_attention(query[:, :, piece], self.keys, self.values, self.lengths, self.window,
+                                             scaling, softcap, sinks)[0])
+        self._longest += keys.shape[2]
+        self._high_water = max(self._high_water, self._longest)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         # The mask transformers builds describes its own layout (padding included); it is used
@@ -167,7 +234,8 @@ class NativeCacheLayer(CacheLayerMixin):
         if self.lengths is not None:
             self.lengths.zero_()
         self.seen_tokens = 0
-        self._prompt = None
+        self._longest = self._high_water = 0
+        self._prompt = self._new = None
         self._awaiting_attention = False
 
     # -- row operations: what beam search, several sequences per prompt and assisted decoding call
@@ -177,6 +245,8 @@ class NativeCacheLayer(CacheLayerMixin):
         transformers counts columns, padding included (``seen_tokens``); a row holds only its
         real tokens, packed from slot 0, so removing ``n`` columns removes ``n`` real tokens from
         each row, or all of them from a row with fewer real tokens than that (a left-padded row).
+        A sliding-window layer's ring can only go back as far as it still holds every row's window
+        (at least ``chunk_size`` tokens right after a step); beyond that crop refuses, changing nothing.
         """
         if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool) or tokens_to_remove > 0:
             raise ValueError(f"NativeCache.crop takes -n to remove the last n tokens, got {tokens_to_remove!r}; "
@@ -186,7 +256,21 @@ class NativeCacheLayer(CacheLayerMixin):
             raise ValueError(f"cannot remove {removed} tokens: the cache holds {self.seen_tokens}")
         if removed == 0 or not self.is_initialized:
             return
+        longest = max(self._longest - removed, 0)
+        # Once a ring has wrapped, positions more than `slots` before the newest one ever written are
+        # overwritten, and the longest row's next token needs the window - 1 positions before it
+        # (every row is that many columns behind its own newest write, so the longest decides).
+        overwritten = self._high_water - self.slots
+        if self.window is not None and overwritten > 0 and max(longest - self.window + 1, 0) < overwritten:
+            removable = max(self._longest - self.window + 1 - overwritten, 0)
+            raise ValueError(
+                f"cannot remove {removed} tokens from a sliding-window layer: its ring buffer ({self.slots} slots, "
+                f"window {self.window}) has overwritten older tokens, and the longest row must keep the "
+                f"{self.window - 1} before its new end, so at most {removable} can be removed now. Create the "
+                "NativeCache with a larger chunk_size (ring slots = window + chunk_size - 1), or use "
+                "transformers' DynamicCache.")
         self.seen_tokens -= removed
+        self._longest = longest
         self.lengths.sub_(removed).clamp_(min=0)
 
     def reorder_cache(self, beam_idx) -> None:
@@ -225,62 +309,111 @@ class NativeCache(Cache):
 
     ``max_cache_len`` bounds the tokens per row, padding included (prompt length +
     ``max_new_tokens`` for ``generate``; with ``prompt_lookup_num_tokens=n`` add ``n``: transformers
-    verifies prompt-lookup drafts that run up to ``n`` tokens past ``max_length``). Call :meth:`reset` before reusing it for a new prompt.
+    verifies prompt-lookup drafts that run up to ``n`` tokens past ``max_length``). Full-attention
+    layers hold ``max_cache_len`` slots; sliding-window layers (the config's ``layer_types``, or
+    its ``sliding_window``) hold ``min(max_cache_len, sliding_window + chunk_size - 1)``, a ring
+    buffer (see :class:`NativeCacheLayer`). Call :meth:`reset` before reusing it for a new prompt.
     The model must use ``attn_implementation="kvcache_ext"``.
     """
 
-    def __init__(self, config, max_cache_len: int):
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+    def __init__(self, config, max_cache_len: int, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        for name, value in (("max_cache_len", max_cache_len), ("chunk_size", chunk_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("NativeCache supports decoder-only models")
         text_config = config.get_text_config(decoder=True)
+        window = getattr(text_config, "sliding_window", None)
         layer_types = getattr(text_config, "layer_types", None)
-        if layer_types is None:  # configs without layer_types: sliding if a window is set and used
-            sliding = getattr(text_config, "sliding_window", None) is not None \
-                and getattr(text_config, "use_sliding_window", True)
-            layer_types = ["sliding_attention" if sliding else "full_attention"]
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError("NativeCache supports full-attention layers only (no sliding-window or hybrid models)")
-        super().__init__(layers=[NativeCacheLayer(max_cache_len) for _ in range(text_config.num_hidden_layers)])
+        if layer_types is None:  # configs without layer_types (Mistral): sliding if a window is set and used
+            sliding = window is not None and getattr(text_config, "use_sliding_window", True)
+            layer_types = ["sliding_attention" if sliding else "full_attention"] * text_config.num_hidden_layers
+        unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unsupported:
+            raise ValueError(f"NativeCache supports full_attention and sliding_attention layers, but the config has "
+                             f"{unsupported} layers; use transformers' DynamicCache for this model")
+        if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"the config has sliding_attention layers but sliding_window={window!r}; expected a "
+                             "positive int")
+        super().__init__(layers=[
+            NativeCacheLayer(max_cache_len, window if kind == "sliding_attention" else None, chunk_size)
+            for kind in layer_types[:text_config.num_hidden_layers]])
 
 
 def native_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                              is_causal=None, **kwargs):
-    """transformers attention function: fused decode kernel on a :class:`NativeCache`, SDPA otherwise."""
-    layer = getattr(key, "_kvcache_ext_layer", None)
-    if layer is None:  # not our cache (or no cache): transformers' own SDPA path
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    layer._awaiting_attention = False
-    if layer._prompt is not None:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                     scaling=scaling, is_causal=is_causal, **kwargs)
-        layer.store_prompt(attention_mask)
-        return out
-    for unsupported in ("position_bias", "softcap", "sliding_window"):
-        if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"kvcache_ext attention does not support {unsupported}")
+    """transformers attention function: fused decode kernel on a :class:`NativeCache`, masked
+    attention in PyTorch otherwise (SDPA, or plain matmuls where the model soft-caps scores or
+    has sink logits, which SDPA cannot express)."""
+    softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)  # Gemma 2; GPT-OSS
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("kvcache_ext attention does not support position_bias")
     if module.training and dropout:
         raise NotImplementedError("kvcache_ext attention is for inference: no attention dropout")
-    # Bottom-right causal attention of the new queries over each row's real tokens.
-    out, _ = ops.decode_attention(query, layer.keys, layer.values, layer.lengths, None, scaling)
+    layer = getattr(key, "_kvcache_ext_layer", None)
+    if layer is None or layer._prompt is not None:
+        # Not our cache (or no cache), or the prompt step: transformers' mask says what each query sees.
+        if softcap is None and sinks is None:
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                            scaling=scaling, is_causal=is_causal, **kwargs)
+        else:
+            out = _masked_attention(query, key, value, attention_mask, scaling, softcap, sinks)
+        if layer is not None:
+            layer._awaiting_attention = False
+            layer.store_prompt(attention_mask)
+        return out, None
+    layer._awaiting_attention = False
+    if kwargs.get("sliding_window") != layer.window:
+        raise ValueError(f"the model attends with sliding_window={kwargs.get('sliding_window')} in a layer that "
+                         f"NativeCache built with window={layer.window} from the config: build the cache from the "
+                         "model's own config")
+    out = layer.attend(query, scaling, softcap, sinks)
     return out.transpose(1, 2).contiguous(), None  # transformers expects (batch, tokens, heads, head_dim)
+
+
+def _masked_attention(query, key, value, attention_mask, scaling, softcap, sinks):
+    """Attention of ``query`` (batch, heads, tokens, head_dim) over ``key``/``value`` under
+    transformers' mask (boolean, additive float, or None for plain bottom-right causal), with
+    soft-capped scores and sink logits: what the eager attention of Gemma 2 and GPT-OSS computes,
+    in float32. Returns (batch, tokens, heads, head_dim)."""
+    group = query.shape[1] // key.shape[1]
+    keys = key.float().repeat_interleave(group, dim=1)
+    values = value.float().repeat_interleave(group, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = (query.float() @ keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_len, kv_len = scores.shape[-2:]
+    if attention_mask is None:
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask[..., :kv_len]
+    else:
+        visible = attention_mask[..., :kv_len] > torch.finfo(attention_mask.dtype).min / 2
+    # The lowest finite score, not -inf: a padding query that sees nothing gets a finite (unused)
+    # output instead of NaN, which would leak into real rows through 0 * NaN.
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    if sinks is not None:  # a logit in the softmax's denominator, with no value
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return (weights @ values).to(query.dtype).transpose(1, 2).contiguous()
 
 
 def _real_tokens(attention_mask, batch: int, length: int) -> torch.Tensor | None:
     """(batch, length) bool of the prompt's non-padding tokens, or None if there is no padding.
 
-    Read from the last query row of the 4D mask: a causal mask lets the last token see every
-    earlier one, so only padding is masked there.
+    Read from the 4D mask's diagonal: a token sees itself unless it is padding (a sliding
+    window's mask hides earlier tokens from the last query, but never a token from itself).
     """
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 4 or attention_mask.shape[-1] != length:
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != length or attention_mask.shape[-2] != length:
         raise ValueError(f"expected a 4D attention mask over the {length} prompt tokens, got shape "
                          f"{tuple(attention_mask.shape)}")
-    last_row = attention_mask[:, 0, -1, :]
-    real = last_row if last_row.dtype == torch.bool else last_row > torch.finfo(last_row.dtype).min / 2
+    diagonal = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    real = diagonal if diagonal.dtype == torch.bool else diagonal > torch.finfo(diagonal.dtype).min / 2
     real = real.expand(batch, length)
     return None if bool(real.all()) else real
 
@@ -290,4 +423,4 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, native_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 __all__ = ["NativeCache", "NativeCacheLayer", "native_attention_forward", "check_transformers_version",
-           "SUPPORTED_TRANSFORMERS", "ATTN_IMPLEMENTATION"]
+           "SUPPORTED_TRANSFORMERS", "ATTN_IMPLEMENTATION", "DEFAULT_CHUNK_SIZE"]

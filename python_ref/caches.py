@@ -45,6 +45,42 @@ def append_to_slots(k_cache, v_cache, k_new, v_new, lengths) -> None:
     v_cache[rows, :, slots] = v_new.permute(0, 2, 1, 3)
 
 
+def sink_token_attention(q, sink_k, sink_v, lengths, window: int, scale=None):
+    """Attention of ``q`` (B, H_q, T, D) over the sink tokens (B, H_kv, S, D), the first S
+    positions of each row (slot ``j`` holds position ``j``), as far as they lie *outside* each
+    query's window: query ``i`` of row ``b`` is position ``p_i = lengths[b] - T + i`` and sees sink
+    position ``j`` iff ``j <= p_i - window`` (positions inside the window are the ring's).
+
+    Returns the output in float32 (float64 for float64 input) and its log-sum-exp (B, H_q, T):
+    ``-inf``, with a zero output, for a query that sees no sink token.
+    """
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, H_q, T, D = q.shape
+    group = H_q // sink_k.shape[1]
+    keys = sink_k.to(acc_dtype).repeat_interleave(group, dim=1)
+    values = sink_v.to(acc_dtype).repeat_interleave(group, dim=1)
+    scores = (q.to(acc_dtype) @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(D) if scale is None else scale)
+    query_pos = lengths.view(B, 1, 1) - T + torch.arange(T, device=q.device).view(1, T, 1)
+    visible = torch.arange(sink_k.shape[2], device=q.device).view(1, 1, -1) <= query_pos - window
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # Rows that see nothing: exp(-inf - 0) = 0 weights instead of exp(-inf - -inf) = NaN.
+    weights = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+    return weights @ values, lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b, dtype):
+    """The attention over the union of two disjoint key sets, from each set's softmax output and
+    log-sum-exp: each output weighted by its share of the total denominator (exact, not an
+    approximation). Computed in float32 (or float64 if either input is), cast to ``dtype``."""
+    acc_dtype = torch.float64 if torch.float64 in (out_a.dtype, out_b.dtype) else torch.float32
+    lse_a, lse_b = lse_a.to(acc_dtype), lse_b.to(acc_dtype)
+    lse = torch.logaddexp(lse_a, lse_b)
+    share_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    share_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    return (share_a * out_a.to(acc_dtype) + share_b * out_b.to(acc_dtype)).to(dtype)
+
+
 def start_forward(cache, idx: torch.Tensor, context_length: int) -> torch.Tensor:
     """The checks every model's forward makes before it runs, then ``cache.start_step``.
 
@@ -89,9 +125,10 @@ def _read_saved_cache(path):
     except (OSError, SafetensorError) as error:
         raise ValueError(f"{path} is not a readable saved cache (missing, truncated or not safetensors): {error}") \
             from error
-    if header is None or set(tensors) != {"k", "v", "lengths"}:
-        raise ValueError(f"{path} is a safetensors file but not a saved cache: expected tensors k, v, lengths and "
-                         f"'{SAVED_CACHE_KEY}' metadata, got tensors {sorted(tensors)}")
+    if header is None or set(tensors) - {"sink_k", "sink_v"} != {"k", "v", "lengths"}:
+        raise ValueError(f"{path} is a safetensors file but not a saved cache: expected tensors k, v, lengths "
+                         f"(and sink_k, sink_v with sink tokens) and '{SAVED_CACHE_KEY}' metadata, got tensors "
+                         f"{sorted(tensors)}")
     try:
         meta = json.loads(header)
     except json.JSONDecodeError as error:
@@ -213,6 +250,17 @@ class PreallocatedCache(nn.Module):
     ``window - 1`` tokens before its new end. ``crop``/``rewind`` refuse to go further, naming how
     many tokens can be removed (at least ``chunk_size`` right after a step, less after earlier
     rewinds; the count is tracked on the host, conservatively over all rows).
+
+    Attention sinks (StreamingLLM). With ``window=W`` and ``sink_tokens=S`` the cache also keeps
+    the first ``S`` tokens of every row, forever, in ``S`` dedicated slots per row
+    (``sink_k``/``sink_v``, slot ``j`` holding position ``j``): the query at position ``p`` attends
+    to positions ``j <= p`` with ``j > p - W`` (its window, from the ring) or ``j < S`` (the sink
+    tokens), each once. A plain window collapses once the first tokens leave it, because models
+    put much of their attention on them; keeping them lets generation run on past the tokens
+    the window holds. The two parts are attended separately and merged through their
+    log-sum-exps (:func:`merge_attention`), which is exact. Positions keep growing: the model
+    sees the true position of every token (keys are stored after RoPE and cannot be re-rotated),
+    so a model still stops at its context length (``start_forward`` refuses beyond it).
     """
 
     #: Version of the file layout written by :meth:`save`; :meth:`load` reads only this one.
@@ -229,6 +277,7 @@ class PreallocatedCache(nn.Module):
         chunk_size: int = 128,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        sink_tokens: int = 0,
     ):
         super().__init__()
         for name, value in [("num_layers", num_layers), ("batch_size", batch_size),
@@ -239,6 +288,11 @@ class PreallocatedCache(nn.Module):
             raise ValueError(f"window must be a positive int or None, got {window!r}")
         if window is None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive int when there is no window, got {max_cache_len!r}")
+        if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+        if sink_tokens and window is None:
+            raise ValueError(f"sink_tokens={sink_tokens} needs a window: without one the cache keeps every token "
+                             "already. Pass window=... as well, or leave sink_tokens at 0.")
         self.num_layers, self.batch_size = num_layers, batch_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.window = window
@@ -250,6 +304,13 @@ class PreallocatedCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device),
                              persistent=False)
+        self.sink_tokens = sink_tokens
+        if sink_tokens:
+            # One more slot than sink tokens: writes of later positions go to that scratch slot, so
+            # that storing a step's sink tokens needs no host read of which tokens they are.
+            sink_shape = (num_layers, batch_size, kv_heads, sink_tokens + 1, head_dim)
+            self.register_buffer("sink_k", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("sink_v", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
         self._host_length = 0
         # Ring buffers only: None while no row has wrapped around (a row can drop all its tokens),
         # then the fewest tokens any row can drop and still hold its window (see the docstring).
@@ -401,12 +462,15 @@ class PreallocatedCache(nn.Module):
         used = min(self._host_length, self.slots)
         tensors = {"k": self.k[..., :used, :].contiguous().cpu(), "v": self.v[..., :used, :].contiguous().cpu(),
                    "lengths": self.lengths.cpu()}
+        if self.sink_tokens:
+            tensors["sink_k"] = self.sink_k[..., :self.sink_tokens, :].contiguous().cpu()
+            tensors["sink_v"] = self.sink_v[..., :self.sink_tokens, :].contiguous().cpu()
         meta = {"format_version": self.FORMAT_VERSION, "num_layers": self.num_layers,
                 "batch_size": self.batch_size, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "slots": self.slots, "max_cache_len": self.max_cache_len, "window": self.window,
                 "chunk_size": self.chunk_size, "dtype": str(self.k.dtype).removeprefix("torch."),
                 "lengths": tensors["lengths"].tolist(), "ring_rewindable": self._ring_rewindable,
-                "fingerprint": fingerprint}
+                "sink_tokens": self.sink_tokens, "fingerprint": fingerprint}
         meta["sha256"] = _checksum(tensors, meta)
         partial = f"{os.fspath(path)}.partial"
         save_file(tensors, partial, metadata={SAVED_CACHE_KEY: json.dumps(meta)})
@@ -448,22 +512,32 @@ class PreallocatedCache(nn.Module):
             raise ValueError("max_cache_len applies to caches without a window; this one has window="
                              f"{window} and chunk_size={meta['chunk_size']}")
         used = min(longest, meta["slots"])
-        expected = (meta["num_layers"], meta["batch_size"], meta["kv_heads"], used, meta["head_dim"])
-        for name in ("k", "v"):
-            if tuple(tensors[name].shape) != expected or tensors[name].dtype != dtype:
-                raise ValueError(f"{path}: {name} must be {meta['dtype']} of shape {expected}, got "
+        sink_tokens = meta.get("sink_tokens", 0)  # files from before sink tokens have none
+        rows = (meta["num_layers"], meta["batch_size"], meta["kv_heads"])
+        expected = {"k": (*rows, used, meta["head_dim"]), "v": (*rows, used, meta["head_dim"])}
+        if sink_tokens:
+            expected.update(sink_k=(*rows, sink_tokens, meta["head_dim"]), sink_v=(*rows, sink_tokens, meta["head_dim"]))
+        if set(tensors) != {"lengths", *expected}:
+            raise ValueError(f"{path}: a cache with sink_tokens={sink_tokens} holds tensors "
+                             f"{sorted({'lengths', *expected})}, got {sorted(tensors)}")
+        for name, shape in expected.items():
+            if tuple(tensors[name].shape) != shape or tensors[name].dtype != dtype:
+                raise ValueError(f"{path}: {name} must be {meta['dtype']} of shape {shape}, got "
                                  f"{tensors[name].dtype} of shape {tuple(tensors[name].shape)}")
         if lengths.dtype != torch.long or lengths.tolist() != meta["lengths"] or min(meta["lengths"], default=0) < 0:
             raise ValueError(f"{path}: lengths must be the {meta['batch_size']} non-negative row lengths recorded "
                              f"in its metadata, got {lengths.tolist()}")
         cache = cls(meta["num_layers"], meta["batch_size"], meta["kv_heads"], meta["head_dim"],
                     max_cache_len=capacity if window is None else None, window=window,
-                    chunk_size=meta["chunk_size"] or 128, dtype=dtype, device=device)
+                    chunk_size=meta["chunk_size"] or 128, dtype=dtype, device=device, sink_tokens=sink_tokens)
         if window is not None and cache.slots != meta["slots"]:
             raise ValueError(f"{path}: a window of {window} with chunk_size {meta['chunk_size']} has "
                              f"{cache.slots} slots, but the file says {meta['slots']}")
         cache.k[..., :used, :] = tensors["k"]
         cache.v[..., :used, :] = tensors["v"]
+        if sink_tokens:
+            cache.sink_k[..., :sink_tokens, :] = tensors["sink_k"]
+            cache.sink_v[..., :sink_tokens, :] = tensors["sink_v"]
         cache.lengths.copy_(lengths)
         cache._host_length = longest
         cache._ring_rewindable = meta["ring_rewindable"]
@@ -532,12 +606,18 @@ class PreallocatedCache(nn.Module):
     def _copy_rows(self, src_rows: torch.Tensor) -> None:
         """Row ``i`` becomes old row ``src_rows[i]``, in place, with its length."""
         self._gather_rows(src_rows)
+        if self.sink_tokens:
+            self.sink_k.copy_(self.sink_k.index_select(1, src_rows))
+            self.sink_v.copy_(self.sink_v.index_select(1, src_rows))
         self.lengths.copy_(self.lengths.index_select(0, src_rows))
 
     def _resize_rows(self, src_rows: torch.Tensor) -> None:
         """New buffers of ``len(src_rows)`` rows, row ``i`` a copy of old row ``src_rows[i]``."""
         self.k = self.k.index_select(1, src_rows)
         self.v = self.v.index_select(1, src_rows)
+        if self.sink_tokens:
+            self.sink_k = self.sink_k.index_select(1, src_rows)
+            self.sink_v = self.sink_v.index_select(1, src_rows)
         self.lengths = self.lengths.index_select(0, src_rows)
         self.batch_size = len(src_rows)
 
@@ -552,10 +632,11 @@ class PreallocatedCache(nn.Module):
         append_to_slots(self.k[layer], self.v[layer], k, v, lengths)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
+        """The attention over what the layer's buffer holds, and its log-sum-exp."""
         # Before the ring wraps, the layout is linear: attend only over the filled prefix.
         used = min(longest_after, self.slots)
         return reference_attention(q, self.k[layer, :, :, :used], self.v[layer, :, :, :used],
-                                   lengths_after, window=self.window, scale=scale)
+                                   lengths_after, window=self.window, scale=scale, return_lse=True)
 
     # -------------------------------------------------------------------------------------
     def _append_and_attend(self, layer, q, k, v, offset, scale):
@@ -563,7 +644,22 @@ class PreallocatedCache(nn.Module):
         T = k.shape[2]
         lengths_before = self.lengths + offset if offset else self.lengths
         self._append(layer, k, v, lengths_before)
-        return self._attention(layer, q, lengths_before + T, self.seq_length + offset + T, scale)
+        out, lse = self._attention(layer, q, lengths_before + T, self.seq_length + offset + T, scale)
+        if not self.sink_tokens:
+            return out
+        self._store_sink_tokens(layer, k, v, lengths_before)
+        sink_out, sink_lse = sink_token_attention(q, self.sink_k[layer, :, :, :self.sink_tokens],
+                                                  self.sink_v[layer, :, :, :self.sink_tokens],
+                                                  lengths_before + T, self.window, scale)
+        return merge_attention(out, lse, sink_out, sink_lse, q.dtype)
+
+    def _store_sink_tokens(self, layer, k, v, lengths_before):
+        """New tokens at positions below ``sink_tokens`` go to their sink slot; the others to the scratch slot."""
+        positions = lengths_before.unsqueeze(1) + torch.arange(k.shape[2], device=k.device)
+        slots = positions.clamp(max=self.sink_tokens)
+        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+        self.sink_k[layer][rows, :, slots] = k.permute(0, 2, 1, 3)
+        self.sink_v[layer][rows, :, slots] = v.permute(0, 2, 1, 3)
 
     def _check_step(self, layer, q, k, v, scale):
         """Everything a step checks before it writes a byte (subclasses add what their kernels need)."""
@@ -586,13 +682,16 @@ class PreallocatedCache(nn.Module):
                 f"T={self._num_new}, D={self.head_dim}), got {tuple(q.shape)}")
 
     def bytes_allocated(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        sinks = 2 * self.sink_k.numel() * self.sink_k.element_size() if self.sink_tokens else 0
+        return 2 * self.k.numel() * self.k.element_size() + sinks
 
     def bytes_used(self) -> int:
         per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * self.k.element_size()
-        return per_token * self.batch_size * min(self.seq_length, self.slots)
+        return per_token * self.batch_size * (min(self.seq_length, self.slots) + min(self.seq_length, self.sink_tokens))
 
     def extra_repr(self) -> str:
         mode = f"window={self.window}, slots={self.slots}" if self.window else f"max_cache_len={self.slots}"
+        if self.sink_tokens:
+            mode += f", sink_tokens={self.sink_tokens}"
         return (f"layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}, {mode}, dtype={self.k.dtype}")
