@@ -57,10 +57,13 @@ layer window differs from the config's, ``position_bias`` and attention dropout 
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from . import ops
-from python_ref.caches import CacheOverflowError
+from python_ref.caches import _SAVED_DTYPES, CacheOverflowError, _checksum, _read_saved_cache
 
 # The transformers versions this module is tested with (tests/test_hf.py). Its Cache and
 # attention-interface APIs change between releases, so other versions are refused.
@@ -68,6 +71,9 @@ SUPPORTED_TRANSFORMERS = ("5.24", "6")  # >= first, < second
 ATTN_IMPLEMENTATION = "kvcache_ext"
 # Tokens a sliding-window layer's ring holds beyond its window (python_ref's PreallocatedCache default).
 DEFAULT_CHUNK_SIZE = 128
+# The safetensors metadata entry of a saved NativeCache (not python_ref's "kvcache": a saved
+# KVCache is a different layout and is refused by NativeCache.load, and the other way round).
+SAVED_NATIVE_CACHE_KEY = "kvcache_ext.hf.NativeCache"
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -338,6 +344,151 @@ class NativeCache(Cache):
         super().__init__(layers=[
             NativeCacheLayer(max_cache_len, window if kind == "sliding_attention" else None, chunk_size)
             for kind in layer_types[:text_config.num_hidden_layers]])
+        self.max_cache_len = max_cache_len
+        self.chunk_size = chunk_size
+
+    # -- saved caches -----------------------------------------------------------------------
+    FORMAT_VERSION = 1
+
+    def save(self, path, fingerprint: str = "") -> None:
+        """Write the cache to ``path`` as safetensors (no pickle), between ``generate`` calls.
+
+        Saved: every layer's held slots (``keys.<i>``, ``values.<i>``) and per-row ``lengths``
+        (``lengths.<i>``), and metadata with the format version, ``max_cache_len``, ``chunk_size``
+        and per layer its window, slots, shapes, dtype and the counters transformers and
+        :meth:`NativeCacheLayer.crop` read (``seen_tokens``: columns processed, padding included;
+        the longest row's tokens and the most it ever held); ``fingerprint`` (what the cache
+        belongs to, e.g. model name and revision, compared by :meth:`load`); and a sha256 checksum
+        over all of it. The file is written beside ``path`` and renamed into place, so ``path`` is
+        never half-written.
+        """
+        from safetensors.torch import save_file
+
+        if not isinstance(fingerprint, str):
+            raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
+        tensors, layers = {}, []
+        for i, layer in enumerate(self.layers):
+            if layer._prompt is not None or layer._new is not None or layer._awaiting_attention:
+                raise RuntimeError("NativeCache.save() inside a forward pass: save between generate() calls")
+            entry = {"window": layer.window, "slots": layer.slots, "max_cache_len": layer.max_cache_len,
+                     "seen_tokens": layer.seen_tokens, "longest": layer._longest, "high_water": layer._high_water,
+                     "initialized": bool(layer.is_initialized)}
+            if layer.is_initialized:
+                used = min(layer._high_water, layer.slots)  # slots never written hold nothing
+                tensors[f"keys.{i}"] = layer.keys[:, :, :used].contiguous().cpu()
+                tensors[f"values.{i}"] = layer.values[:, :, :used].contiguous().cpu()
+                tensors[f"lengths.{i}"] = layer.lengths.cpu()
+                entry.update(batch_size=layer.batch_size, kv_heads=layer.num_heads, head_dim=layer.head_dim,
+                             used=used, dtype=str(layer.keys.dtype).removeprefix("torch."),
+                             lengths=tensors[f"lengths.{i}"].tolist())
+            layers.append(entry)
+        meta = {"format_version": self.FORMAT_VERSION, "max_cache_len": self.max_cache_len,
+                "chunk_size": self.chunk_size, "num_layers": len(self.layers), "layers": layers,
+                "fingerprint": fingerprint}
+        meta["sha256"] = _checksum(tensors, meta)
+        partial = f"{os.fspath(path)}.partial"
+        save_file(tensors, partial, metadata={SAVED_NATIVE_CACHE_KEY: json.dumps(meta)})
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path, config, device=None, fingerprint: str = "", max_cache_len: int | None = None):
+        """A new ``NativeCache`` for ``config`` holding what :meth:`save` wrote to ``path``, on
+        ``device`` (default CPU). Continue with ``model.generate(all_ids, cache=cache, ...)``,
+        where ``all_ids`` are the token ids the cache holds (padding included) followed by new
+        ones: transformers computes only the columns past ``cache.get_seq_length()``.
+
+        ``fingerprint`` must equal the one it was saved with. ``max_cache_len`` (default: the
+        saved one) may be larger or smaller as long as it holds the saved tokens and leaves every
+        sliding-window layer's ring the same size. Refuses, with nothing created, a file that is
+        unreadable, truncated or changed (checksum), of another format version or fingerprint, or
+        whose layers (count, full/sliding and window, key/value heads, head size) do not match
+        what ``config`` builds.
+        """
+        def names_ok(names):
+            return all(n.split(".")[0] in ("keys", "values", "lengths") and n.split(".")[-1].isdigit()
+                       for n in names)
+
+        meta, tensors = _read_saved_cache(path, key=SAVED_NATIVE_CACHE_KEY, names_ok=names_ok,
+                                          expected="tensors keys.<i>, values.<i>, lengths.<i>")
+        if meta.get("format_version") != cls.FORMAT_VERSION:
+            raise ValueError(f"{path} has NativeCache format version {meta.get('format_version')!r}; this version "
+                             f"reads version {cls.FORMAT_VERSION}. Re-create the cache and save it again.")
+        required = {"sha256", "fingerprint", "max_cache_len", "chunk_size", "num_layers", "layers"}
+        if not required <= set(meta):
+            raise ValueError(f"{path} is corrupt: its metadata lacks {sorted(required - set(meta))}")
+        if _checksum(tensors, {k: v for k, v in meta.items() if k != "sha256"}) != meta["sha256"]:
+            raise ValueError(f"{path} is corrupt: its contents do not match the sha256 checksum saved with them")
+        if meta["fingerprint"] != fingerprint:
+            raise ValueError(f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
+                             "it holds another model's keys and values")
+        saved = meta["layers"]
+        if not isinstance(saved, list) or len(saved) != meta["num_layers"]:
+            raise ValueError(f"{path} is corrupt: {meta['num_layers']} layers but {len(saved)} layer entries")
+        capacity = meta["max_cache_len"] if max_cache_len is None else max_cache_len
+        cache = cls(config, max_cache_len=capacity, chunk_size=meta["chunk_size"])  # validates both
+        if len(cache.layers) != len(saved):
+            raise ValueError(f"{path} holds {len(saved)} layers; this config has {len(cache.layers)}")
+        text_config = config.get_text_config(decoder=True)
+        heads = getattr(text_config, "num_attention_heads", None)
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(text_config, "head_dim", None)
+        if head_dim is None and heads and getattr(text_config, "hidden_size", None):
+            head_dim = text_config.hidden_size // heads
+        expected_names = set()
+        for i, (layer, entry) in enumerate(zip(cache.layers, saved)):
+            kind = lambda window: "full attention" if window is None else f"sliding window {window}"  # noqa: E731
+            if entry["window"] != layer.window:
+                raise ValueError(f"{path}: layer {i} was saved with {kind(entry['window'])}; this config's layer "
+                                 f"{i} has {kind(layer.window)}")
+            if entry["seen_tokens"] > capacity:
+                raise ValueError(f"max_cache_len must hold the {entry['seen_tokens']} saved tokens (padding "
+                                 f"included), got {capacity}")
+            if layer.window is not None and layer.slots != entry["slots"] and entry["high_water"] > 0:
+                raise ValueError(f"{path}: layer {i}'s ring has {entry['slots']} slots, but max_cache_len="
+                                 f"{capacity} gives {layer.slots}; load with max_cache_len >= {entry['slots']} or "
+                                 f"the saved {meta['max_cache_len']}")
+            if not entry["initialized"]:
+                continue
+            if (kv_heads, head_dim) != (entry["kv_heads"], entry["head_dim"]) and kv_heads is not None \
+                    and head_dim is not None:
+                raise ValueError(f"{path}: layer {i} holds {entry['kv_heads']} key/value heads of size "
+                                 f"{entry['head_dim']}; this config has {kv_heads} of size {head_dim}")
+            dtype = _SAVED_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"{path}: dtype must be one of {sorted(_SAVED_DTYPES)}, got {entry['dtype']!r}")
+            shape = (entry["batch_size"], entry["kv_heads"], entry["used"], entry["head_dim"])
+            if entry["used"] != min(entry["high_water"], entry["slots"]):
+                raise ValueError(f"{path} is corrupt: layer {i} says {entry['used']} slots are used")
+            for name in (f"keys.{i}", f"values.{i}"):
+                t = tensors.get(name)
+                if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                    raise ValueError(f"{path}: {name} must be {entry['dtype']} of shape {shape}, got "
+                                     f"{None if t is None else (t.dtype, tuple(t.shape))}")
+            lengths = tensors.get(f"lengths.{i}")
+            if lengths is None or lengths.dtype != torch.long or lengths.tolist() != entry["lengths"] \
+                    or len(entry["lengths"]) != entry["batch_size"] or min(entry["lengths"]) < 0 \
+                    or max(entry["lengths"]) != entry["longest"]:
+                raise ValueError(f"{path}: lengths.{i} must be the {entry['batch_size']} non-negative row "
+                                 f"lengths recorded in its metadata")
+            expected_names |= {f"keys.{i}", f"values.{i}", f"lengths.{i}"}
+        if set(tensors) != expected_names:
+            raise ValueError(f"{path}: expected tensors {sorted(expected_names)}, got {sorted(tensors)}")
+        # Everything is checked: fill the new cache (a failure above left no cache behind).
+        device = torch.device("cpu") if device is None else torch.device(device)
+        for i, (layer, entry) in enumerate(zip(cache.layers, saved)):
+            layer.seen_tokens, layer._longest, layer._high_water = \
+                entry["seen_tokens"], entry["longest"], entry["high_water"]
+            if not entry["initialized"]:
+                continue
+            shape = (entry["batch_size"], entry["kv_heads"], 1, entry["head_dim"])
+            dtype = _SAVED_DTYPES[entry["dtype"]]
+            layer.lazy_initialization(torch.empty(shape, dtype=dtype, device=device),
+                                      torch.empty(shape, dtype=dtype, device=device))
+            used = entry["used"]
+            layer.keys[:, :, :used] = tensors[f"keys.{i}"].to(device)
+            layer.values[:, :, :used] = tensors[f"values.{i}"].to(device)
+            layer.lengths.copy_(tensors[f"lengths.{i}"].to(device))
+        return cache
 
 
 def native_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -423,4 +574,4 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, native_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 __all__ = ["NativeCache", "NativeCacheLayer", "native_attention_forward", "check_transformers_version",
-           "SUPPORTED_TRANSFORMERS", "ATTN_IMPLEMENTATION", "DEFAULT_CHUNK_SIZE"]
+           "SUPPORTED_TRANSFORMERS", "ATTN_IMPLEMENTATION", "DEFAULT_CHUNK_SIZE", "SAVED_NATIVE_CACHE_KEY"]

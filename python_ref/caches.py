@@ -114,22 +114,29 @@ def _checksum(tensors: dict, meta: dict) -> str:
     return digest.hexdigest()
 
 
-def _read_saved_cache(path):
+def _read_saved_cache(path, key: str = SAVED_CACHE_KEY, names_ok=None,
+                      expected: str = "tensors k, v, lengths (and sink_k, sink_v with sink tokens)"):
     """The metadata and tensors of a file written by ``PreallocatedCache.save``, read completely
-    into memory before anything is built from them."""
+    into memory before anything is built from them.
+
+    ``key`` is the safetensors metadata entry holding the description, ``names_ok(names)`` says
+    whether the set of tensor names fits (default: ``PreallocatedCache``'s), ``expected`` describes
+    them for the error message (``kvcache_ext.hf.NativeCache`` passes its own)."""
     from safetensors import SafetensorError, safe_open
 
+    if names_ok is None:
+        def names_ok(names):
+            return names - {"sink_k", "sink_v"} == {"k", "v", "lengths"}
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
-            header = (f.metadata() or {}).get(SAVED_CACHE_KEY)
+            header = (f.metadata() or {}).get(key)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, SafetensorError) as error:
         raise ValueError(f"{path} is not a readable saved cache (missing, truncated or not safetensors): {error}") \
             from error
-    if header is None or set(tensors) - {"sink_k", "sink_v"} != {"k", "v", "lengths"}:
-        raise ValueError(f"{path} is a safetensors file but not a saved cache: expected tensors k, v, lengths "
-                         f"(and sink_k, sink_v with sink tokens) and '{SAVED_CACHE_KEY}' metadata, got tensors "
-                         f"{sorted(tensors)}")
+    if header is None or not names_ok(set(tensors)):
+        raise ValueError(f"{path} is a safetensors file but not a saved cache of this kind: expected {expected} "
+                         f"and '{key}' metadata, got tensors {sorted(tensors)}")
     try:
         meta = json.loads(header)
     except json.JSONDecodeError as error:
