@@ -28,13 +28,16 @@ no infinities), the same scale granularity::
 ``"int4"`` — symmetric, one scale per group of 32 consecutive values along head_dim (``D`` must
 be a multiple of 32), two values per byte::
 
-    data    uint8    (B, H_kv, S, D / 2)  byte i = (q[2i] + 8) | (q[2i+1] + 8) << 4
+    data    uint8    (B, H_kv, S, D / 2)  16 bytes per group g: byte 16g + i holds values
+                                          32g + i (low nibble) and 32g + 16 + i (high nibble),
+                                          each stored as q + 8 (llama.cpp's q4_0 layout)
     scales  float16  (B, H_kv, S, D / 32) s = float16(min(max|x_group| / 7, 65504))
                                           q = clamp(round(x / float(s)), -7, 7)  (0 where s == 0)
     value   q * float(s)
 
     The scale is rounded to float16 *before* the values are divided by it, so quantizer and
-    dequantizer use the same scale. Groups whose largest magnitude exceeds 7 * 65504 are clipped
+    dequantizer use the same scale. The layout lets a kernel widen 16 consecutive values with one
+    load and one mask (low) or shift (high). Groups whose largest magnitude exceeds 7 * 65504 are clipped
     (float16's range bounds the scale); float16 keeps int4 at 0.28x the bytes of bfloat16.
 
 ``round`` is round-half-to-even. Non-finite inputs give unspecified bytes.
@@ -88,8 +91,8 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         groups = x.unflatten(-1, (-1, INT4_GROUP))  # (..., D / 32, 32)
         scales = (groups.abs().amax(-1) / torch.tensor(7.0)).clamp(max=_FP16_MAX).to(torch.float16)
         s = scales.float().unsqueeze(-1)
-        q = torch.where(s > 0, torch.round(groups / s), 0.0).clamp(-7, 7).flatten(-2).to(torch.int32) + 8
-        data = (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+        q = torch.where(s > 0, torch.round(groups / s), 0.0).clamp(-7, 7).to(torch.int32) + 8  # (..., D / 32, 32)
+        data = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8).flatten(-2)
         return data, scales
     top = 127.0 if fmt == "int8" else 448.0
     scales = x.abs().amax(-1) / torch.tensor(top)
@@ -104,9 +107,9 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.
     float64), then cast to ``dtype``."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     if _checked(fmt) == "int4":
-        nibbles = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2).to(wide) - 8  # (..., D)
-        values = nibbles.unflatten(-1, (-1, INT4_GROUP)) * scales.to(wide).unsqueeze(-1)
-        return values.flatten(-2).to(dtype)
+        groups = data.unflatten(-1, (-1, INT4_GROUP // 2))  # (..., D / 32, 16)
+        nibbles = torch.cat([groups & 15, groups >> 4], dim=-1).to(wide) - 8  # (..., D / 32, 32)
+        return (nibbles * scales.to(wide).unsqueeze(-1)).flatten(-2).to(dtype)
     return (data.to(wide) * scales.to(wide).unsqueeze(-1)).to(dtype)
 
 

@@ -49,11 +49,12 @@ def test_fp8_codes_by_hand():
 
 def test_int4_codes_by_hand():
     x = torch.zeros(1, 64)
-    x[0, :4] = torch.tensor([14.0, -14.0, 3.0, 1.0])  # group 0: max 14, scale 2
+    x[0, [0, 16, 1, 17]] = torch.tensor([14.0, -14.0, 3.0, 1.0])  # group 0: max 14, scale 2
     x[0, 32] = 7.0  # group 1: scale 1
     data, scales = quantize(x, "int4")
     assert scales.tolist() == [[2.0, 1.0]] and scales.dtype == torch.float16
-    # codes + 8, low nibble first: (7, -7) -> 0x1F; (1.5 -> 2, 0.5 -> 0) -> 0x8A; zeros -> 0x88
+    # byte i of a group: value i + 8 in the low nibble, value i + 16 + 8 in the high one:
+    # (7, -7) -> 0x1F; (1.5 -> 2, 0.5 -> 0) -> 0x8A; zeros -> 0x88; group 1 starts at byte 16
     assert data[0, :3].tolist() == [0x1F, 0x8A, 0x88] and data[0, 16].tolist() == 0x8F
     assert data.shape == (1, 32)
 

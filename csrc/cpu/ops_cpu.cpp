@@ -118,7 +118,6 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
                   dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
   STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
   STD_TORCH_CHECK(H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv, ")");
-  const int64_t group = H_q / H_kv;
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   STD_TORCH_CHECK(!scale.has_value() || std::isfinite(*scale), "scale must be finite or None, got ", *scale);
   check_softcap_and_sinks(softcap, sinks, q);

@@ -86,13 +86,13 @@ void quantize_vector(KvFormat format, const float* x, int64_t D, void* data, voi
       const uint16_t scale_bits = float_to_half(std::min(top / 7.0f, 65504.0f));
       half_scales[g0 / kInt4Group] = scale_bits;
       const float s = half_to_float(scale_bits);
-      for (int64_t d = g0; d < g0 + kInt4Group; d += 2) {
+      for (int64_t i = 0; i < kInt4Group / 2; ++i) {  // values i and i + 16 of the group share byte i
         int nibbles[2];
         for (int k = 0; k < 2; ++k) {
-          const float q = s > 0.0f ? std::nearbyint(x[d + k] / s) : 0.0f;
+          const float q = s > 0.0f ? std::nearbyint(x[g0 + i + k * kInt4Group / 2] / s) : 0.0f;
           nibbles[k] = static_cast<int>(std::clamp(q, -7.0f, 7.0f)) + 8;
         }
-        bytes[d / 2] = uint8_t(nibbles[0] | nibbles[1] << 4);
+        bytes[g0 / 2 + i] = uint8_t(nibbles[0] | nibbles[1] << 4);
       }
     }
     return;
