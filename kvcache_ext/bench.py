@@ -13,7 +13,8 @@ import sys
 from importlib.util import find_spec
 from pathlib import Path
 
-SUITES = {"append": "append.py", "decode": "decode_attention.py", "generation": "generation.py"}
+SUITES = {"append": "append.py", "decode": "decode_attention.py", "generation": "generation.py",
+          "quantized": "quantized.py"}
 REQUIREMENTS = {"pytest": "pytest", "pytest_benchmark": "pytest-benchmark", "matplotlib": "matplotlib"}
 
 
