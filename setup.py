@@ -24,7 +24,7 @@ MIN_TORCH = (2, 10)
 TORCH_TARGET = f"-DTORCH_TARGET_VERSION=0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
-cpu_sources = ["csrc/ops.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/cpu_isa.cpp", "csrc/cpu/decode_attention_baseline.cpp",
+cpu_sources = ["csrc/ops.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/gather_rows.cpp", "csrc/cpu/cpu_isa.cpp", "csrc/cpu/decode_attention_baseline.cpp",
                "csrc/cpu/ops_quantized_cpu.cpp", "csrc/cpu/quantized_baseline.cpp"]
 isas = ["baseline"]
 if x86:
@@ -95,7 +95,7 @@ setup(
     package_data={"python_ref": ["assets/gpt2.tiktoken", "assets/gpt2.tiktoken.LICENSE"], "kvcache_ext": ["_build_info.json"]},
     install_requires=[f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}", "tiktoken", "safetensors", "numpy"],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "transformers>=5.24,<6", "matplotlib"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.24,<6", "accelerate", "matplotlib"],
         "bench": ["pytest", "pytest-benchmark", "matplotlib"],
         "hf": ["transformers>=5.24,<6"],
     },

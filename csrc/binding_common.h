@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -92,6 +93,23 @@ inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch
                   k_cache.size(0), ",), got ", shape_of(lengths));
   STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
                   dtype_name(lengths.scalar_type()));
+}
+
+// decode_attention's scale as the kernels use it (default 1/sqrt(head_dim)): finite, and at most
+// FLT_MAX / 2 in magnitude so that float32 products with it (the CUDA kernel folds in log2(e))
+// stay finite.
+inline float checked_scale(std::optional<double> scale, int64_t head_dim) {
+  const double value = scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  STD_TORCH_CHECK(std::isfinite(value) && std::abs(value) <= std::numeric_limits<float>::max() / 2,
+                  "scale must be finite and at most 1.7e38 in magnitude (float32 arithmetic), got ", value);
+  return static_cast<float>(value);
+}
+
+// decode_attention's new tokens must fit the cache's slots: with more, the earliest queries' own
+// positions are already overwritten and they would attend to nothing.
+inline void check_new_tokens_fit(int64_t num_new, int64_t slots) {
+  STD_TORCH_CHECK(num_new <= slots, "q holds ", num_new, " new tokens but the cache has ", slots,
+                  " slots: at most as many new tokens as slots");
 }
 
 // The optional arguments of decode_attention that both devices check alike: softcap must be a

@@ -22,6 +22,13 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, "
       "int? window=None, float? scale=None, float? softcap=None, Tensor? sinks=None) -> (Tensor, Tensor)");
 
+  // Row i of k_cache/v_cache [batch, kv_heads, slots, head_dim] becomes a copy of old row
+  // src_rows[i] (all slots), in place, for every i: src_rows [batch] int64, each in [0, batch),
+  // may repeat (beam search reorders rows, a prefix is forked into several rows). Only rows
+  // with src_rows[i] != i are written, and only the overwritten rows that are also sources
+  // are staged in scratch memory, instead of copying the whole cache out and back.
+  m.def("gather_rows(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_rows) -> ()");
+
   // The capability table of csrc/capabilities.h for device_type "cpu" or "cuda", as JSON: dtypes,
   // head_dim rule, limits on lengths and slots. Read by kvcache_ext.capabilities().
   m.def("capabilities(str device_type) -> str");

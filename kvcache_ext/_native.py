@@ -2,6 +2,10 @@
 
 Two libraries: ``_C`` (op schemas and CPU kernels, always) and ``_C_cuda`` (CUDA kernels, only
 when built and only when torch sees a GPU, so a CPU-only torch never maps CUDA code).
+
+``KVCACHE_EXT_LIBRARY=/path/to/_C.so`` loads that file instead of the packaged ``_C`` (for
+instance the sanitizer build of bench/sanitize_check.sh); if it does not load, importing
+kvcache_ext raises ImportError instead of falling back to the pure-PyTorch path.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 _PACKAGE_DIR = Path(__file__).parent
 REQUIRE_NATIVE_ENV = "KVCACHE_EXT_REQUIRE_NATIVE"
+LIBRARY_ENV = "KVCACHE_EXT_LIBRARY"
 
 
 def _load(pattern: str) -> tuple[bool, str]:
@@ -30,7 +35,16 @@ def _load(pattern: str) -> tuple[bool, str]:
     return True, ""
 
 
-available, unavailable_reason = _load("_C.*.so")
+if os.environ.get(LIBRARY_ENV):
+    # Whoever names a library means to test that one: failing to load it is an error, not a fallback.
+    try:
+        torch.ops.load_library(os.environ[LIBRARY_ENV])
+    except (OSError, RuntimeError) as error:
+        raise ImportError(f"kvcache_ext: {LIBRARY_ENV}={os.environ[LIBRARY_ENV]} failed to load under "
+                          f"torch {torch.__version__}: {error}") from error
+    available, unavailable_reason = True, ""
+else:
+    available, unavailable_reason = _load("_C.*.so")
 if not available:
     if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
         raise ImportError(f"kvcache_ext: {REQUIRE_NATIVE_ENV}=1 but {unavailable_reason}")

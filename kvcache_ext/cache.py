@@ -20,8 +20,10 @@ class KVCache(PreallocatedCache):
     ``nn.Module`` whose buffers move with ``.to()``.
 
     What the device's kernels support (:func:`kvcache_ext.capabilities`) is checked here, at
-    construction, and every step checks both ops' arguments before it writes anything, so a
-    refused call leaves the cache as it was.
+    construction, and every step checks both ops' arguments once, before it writes anything, so
+    a refused call leaves the cache as it was. The lengths it passes are its own, valid by
+    construction. Row operations (``reorder``, ``fork``, ...) and ``save``/``load`` are
+    python_ref's; ``reorder`` and ``fork`` copy rows with the native ``gather_rows`` op.
 
     ``kv_dtype`` (None: keys/values stored in ``dtype``) picks a quantized format, ``"int8"``,
     ``"fp8_e4m3"`` or ``"int4"`` (``python_ref/quantize.py``), and returns a
@@ -56,7 +58,13 @@ class KVCache(PreallocatedCache):
         ops.check_decode_attention(q[:, :, piece], self.k[layer], self.v[layer], self.lengths, self.window, scale)
 
     def _append(self, layer, k, v, lengths):
-        ops.append_kv(self.k[layer], self.v[layer], k, v, lengths)
+        ops.run_append_kv(self.k[layer], self.v[layer], k, v, lengths)  # checked by _check_step
+
+    def _gather_rows(self, src_rows):
+        # In place, per layer: only the rows that change are written (python_ref copies the
+        # whole cache out and back to get the same in-place semantics).
+        for layer in range(self.num_layers):
+            ops.gather_rows(self.k[layer], self.v[layer], src_rows)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
-        return ops.decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)[0]
+        return ops.run_decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)[0]

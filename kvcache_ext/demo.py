@@ -1,8 +1,15 @@
-"""`kvcache-ext demo`: the article's experiment, run with every cache and checked token for token."""
+"""`kvcache-ext demo`: the article's experiment, run with every cache and checked token for token.
+
+With ``--tp N`` under ``torchrun --nproc-per-node N``, the model and each cache are split over N
+processes by attention heads (kvcache_ext/distributed.py); every rank generates the same tokens
+and only rank 0 prints.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from itertools import groupby
@@ -10,6 +17,7 @@ from itertools import groupby
 import torch
 
 import kvcache_ext
+from kvcache_ext import distributed
 from python_ref import LLAMA_CONFIGS, ConcatCache, NoCache, PreallocatedCache, build_gpt2, build_llama, generate
 from python_ref.tokenizer import gpt2_tokenizer
 from python_ref.weights import load_gpt2
@@ -28,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="a GPT-2 .safetensors file in Hugging Face layout (real text instead of random weights)")
     parser.add_argument("--seed", type=int, default=123, help="seed for the random weights")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: under torchrun, GPU LOCAL_RANK of each machine")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel over N ranks (heads split, each rank's cache holds its heads); "
+                        "run under `torchrun --nproc-per-node N`: gloo on cpu, NCCL on cuda")
     parser.add_argument("--batch-size", type=int, default=1, help="the prompt repeated in each row")
     parser.add_argument("--window", type=int, help="sliding window in tokens (every cache applies it)")
     parser.add_argument("--caches", default=",".join(CACHE_NAMES),
@@ -56,16 +67,28 @@ def run(args) -> int:
     for c in caches:
         if c not in CACHE_NAMES:
             raise SystemExit(f"unknown cache {c!r}; choose from {', '.join(CACHE_NAMES)}")
-    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    if args.arch == "llama" and args.weights:
+        raise SystemExit("--weights loads GPT-2 checkpoints only; --arch llama runs random weights")
+    tp = distributed.init_tensor_parallel(args.tp, args.device)
+    try:
+        if tp.rank == 0:
+            return _run(args, caches, tp)
+        # Every rank computes; only rank 0 talks. An exception still prints its traceback.
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            return _run(args, caches, tp)
+    finally:
+        distributed.shutdown()
+
+
+def _run(args, caches, tp) -> int:
+    dtype, device = DTYPES[args.dtype], distributed.process_device(args.device)
     tokenizer = gpt2_tokenizer()
     if args.arch == "llama":
-        if args.weights:
-            raise SystemExit("--weights loads GPT-2 checkpoints only; --arch llama runs random weights")
         args.model = args.model or "llama-tiny"
-        model = build_llama(args.model, seed=args.seed)
+        model = build_llama(args.model, seed=args.seed, tp=tp)
     else:
         args.model = args.model or "124M"
-        model = load_gpt2(args.weights) if args.weights else build_gpt2(args.model, seed=args.seed)
+        model = load_gpt2(args.weights, tp=tp) if args.weights else build_gpt2(args.model, seed=args.seed, tp=tp)
     model = model.to(device=device, dtype=dtype)
     prompt = torch.tensor([tokenizer.encode(args.prompt)] * args.batch_size, device=device)
     total = prompt.shape[1] + args.max_new_tokens
@@ -73,7 +96,10 @@ def run(args) -> int:
         raise SystemExit(f"prompt ({prompt.shape[1]} tokens) + {args.max_new_tokens} new tokens exceed "
                          f"the model's {model.cfg.context_length} positions")
     title = args.model if args.arch == "llama" else f"GPT-2 {args.weights or args.model}"
-    print(f"{title} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters), "
+    parameters = f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
+    if tp.size > 1:
+        parameters += f" per rank, tensor-parallel over {tp.size} ranks ({distributed.BACKENDS[device.type]})"
+    print(f"{title} ({parameters}), "
           f"{args.dtype} on {device}, batch {args.batch_size}, {args.max_new_tokens} new tokens"
           + (f", window {args.window}" if args.window else ""), flush=True)
 
@@ -102,7 +128,8 @@ def run(args) -> int:
     print("\nOutput text:", text)
     print()
     base = results.get("none")
-    print(f"{'cache':<26}{'tokens/s':>10}{'vs none':>10}{'KV memory':>12}  tokens")
+    memory_title = "KV memory" if tp.size == 1 else "KV per rank"
+    print(f"{'cache':<26}{'tokens/s':>10}{'vs none':>10}{memory_title:>12}  tokens")
     all_same = True
     for name, (out, seconds, memory, label) in results.items():
         same = torch.equal(out, first_out)

@@ -28,10 +28,18 @@ and row lengths. Keys without it (any other cache) get plain SDPA. A ``NativeCac
 different attention implementation fails at the next step with an error saying so, instead of
 silently attending over the wrong slots.
 
+Row operations. Beam search reorders rows (``reorder_cache``, with the native ``gather_rows``
+op: only rows that change are copied); assisted decoding and prompt lookup remove rejected draft
+tokens (``crop(-n)``, per row: see :meth:`NativeCacheLayer.crop`); ``batch_repeat_interleave``
+and ``batch_select_indices`` reallocate the buffers at the new batch size.
+
 Supported: decoder-only models whose attention layers go through transformers' attention
-interface, with full attention; tested with GPT-2, Llama and Qwen3, greedy and sampled, batch 1
-and left-padded batches. Not supported: beam search and num_return_sequences > 1 (they reorder
-or repeat rows), sliding-window or hybrid layers, assisted decoding (it crops the cache).
+interface, with full attention; tested with GPT-2, Llama and Qwen3: greedy, sampling, beam search
+(with ``num_return_sequences``, ``length_penalty``, ``early_stopping``), several samples per
+prompt, assisted decoding (``assistant_model=``) and prompt lookup, batch 1 and left-padded
+batches (transformers itself runs assisted decoding and prompt lookup on batch 1 only). Not
+supported: sliding-window or hybrid layers (``NativeCache`` refuses such configs; use
+transformers' ``DynamicCache``).
 """
 
 from __future__ import annotations
@@ -80,6 +88,7 @@ class NativeCacheLayer(CacheLayerMixin):
     each row's number of real tokens in ``lengths``."""
 
     is_sliding = False
+    is_croppable = True  # crop() puts a layer back exactly as it was (assisted decoding relies on it)
 
     def __init__(self, max_cache_len: int):
         super().__init__()
@@ -161,24 +170,62 @@ class NativeCacheLayer(CacheLayerMixin):
         self._prompt = None
         self._awaiting_attention = False
 
+    # -- row operations: what beam search, several sequences per prompt and assisted decoding call
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("NativeCache cannot be cropped (assisted decoding is not supported)")
+        """Remove the last ``-tokens_to_remove`` columns (transformers' convention: a count <= 0).
+
+        transformers counts columns, padding included (``seen_tokens``); a row holds only its
+        real tokens, packed from slot 0, so removing ``n`` columns removes ``n`` real tokens from
+        each row, or all of them from a row with fewer real tokens than that (a left-padded row).
+        """
+        if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool) or tokens_to_remove > 0:
+            raise ValueError(f"NativeCache.crop takes -n to remove the last n tokens, got {tokens_to_remove!r}; "
+                             "to keep the first n tokens, pass n - cache.get_seq_length()")
+        removed = -tokens_to_remove
+        if removed > self.seen_tokens:
+            raise ValueError(f"cannot remove {removed} tokens: the cache holds {self.seen_tokens}")
+        if removed == 0 or not self.is_initialized:
+            return
+        self.seen_tokens -= removed
+        self.lengths.sub_(removed).clamp_(min=0)
 
     def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("NativeCache does not support beam search")
+        """Row ``i`` becomes old row ``beam_idx[i]`` (beam search), in place with the native ``gather_rows``."""
+        if not self.is_initialized:
+            return
+        src_rows = torch.as_tensor(beam_idx, device=self.device).long()
+        ops.gather_rows(self.keys, self.values, src_rows)
+        self.lengths = self.lengths.index_select(0, src_rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("NativeCache does not support beam search or num_return_sequences > 1")
+        """Each row ``repeats`` times in place of itself; the buffers are reallocated at the new batch size."""
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        if self.is_initialized:
+            self._keep_rows(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("NativeCache does not support selecting rows")
+        """Keep only rows ``indices``, in that order; the buffers are reallocated at the new batch size."""
+        if self.is_initialized:
+            rows = torch.as_tensor(indices, device=self.device).long()
+            if rows.dim() != 1 or len(rows) == 0:
+                raise ValueError(f"indices must be a non-empty 1-D list of rows, got shape {tuple(rows.shape)}")
+            self._keep_rows(rows)
+
+    def _keep_rows(self, src_rows: torch.Tensor) -> None:
+        self.keys = self.keys.index_select(0, src_rows)
+        self.values = self.values.index_select(0, src_rows)
+        self.lengths = self.lengths.index_select(0, src_rows)
+        self.keys._kvcache_ext_layer = self
+        self.batch_size = len(src_rows)
 
 
 class NativeCache(Cache):
     """A transformers ``Cache`` on kvcache_ext's preallocated buffers and native kernels.
 
     ``max_cache_len`` bounds the tokens per row, padding included (prompt length +
-    ``max_new_tokens`` for ``generate``). Call :meth:`reset` before reusing it for a new prompt.
+    ``max_new_tokens`` for ``generate``; with ``prompt_lookup_num_tokens=n`` add ``n``: transformers
+    verifies prompt-lookup drafts that run up to ``n`` tokens past ``max_length``). Call :meth:`reset` before reusing it for a new prompt.
     The model must use ``attn_implementation="kvcache_ext"``.
     """
 

@@ -15,7 +15,8 @@ The contract, the same on every device (``csrc/ops.cpp`` has the schemas):
   bounds is ever touched. ``KVCACHE_EXT_DEBUG=1`` adds device-side asserts on CUDA that turn an
   invalid length into an error (at the next synchronisation).
 * ``window`` is any int >= 1 (or None); a window longer than every row changes nothing. ``scale``
-  is any finite float (None: ``1/sqrt(head_dim)``).
+  is any finite float up to 1.7e38 in magnitude (None: ``1/sqrt(head_dim)``); ``softcap`` any
+  positive finite float (None: no capping); ``sinks`` one float logit per query head.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .capabilities import MAX_LENGTH, SUPPORTED_DTYPES, capabilities
 
 DEBUG_ENV = "KVCACHE_EXT_DEBUG"
 _INT64_MAX = 2**63 - 1
+_MAX_ABS_SCALE = torch.finfo(torch.float32).max / 2  # as the kernels check it (binding_common.h)
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -104,24 +106,26 @@ def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None
     if q.dtype != k_cache.dtype:
         raise TypeError(f"q must have the cache's dtype {k_cache.dtype}, got {q.dtype}")
     B, H_kv, S, D = k_cache.shape
-    check_queries(q, B, H_kv, D, k_cache.device, window, scale, softcap, sinks)
+    check_queries(q, B, H_kv, S, D, k_cache.device, window, scale, softcap, sinks)
     check_lengths(lengths, B, k_cache.device)
 
 
-def check_queries(q, B, H_kv, D, device, window, scale, softcap, sinks) -> None:
+def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> None:
     """The checks of q and the attention options, shared by the plain and the quantized cache."""
     if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D:
         raise ValueError(f"q must be (batch={B}, q_heads, num_new, head_dim={D}), got {tuple(q.shape)}")
     if q.device != device:
         raise ValueError(f"q must be on the cache's device {device}, got {q.device}")
-    if q.shape[1] % H_kv or q.shape[1] == 0:
+    if H_kv == 0 or q.shape[1] % H_kv or q.shape[1] == 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of KV heads ({H_kv})")
-    if q.shape[2] < 1:
-        raise ValueError("q must hold at least one new token")
+    if not 1 <= q.shape[2] <= S:
+        raise ValueError(f"q must hold between 1 and {S} (the cache's slots) new tokens, got {q.shape[2]}")
     if window is not None and (not isinstance(window, int) or not 1 <= window <= _INT64_MAX):
         raise ValueError(f"window must be a positive number of tokens (at most 2^63 - 1) or None, got {window!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                  and abs(scale) <= _MAX_ABS_SCALE):
+        raise ValueError(f"scale must be a finite float of magnitude at most 1.7e38 (float32 arithmetic) or None, "
+                         f"got {scale!r}")
     if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
     if sinks is not None:
@@ -136,10 +140,16 @@ def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
     """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the caches at slots ``(lengths + t) % S``."""
     check_append_kv(k_cache, v_cache, k_new, v_new, lengths)
     check_length_values(lengths, 0, "the tokens already in each row")
-    if not capabilities(k_cache.device).native:
+    run_append_kv(k_cache, v_cache, k_new, v_new, lengths)
+
+
+def run_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
+    """``append_kv`` on arguments the caller has checked (``check_append_kv``): the native op, or
+    the pure-PyTorch path where no kernel serves the device."""
+    if capabilities(k_cache.device).native:
+        torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
+    else:
         append_to_slots(k_cache, v_cache, k_new, v_new, lengths)
-        return
-    torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
@@ -151,6 +161,11 @@ def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, soft
     """
     check_decode_attention(q, k_cache, v_cache, lengths, window, scale, softcap, sinks)
     check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
+    return run_decode_attention(q, k_cache, v_cache, lengths, window, scale, softcap, sinks)
+
+
+def run_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
+    """``decode_attention`` on arguments the caller has checked (``check_decode_attention``)."""
     if not capabilities(k_cache.device).native:
         out, lse = reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse=True,
                                        softcap=softcap, sinks=sinks)
@@ -160,16 +175,64 @@ def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, soft
         None if softcap is None else float(softcap), None if sinks is None else sinks.float())
 
 
+def _check_one_device(*tensors) -> None:
+    # A raw op called with one meta tensor among CPU tensors dispatches to the fake kernel;
+    # it must refuse like the real kernels do instead of returning as if it had run.
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise RuntimeError(f"kvcache_ext ops need all tensors on one device, got {sorted(map(str, devices))}")
+
+
+def check_gather_rows(k_cache, v_cache, src_rows) -> None:
+    """Everything ``gather_rows`` needs of its arguments, values of ``src_rows`` excepted."""
+    check_cache_pair(k_cache, v_cache)
+    B = k_cache.shape[0]
+    if src_rows.dtype != torch.long or src_rows.shape != (B,):
+        raise ValueError(f"src_rows must be int64 of shape ({B},), one source row per row, got {src_rows.dtype} of "
+                         f"shape {tuple(src_rows.shape)}")
+    if src_rows.device != k_cache.device:
+        raise ValueError(f"src_rows must be on the cache's device {k_cache.device}, got {src_rows.device}")
+
+
+def gather_rows(k_cache, v_cache, src_rows) -> None:
+    """Row ``i`` of ``k_cache``/``v_cache`` ``(B, H_kv, S, D)`` becomes old row ``src_rows[i]``, in place.
+
+    ``src_rows`` ``(B,)`` int64 on the cache's device, values in ``[0, B)`` (checked before anything is
+    written on the CPU; on CUDA, as for ``lengths``, an invalid row is left unchanged, and
+    ``KVCACHE_EXT_DEBUG=1`` asserts on the device). Only changed rows are written.
+    """
+    check_gather_rows(k_cache, v_cache, src_rows)
+    B = k_cache.shape[0]
+    if src_rows.device.type == "cpu":
+        bad = ((src_rows < 0) | (src_rows >= B)).nonzero()
+        if len(bad):
+            row = int(bad[0, 0])
+            raise ValueError(f"src_rows must be row indices in [0, {B}), got {int(src_rows[row])} for row {row}")
+    elif os.environ.get(DEBUG_ENV) == "1":
+        torch._assert_async(((src_rows >= 0) & (src_rows < B)).all(), f"kvcache_ext: src_rows must be in [0, {B})")
+    if not capabilities(k_cache.device).native:
+        k_cache.copy_(k_cache.index_select(0, src_rows))
+        v_cache.copy_(v_cache.index_select(0, src_rows))
+        return
+    torch.ops.kvcache_ext.gather_rows(k_cache, v_cache, src_rows)
+
+
 if _native.available:
 
     @torch.library.register_fake("kvcache_ext::append_kv")
     def _append_kv_fake(k_cache, v_cache, k_new, v_new, lengths):
+        _check_one_device(k_cache, v_cache, k_new, v_new, lengths)
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention")
     def _decode_attention_fake(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
+        _check_one_device(q, k_cache, v_cache, lengths, sinks)
         B, H_q, T, _ = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+
+    @torch.library.register_fake("kvcache_ext::gather_rows")
+    def _gather_rows_fake(k_cache, v_cache, src_rows):
+        return None
 
 
 # ---- quantized caches ------------------------------------------------------------------------
@@ -247,7 +310,8 @@ def check_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, leng
     _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
-    check_queries(q, k_data.shape[0], k_data.shape[1], D, k_data.device, window, scale, softcap, sinks)
+    check_queries(q, k_data.shape[0], k_data.shape[1], k_data.shape[2], D, k_data.device, window, scale, softcap,
+                  sinks)
     check_lengths(lengths, k_data.shape[0], k_data.device)
 
 
@@ -289,10 +353,12 @@ if _native.available:
 
     @torch.library.register_fake("kvcache_ext::append_kv_quantized")
     def _append_kv_quantized_fake(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths):
+        _check_one_device(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths)
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention_quantized")
     def _decode_attention_quantized_fake(q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None,
                                          softcap=None, sinks=None):
+        _check_one_device(q, k_data, k_scales, v_data, v_scales, lengths, sinks)
         B, H_q, T, _ = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)

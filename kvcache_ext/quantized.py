@@ -92,6 +92,25 @@ class QuantizedKVCache(KVCache):
         return ops.decode_attention_quantized(q, self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer],
                                               lengths_after, self.window, scale)[0]
 
+    # Row operations (reorder, fork, select, repeat_interleave, crop, rewind; python_ref's) move
+    # the scales with the codes. The float8 codes are copied as bytes.
+    def _gather_rows(self, src_rows):
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            raw.copy_(raw.index_select(1, src_rows))
+
+    def _resize_rows(self, src_rows):
+        self.k_scale = self.k_scale.index_select(1, src_rows)
+        self.v_scale = self.v_scale.index_select(1, src_rows)
+        super()._resize_rows(src_rows)
+
+    def save(self, path, fingerprint: str = "") -> None:
+        raise NotImplementedError("saving a quantized KVCache is not supported yet (its scales are not saved)")
+
+    @classmethod
+    def load(cls, path, device=None, fingerprint: str = "", max_cache_len: int | None = None):
+        raise NotImplementedError("loading a quantized KVCache is not supported yet")
+
     def _bytes_per_slot(self) -> int:
         """Bytes one cached token takes in all layers, keys and values, scales included."""
         per_slot = 0

@@ -33,7 +33,7 @@ def reference_attention(
                   softmax denominator ``log(sum_j exp(score_j) [+ exp(sinks[h])])``,
                   (B, H_q, T) float32.
 
-    Semantics, for batch row ``b`` with ``n = lengths[b]`` (requires ``n >= T``):
+    Semantics, for batch row ``b`` with ``n = lengths[b]`` (requires ``n >= T`` and ``T <= S``):
       * Grouped-query attention: query head ``h`` reads KV head ``h // (H_q // H_kv)``;
         ``H_q`` must be a multiple of ``H_kv`` (``H_kv == 1`` is multi-query attention).
       * Token position ``p`` (0-based, counted from the row's first token) lives in slot
@@ -113,6 +113,9 @@ def _check_shapes(q, k_cache, v_cache, lengths, window):
         raise ValueError(
             f"query heads ({H_q}) must be a multiple of KV heads ({k_cache.shape[1]})"
         )
+    if T > k_cache.shape[2]:
+        raise ValueError(f"q holds {T} new tokens but the cache has {k_cache.shape[2]} slots: at most as many new "
+                         "tokens as slots (the earliest would see nothing)")
     if lengths.shape != (B,):
         raise ValueError(f"lengths must have shape ({B},), got {tuple(lengths.shape)}")
     if window is not None and window < 1:

@@ -14,13 +14,20 @@ The protocol (every cache here and ``kvcache_ext.KVCache`` implement it):
                                          grow by T
     cache.reset()                        forget everything; the cache is ready for a new prompt
 
+``PreallocatedCache`` (hence ``kvcache_ext.KVCache``) also has row operations, between steps:
+``reorder``, ``fork``, ``select``, ``repeat_interleave``, ``crop``, ``rewind``, ``reset_rows``
+(beam search, several samples per prompt, speculative decoding), and ``save``/``load``.
+
 A forward pass of a model is ``start_step`` once, ``attend`` once per layer, ``finish_step``
 once. Positions come from the cache, so there is no separate counter that can drift.
 """
 
 from __future__ import annotations
 
-import math
+import hashlib
+import json
+import os
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -54,6 +61,44 @@ def start_forward(cache, idx: torch.Tensor, context_length: int) -> torch.Tensor
             f"the model has {context_length} positions: {cache.seq_length} cached + {T} new tokens = "
             f"{cache.seq_length + T} do not fit. Shorten the prompt or max_new_tokens.")
     return cache.start_step(T).to(idx.device)
+
+
+SAVED_CACHE_KEY = "kvcache"  # the safetensors metadata entry that holds a saved cache's description
+_SAVED_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+def _checksum(tensors: dict, meta: dict) -> str:
+    """sha256 of a saved cache's metadata and of every tensor's name, dtype, shape and bytes."""
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _read_saved_cache(path):
+    """The metadata and tensors of a file written by ``PreallocatedCache.save``, read completely
+    into memory before anything is built from them."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            header = (f.metadata() or {}).get(SAVED_CACHE_KEY)
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"{path} is not a readable saved cache (missing, truncated or not safetensors): {error}") \
+            from error
+    if header is None or set(tensors) != {"k", "v", "lengths"}:
+        raise ValueError(f"{path} is a safetensors file but not a saved cache: expected tensors k, v, lengths and "
+                         f"'{SAVED_CACHE_KEY}' metadata, got tensors {sorted(tensors)}")
+    try:
+        meta = json.loads(header)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is corrupt: its metadata is not JSON ({error})") from error
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is corrupt: its metadata is not a JSON object")
+    return meta, tensors
 
 
 class CacheOverflowError(ValueError):
@@ -144,11 +189,34 @@ class PreallocatedCache(nn.Module):
     at a time. The cache never overflows in this mode.
 
     Row lengths live in a device tensor (``lengths``) and, mirrored, on the host so that
-    capacity checks never read device memory. Every step adds the same number of tokens to
-    every row, so the host mirror is one int. (One int, not a list, also lets a compiled decode
-    step treat it as a symbolic value instead of recompiling for each new length; see
-    tests/test_compile.py.)
+    capacity checks never read device memory. The host mirror is one int, ``seq_length``: the
+    longest row. (One int, not a list, also lets a compiled decode step treat it as a symbolic
+    value instead of recompiling for each new length; see tests/test_compile.py.) A step adds
+    the same number of tokens to every row, so steps keep it exact. Row operations whose effect
+    on the longest row depends on device values (``reorder``, ``fork``, ``select``,
+    ``reset_rows``, ``rewind`` with differing counts) keep it *conservative*: never below the
+    true longest row, so capacity checks may refuse early but never let a row overflow, and
+    attention only looks at more (masked) slots. ``crop`` and ``reset`` make it exact again, and
+    :meth:`sync_seq_length` does with one read of ``lengths``.
+
+    Row operations (between steps; every argument is checked before anything changes):
+    ``reorder(indices)`` and ``fork(src_row, dst_rows)`` copy rows in place (beam search,
+    shared prefixes); ``select(rows)`` and ``repeat_interleave(n)`` change the batch size and
+    reallocate the buffers, since a batch size fixed at construction would have to be the
+    largest one ever used; ``crop(n)``, ``rewind(counts)`` and ``reset_rows(rows)`` only change
+    ``lengths``. Index and count values held on the host (ints, lists, CPU tensors) are checked
+    on the host; values already on a GPU are not read back (no synchronisation), except by
+    ``rewind`` on a ring buffer, which must know how far each row goes back.
+
+    A ring buffer can only go back as far as tokens are still held: after the ring wraps, the
+    oldest slots have been overwritten, and a row that drops tokens must still hold the
+    ``window - 1`` tokens before its new end. ``crop``/``rewind`` refuse to go further, naming how
+    many tokens can be removed (at least ``chunk_size`` right after a step, less after earlier
+    rewinds; the count is tracked on the host, conservatively over all rows).
     """
+
+    #: Version of the file layout written by :meth:`save`; :meth:`load` reads only this one.
+    FORMAT_VERSION = 1
 
     def __init__(
         self,
@@ -183,6 +251,9 @@ class PreallocatedCache(nn.Module):
         self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device),
                              persistent=False)
         self._host_length = 0
+        # Ring buffers only: None while no row has wrapped around (a row can drop all its tokens),
+        # then the fewest tokens any row can drop and still hold its window (see the docstring).
+        self._ring_rewindable = None
         self._num_new = None
 
     # -- protocol -------------------------------------------------------------------------
@@ -193,6 +264,7 @@ class PreallocatedCache(nn.Module):
     def reset(self) -> None:
         self.lengths.zero_()
         self._host_length = 0
+        self._ring_rewindable = None
         self._num_new = None
 
     def start_step(self, num_new: int) -> torch.Tensor:
@@ -226,10 +298,256 @@ class PreallocatedCache(nn.Module):
         if self._num_new is None:
             raise RuntimeError("finish_step() without start_step()")
         self.lengths += self._num_new
+        if self.window is not None and (self._ring_rewindable is not None
+                                        or self._host_length + self._num_new > self.slots):
+            # A wrapped row holds `slots` tokens at most and needs its last window - 1: it can
+            # drop slots - (window - 1) = chunk_size tokens, or what it regained since a rewind.
+            spare = self.slots - (self.window - 1)
+            self._ring_rewindable = spare if self._ring_rewindable is None \
+                else min(self._ring_rewindable + self._num_new, spare)
         self._host_length = self._host_length + self._num_new
         self._num_new = None
 
-    # -- storage and attention; kvcache_ext.KVCache overrides these two with native ops ---
+    # -- row operations (between steps) --------------------------------------------------
+    def reorder(self, indices) -> None:
+        """Row ``i`` becomes a copy of old row ``indices[i]``, for every ``i`` (beam search).
+
+        ``indices``: ``batch_size`` row indices (ints or a 1-D integer tensor); rows may repeat.
+        """
+        src_rows = self._row_indices(indices, "indices", count=self.batch_size)
+        self._copy_rows(src_rows)
+
+    def fork(self, src_row: int, dst_rows) -> None:
+        """Rows ``dst_rows`` become copies of row ``src_row``: its cached tokens and length
+        (a shared prompt prefix, fanned out in place)."""
+        self._check_between_steps("fork")
+        if not isinstance(src_row, int) or isinstance(src_row, bool) or not 0 <= src_row < self.batch_size:
+            raise IndexError(f"src_row must be a row index in [0, {self.batch_size}), got {src_row!r}")
+        dst = self._row_indices(dst_rows, "dst_rows")
+        self._copy_rows(torch.arange(self.batch_size, device=dst.device).index_fill_(0, dst, src_row))
+
+    def select(self, rows) -> None:
+        """Keep only ``rows``, in that order: the batch becomes ``len(rows)`` rows (drop
+        finished sequences). The buffers are reallocated at the new size."""
+        self._resize_rows(self._row_indices(rows, "rows"))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """Each row repeated ``repeats`` times in place of itself (``n`` samples per prompt):
+        rows ``b * repeats ... (b + 1) * repeats - 1`` are copies of old row ``b``. The buffers are
+        reallocated at ``repeats`` times the batch size (one copy of the old rows, done once)."""
+        self._check_between_steps("repeat_interleave")
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        device = self.lengths.device
+        self._resize_rows(torch.arange(self.batch_size, device=device).repeat_interleave(repeats))
+
+    def crop(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of every row (rows already shorter are unchanged)."""
+        self._check_between_steps("crop")
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"crop keeps a number of tokens >= 0, got {num_tokens!r}")
+        removed = max(self._host_length - num_tokens, 0)  # the most any row loses
+        self._check_ring_rewind(removed, f"crop({num_tokens})")
+        self.lengths.clamp_(max=num_tokens)
+        self._host_length = min(self._host_length, num_tokens)
+        self._spend_ring_rewind(removed)
+
+    def rewind(self, counts) -> None:
+        """Remove the last ``counts[b]`` tokens of row ``b`` (speculative decoding: drop the
+        rejected draft tokens). ``counts``: an int for every row, or one count per row (a
+        sequence or a 1-D integer tensor); each in ``[0, lengths[b]]``."""
+        self._check_between_steps("rewind")
+        counts, host_counts = self._row_counts(counts)
+        if host_counts is not None:
+            if len(host_counts) and int(host_counts.min()) < 0:
+                raise ValueError(f"counts must be >= 0, got {host_counts.tolist()}")
+            longest_removed = int(host_counts.max())
+            if longest_removed > self._host_length:
+                raise ValueError(f"cannot remove {longest_removed} tokens: the longest row holds {self._host_length}")
+            if self.lengths.device.type == "cpu":
+                over = (host_counts > self.lengths).nonzero()
+                if len(over):
+                    row = int(over[0, 0])
+                    raise ValueError(f"cannot remove {int(host_counts[row])} tokens from row {row}: it holds "
+                                     f"{int(self.lengths[row])}")
+            self._check_ring_rewind(longest_removed, "rewind")
+        self.lengths -= counts
+        if host_counts is not None:
+            # Exact when every row removes the same count, conservative otherwise.
+            self._host_length -= int(host_counts.min())
+            self._spend_ring_rewind(longest_removed)
+
+    def reset_rows(self, rows) -> None:
+        """Empty ``rows`` (their next step starts at position 0); other rows keep their tokens."""
+        self._check_between_steps("reset_rows")
+        self.lengths.index_fill_(0, self._row_indices(rows, "rows"), 0)
+
+    def sync_seq_length(self) -> int:
+        """Make ``seq_length`` exact after row operations (one read of ``lengths``); returns it."""
+        self._host_length = int(self.lengths.max())
+        return self._host_length
+
+    # -- saved caches -----------------------------------------------------------------------
+    def save(self, path, fingerprint: str = "") -> None:
+        """Write the cache to ``path`` as safetensors (no pickle): the held slots of every layer,
+        ``lengths``, the configuration and ``fingerprint`` (what the cache belongs to, e.g. model
+        name and revision; :meth:`load` compares it), with a sha256 checksum over all of it. The
+        file is written beside ``path`` and renamed into place, so ``path`` is never half-written."""
+        from safetensors.torch import save_file
+
+        self._check_between_steps("save")
+        if not isinstance(fingerprint, str):
+            raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
+        used = min(self._host_length, self.slots)
+        tensors = {"k": self.k[..., :used, :].contiguous().cpu(), "v": self.v[..., :used, :].contiguous().cpu(),
+                   "lengths": self.lengths.cpu()}
+        meta = {"format_version": self.FORMAT_VERSION, "num_layers": self.num_layers,
+                "batch_size": self.batch_size, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "slots": self.slots, "max_cache_len": self.max_cache_len, "window": self.window,
+                "chunk_size": self.chunk_size, "dtype": str(self.k.dtype).removeprefix("torch."),
+                "lengths": tensors["lengths"].tolist(), "ring_rewindable": self._ring_rewindable,
+                "fingerprint": fingerprint}
+        meta["sha256"] = _checksum(tensors, meta)
+        partial = f"{os.fspath(path)}.partial"
+        save_file(tensors, partial, metadata={SAVED_CACHE_KEY: json.dumps(meta)})
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path, device=None, fingerprint: str = "", max_cache_len: int | None = None):
+        """A new cache holding what :meth:`save` wrote to ``path``, on ``device``.
+
+        ``fingerprint`` must equal the one it was saved with. ``max_cache_len`` (caches without a
+        window) may give the new cache more room than the saved one had. Refuses, with nothing
+        created, a file that is unreadable, truncated or changed (checksum), of another format
+        version or fingerprint, or whose shapes do not fit.
+        """
+        meta, tensors = _read_saved_cache(path)
+        if meta.get("format_version") != cls.FORMAT_VERSION:
+            raise ValueError(f"{path} has saved-cache format version {meta.get('format_version')!r}; this version "
+                             f"reads version {cls.FORMAT_VERSION}. Re-create the cache and save it again.")
+        required = {"sha256", "fingerprint", "num_layers", "batch_size", "kv_heads", "head_dim", "slots",
+                    "max_cache_len", "window", "chunk_size", "dtype", "lengths", "ring_rewindable"}
+        if not required <= set(meta):
+            raise ValueError(f"{path} is corrupt: its metadata lacks {sorted(required - set(meta))}")
+        if _checksum(tensors, {k: v for k, v in meta.items() if k != "sha256"}) != meta["sha256"]:
+            raise ValueError(f"{path} is corrupt: its contents do not match the sha256 checksum saved with them")
+        if meta["fingerprint"] != fingerprint:
+            raise ValueError(f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
+                             "it holds another model's keys and values")
+        dtype = _SAVED_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: dtype must be one of {sorted(_SAVED_DTYPES)}, got {meta['dtype']!r}")
+        lengths = tensors["lengths"]
+        longest = max(meta["lengths"], default=0)
+        window = meta["window"]
+        if window is None:
+            capacity = meta["max_cache_len"] if max_cache_len is None else max_cache_len
+            if not isinstance(capacity, int) or capacity < longest:
+                raise ValueError(f"max_cache_len must hold the longest saved row ({longest} tokens), got {capacity!r}")
+        elif max_cache_len is not None:
+            raise ValueError("max_cache_len applies to caches without a window; this one has window="
+                             f"{window} and chunk_size={meta['chunk_size']}")
+        used = min(longest, meta["slots"])
+        expected = (meta["num_layers"], meta["batch_size"], meta["kv_heads"], used, meta["head_dim"])
+        for name in ("k", "v"):
+            if tuple(tensors[name].shape) != expected or tensors[name].dtype != dtype:
+                raise ValueError(f"{path}: {name} must be {meta['dtype']} of shape {expected}, got "
+                                 f"{tensors[name].dtype} of shape {tuple(tensors[name].shape)}")
+        if lengths.dtype != torch.long or lengths.tolist() != meta["lengths"] or min(meta["lengths"], default=0) < 0:
+            raise ValueError(f"{path}: lengths must be the {meta['batch_size']} non-negative row lengths recorded "
+                             f"in its metadata, got {lengths.tolist()}")
+        cache = cls(meta["num_layers"], meta["batch_size"], meta["kv_heads"], meta["head_dim"],
+                    max_cache_len=capacity if window is None else None, window=window,
+                    chunk_size=meta["chunk_size"] or 128, dtype=dtype, device=device)
+        if window is not None and cache.slots != meta["slots"]:
+            raise ValueError(f"{path}: a window of {window} with chunk_size {meta['chunk_size']} has "
+                             f"{cache.slots} slots, but the file says {meta['slots']}")
+        cache.k[..., :used, :] = tensors["k"]
+        cache.v[..., :used, :] = tensors["v"]
+        cache.lengths.copy_(lengths)
+        cache._host_length = longest
+        cache._ring_rewindable = meta["ring_rewindable"]
+        return cache
+
+    # -- row operations' checks and copies -----------------------------------------------------
+    def _check_between_steps(self, operation: str) -> None:
+        if self._num_new is not None:
+            raise RuntimeError(f"{operation}() inside a step: call it before start_step() or after finish_step()")
+
+    def _row_indices(self, rows, what: str, count: int | None = None) -> torch.Tensor:
+        """``rows`` (ints or a 1-D integer tensor) as int64 on the cache's device, checked to lie in
+        [0, batch_size) where the values are on the host."""
+        self._check_between_steps("a row operation")
+        if isinstance(rows, torch.Tensor):
+            if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+                raise TypeError(f"{what} must be a 1-D integer tensor of row indices, got {rows.dtype} of shape "
+                                f"{tuple(rows.shape)}")
+            host = rows if rows.device.type == "cpu" else None
+        elif isinstance(rows, Sequence) and all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
+            host = rows = torch.tensor(list(rows), dtype=torch.long)
+        else:
+            raise TypeError(f"{what} must be a sequence of ints or a 1-D integer tensor, got {rows!r}")
+        if count is not None and len(rows) != count:
+            raise ValueError(f"{what} must hold {count} row indices (one per row), got {len(rows)}")
+        if len(rows) == 0:
+            raise ValueError(f"{what} must name at least one row")
+        if host is not None:
+            bad = ((host < 0) | (host >= self.batch_size)).nonzero()
+            if len(bad):
+                position = int(bad[0, 0])
+                raise IndexError(f"{what} must be row indices in [0, {self.batch_size}), got {int(host[position])} "
+                                 f"at position {position}")
+        return rows.to(device=self.lengths.device, dtype=torch.long)
+
+    def _row_counts(self, counts):
+        """``counts`` as int64 ``(batch_size,)`` on the cache's device, and on the host where that
+        costs no synchronisation (always for a ring buffer, which must check them)."""
+        if isinstance(counts, int) and not isinstance(counts, bool):
+            host = torch.full((self.batch_size,), counts, dtype=torch.long)
+            return host.to(self.lengths.device), host
+        if isinstance(counts, torch.Tensor):
+            if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+                raise TypeError(f"counts must be integers, got {counts.dtype}")
+        elif isinstance(counts, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+            counts = torch.tensor(list(counts), dtype=torch.long)
+        else:
+            raise TypeError(f"counts must be an int, a sequence of ints or an integer tensor, got {counts!r}")
+        if tuple(counts.shape) != (self.batch_size,):
+            raise ValueError(f"counts must hold one count per row, shape ({self.batch_size},), got {tuple(counts.shape)}")
+        host = counts.cpu() if counts.device.type == "cpu" or self.window is not None else None
+        return counts.to(device=self.lengths.device, dtype=torch.long), None if host is None else host.long()
+
+    def _check_ring_rewind(self, removed: int, operation: str) -> None:
+        if self._ring_rewindable is not None and removed > self._ring_rewindable:
+            raise ValueError(
+                f"{operation} would remove {removed} tokens from a row, but this ring buffer ({self.slots} slots, "
+                f"window {self.window}) has overwritten older ones: a row can lose at most {self._ring_rewindable} "
+                f"tokens now and still hold the {self.window - 1} before its new end. Use a larger chunk_size "
+                "(slots = window + chunk_size - 1) to be able to go back further.")
+
+    def _spend_ring_rewind(self, removed: int) -> None:
+        if self._ring_rewindable is not None:
+            self._ring_rewindable -= removed
+
+    def _copy_rows(self, src_rows: torch.Tensor) -> None:
+        """Row ``i`` becomes old row ``src_rows[i]``, in place, with its length."""
+        self._gather_rows(src_rows)
+        self.lengths.copy_(self.lengths.index_select(0, src_rows))
+
+    def _resize_rows(self, src_rows: torch.Tensor) -> None:
+        """New buffers of ``len(src_rows)`` rows, row ``i`` a copy of old row ``src_rows[i]``."""
+        self.k = self.k.index_select(1, src_rows)
+        self.v = self.v.index_select(1, src_rows)
+        self.lengths = self.lengths.index_select(0, src_rows)
+        self.batch_size = len(src_rows)
+
+    # -- storage and attention; kvcache_ext.KVCache overrides these with native ops ---------
+    def _gather_rows(self, src_rows):
+        # In-place semantics need a snapshot: the whole cache is gathered into a temporary and
+        # copied back (two full copies; KVCache's native op copies only the rows that change).
+        self.k.copy_(self.k.index_select(1, src_rows))
+        self.v.copy_(self.v.index_select(1, src_rows))
+
     def _append(self, layer, k, v, lengths):
         append_to_slots(self.k[layer], self.v[layer], k, v, lengths)
 

@@ -3,6 +3,10 @@
 Parameters are created in the article's order (token embedding, position embedding, then per
 block the query, key and value projections, the output projection and the two feed-forward
 layers, then the output head), so ``torch.manual_seed(123)`` gives the article's weights.
+
+With ``tp`` (a :class:`~python_ref.tensor_parallel.TensorParallel` of several ranks), each rank
+holds its share of the heads, the feed-forward width and the vocabulary; the parallel layers say
+how each weight splits (see tensor_parallel.py). Without it, every layer is the plain ``nn`` one.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 from torch import nn
 
 from .caches import NoCache, start_forward
+from .tensor_parallel import (SINGLE_PROCESS, ColumnParallelLinear, RowParallelLinear, TensorParallel,
+                              VocabParallelEmbedding, VocabParallelLinear)
 
 
 @dataclass(frozen=True)
@@ -60,41 +66,44 @@ class GELU(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, cfg: GPT2Config, layer: int):
+    def __init__(self, cfg: GPT2Config, layer: int, tp: TensorParallel):
         super().__init__()
         self.layer = layer
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.W_query = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
-        self.W_key = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
-        self.W_value = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
-        self.out_proj = nn.Linear(cfg.emb_dim, cfg.emb_dim)
+        self.n_heads = tp.split(cfg.n_heads, "attention heads")[1]  # this rank's heads
+        self.head_dim = cfg.head_dim
+        heads = dict(unit=cfg.head_dim, what="attention heads")
+        self.W_query = ColumnParallelLinear(cfg.emb_dim, cfg.emb_dim, tp, bias=cfg.qkv_bias, **heads)
+        self.W_key = ColumnParallelLinear(cfg.emb_dim, cfg.emb_dim, tp, bias=cfg.qkv_bias, **heads)
+        self.W_value = ColumnParallelLinear(cfg.emb_dim, cfg.emb_dim, tp, bias=cfg.qkv_bias, **heads)
+        self.out_proj = RowParallelLinear(cfg.emb_dim, cfg.emb_dim, tp, **heads)
 
     def forward(self, x, cache):
-        B, T, C = x.shape
+        B, T, _ = x.shape
 
-        def heads(t):  # (B, T, C) -> (B, H, T, D)
+        def heads(t):  # (B, T, H * D) -> (B, H, T, D)
             return t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.W_query(x)), heads(self.W_key(x)), heads(self.W_value(x))
         context = cache.attend(self.layer, q, k, v)
-        return self.out_proj(context.transpose(1, 2).reshape(B, T, C))
+        return self.out_proj(context.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPT2Config, tp: TensorParallel):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(cfg.emb_dim, 4 * cfg.emb_dim), GELU(), nn.Linear(4 * cfg.emb_dim, cfg.emb_dim))
+            ColumnParallelLinear(cfg.emb_dim, 4 * cfg.emb_dim, tp, what="feed-forward width"), GELU(),
+            RowParallelLinear(4 * cfg.emb_dim, cfg.emb_dim, tp, what="feed-forward width"))
 
     def forward(self, x):
         return self.layers(x)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: GPT2Config, layer: int):
+    def __init__(self, cfg: GPT2Config, layer: int, tp: TensorParallel):
         super().__init__()
-        self.att = MultiHeadAttention(cfg, layer)
-        self.ff = FeedForward(cfg)
+        self.att = MultiHeadAttention(cfg, layer, tp)
+        self.ff = FeedForward(cfg, tp)
         self.norm1 = LayerNorm(cfg.emb_dim)
         self.norm2 = LayerNorm(cfg.emb_dim)
 
@@ -104,19 +113,32 @@ class TransformerBlock(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPT2Config, tp: TensorParallel = SINGLE_PROCESS):
         super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.cfg, self.tp = cfg, tp
+        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.emb_dim, tp)
         self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
-        self.trf_blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.trf_blocks = nn.ModuleList(TransformerBlock(cfg, i, tp) for i in range(cfg.n_layers))
         self.final_norm = LayerNorm(cfg.emb_dim)
-        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        self.out_head = VocabParallelLinear(cfg.emb_dim, cfg.vocab_size, tp)
 
     @property
     def kv_shape(self) -> dict:
-        """What a cache for this model must hold: layers, KV heads and head size."""
-        return dict(num_layers=self.cfg.n_layers, kv_heads=self.cfg.n_heads, head_dim=self.cfg.head_dim)
+        """What a cache for this model (this rank's part of it) must hold: layers, KV heads, head size."""
+        return dict(num_layers=self.cfg.n_layers, kv_heads=self.trf_blocks[0].att.n_heads, head_dim=self.cfg.head_dim)
+
+    @classmethod
+    def from_state_dict(cls, cfg: GPT2Config, state: dict[str, torch.Tensor],
+                        tp: TensorParallel = SINGLE_PROCESS) -> GPTModel:
+        """The model holding ``state``'s weights (our names, whole tensors); with ``tp``, this
+        rank's slices of them (the parallel layers slice each weight as it loads)."""
+        with torch.device("meta"):
+            model = cls(cfg, tp)
+        model.load_state_dict(state, assign=True)
+        if state["out_head.weight"] is state["tok_emb.weight"]:
+            # Hugging Face's GPT-2 ties the head to the embedding: one tensor, not two slices of it.
+            model.out_head.weight = model.tok_emb.weight
+        return model.eval()
 
     def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids ``idx`` ``(B, T)``.
@@ -134,11 +156,19 @@ class GPTModel(nn.Module):
         return self.out_head(self.final_norm(x))
 
 
-def build_gpt2(size: str = "124M", seed: int | None = 123, **overrides) -> GPTModel:
-    """A GPT-2 of a named size with random weights (the article seeds with 123)."""
+def build_gpt2(size: str = "124M", seed: int | None = 123, tp: TensorParallel = SINGLE_PROCESS,
+               **overrides) -> GPTModel:
+    """A GPT-2 of a named size with random weights (the article seeds with 123).
+
+    With ``tp``, every rank builds the whole seeded model and keeps its slice, so the ranks
+    together hold exactly the single-process model (``seed=None`` would give each rank other weights).
+    """
     if size not in GPT2_CONFIGS:
         raise ValueError(f"unknown GPT-2 size {size!r}; choose one of {sorted(GPT2_CONFIGS)}")
     cfg = GPT2Config(**{**GPT2_CONFIGS[size].__dict__, **overrides})
     if seed is not None:
         torch.manual_seed(seed)
-    return GPTModel(cfg).eval()
+    model = GPTModel(cfg)
+    if tp.size > 1:
+        model = GPTModel.from_state_dict(cfg, model.state_dict(), tp)
+    return model.eval()

@@ -10,6 +10,9 @@ What differs from GPT-2, block by block:
 * Qwen3 normalises each query and key head (RMSNorm over ``head_dim``) before the rotation;
 * the output head may share the token embedding's weights (Llama 3.2 1B and Qwen3 0.6B do).
 
+Tensor parallelism (``tp``) splits it as gpt2.py does; with fewer key/value heads than ranks, each
+key/value head is replicated on the ranks whose query heads read it (tensor_parallel.py).
+
 Parameter names follow gpt2.py; ``llama_weights.py`` maps Hugging Face's names onto them. The
 rotation uses Hugging Face's layout (the two halves of a head are the two coordinates of each
 rotated pair), so Hugging Face checkpoints load without permuting any weight.
@@ -25,6 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from .caches import NoCache, start_forward
+from .tensor_parallel import (SINGLE_PROCESS, ColumnParallelLinear, RowParallelLinear, TensorParallel,
+                              VocabParallelEmbedding, VocabParallelLinear)
 
 
 @dataclass(frozen=True)
@@ -151,14 +156,19 @@ class RMSNorm(nn.Module):
 
 
 class GroupedQueryAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int):
+    def __init__(self, cfg: LlamaConfig, layer: int, tp: TensorParallel):
         super().__init__()
         self.layer = layer
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.W_query = nn.Linear(cfg.emb_dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.W_key = nn.Linear(cfg.emb_dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.W_value = nn.Linear(cfg.emb_dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.out_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.emb_dim, bias=False)
+        # this rank's heads; a rank's query heads read only its own key/value heads
+        self.n_heads = tp.split(cfg.n_heads, "query heads")[1]
+        self.n_kv_heads = tp.split(cfg.n_kv_heads, "key/value heads", replicate=True)[1]
+        self.head_dim = cfg.head_dim
+        q_heads = dict(unit=cfg.head_dim, what="query heads")
+        kv_heads = dict(unit=cfg.head_dim, what="key/value heads", replicate=True)
+        self.W_query = ColumnParallelLinear(cfg.emb_dim, cfg.n_heads * cfg.head_dim, tp, bias=False, **q_heads)
+        self.W_key = ColumnParallelLinear(cfg.emb_dim, cfg.n_kv_heads * cfg.head_dim, tp, bias=False, **kv_heads)
+        self.W_value = ColumnParallelLinear(cfg.emb_dim, cfg.n_kv_heads * cfg.head_dim, tp, bias=False, **kv_heads)
+        self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.emb_dim, tp, bias=False, **q_heads)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -185,21 +195,22 @@ class GroupedQueryAttention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: a SiLU-activated gate multiplies a linear branch."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
-        self.gate = nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=False)
-        self.up = nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=False)
-        self.down = nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=False)
+        width = dict(bias=False, what="feed-forward width")
+        self.gate = ColumnParallelLinear(cfg.emb_dim, cfg.hidden_dim, tp, **width)
+        self.up = ColumnParallelLinear(cfg.emb_dim, cfg.hidden_dim, tp, **width)
+        self.down = RowParallelLinear(cfg.hidden_dim, cfg.emb_dim, tp, **width)
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int):
+    def __init__(self, cfg: LlamaConfig, layer: int, tp: TensorParallel):
         super().__init__()
-        self.att = GroupedQueryAttention(cfg, layer)
-        self.ff = FeedForward(cfg)
+        self.att = GroupedQueryAttention(cfg, layer, tp)
+        self.ff = FeedForward(cfg, tp)
         self.norm1 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
 
@@ -209,21 +220,41 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel = SINGLE_PROCESS):
         super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.cfg, self.tp = cfg, tp
+        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.emb_dim, tp)
         self.rope = RotaryEmbedding(cfg)
-        self.trf_blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.trf_blocks = nn.ModuleList(TransformerBlock(cfg, i, tp) for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps)
-        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        self.out_head = VocabParallelLinear(cfg.emb_dim, cfg.vocab_size, tp)
         if cfg.tie_embeddings:
             self.out_head.weight = self.tok_emb.weight
 
     @property
     def kv_shape(self) -> dict:
-        """What a cache for this model must hold: layers, KV heads and head size."""
-        return dict(num_layers=self.cfg.n_layers, kv_heads=self.cfg.n_kv_heads, head_dim=self.cfg.head_dim)
+        """What a cache for this model (this rank's part of it) must hold: layers, KV heads, head size."""
+        return dict(num_layers=self.cfg.n_layers, kv_heads=self.trf_blocks[0].att.n_kv_heads,
+                    head_dim=self.cfg.head_dim)
+
+    @classmethod
+    def from_state_dict(cls, cfg: LlamaConfig, state: dict[str, torch.Tensor],
+                        tp: TensorParallel = SINGLE_PROCESS) -> LlamaModel:
+        """The model holding ``state``'s weights (our names, whole tensors; no ``out_head.weight``
+        when the head is tied); with ``tp``, this rank's slices of them (the parallel layers
+        slice each weight as it loads)."""
+        with torch.device("meta"):
+            model = cls(cfg, tp)
+        if cfg.tie_embeddings:
+            # One tensor serves both; assign=True would otherwise untie the meta parameters.
+            model.load_state_dict(state, assign=True, strict=False)
+            model.out_head.weight = model.tok_emb.weight
+            missing = {k for k in model.state_dict() if k not in state and k != "out_head.weight"}
+            if missing:
+                raise KeyError(f"weights missing for {sorted(missing)}")
+        else:
+            model.load_state_dict(state, assign=True)
+        return model.eval()
 
     def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids ``idx`` ``(B, T)``.
@@ -241,10 +272,13 @@ class LlamaModel(nn.Module):
         return self.out_head(self.final_norm(x))
 
 
-def build_llama(name: str = "llama-tiny", seed: int | None = 123, **overrides) -> LlamaModel:
+def build_llama(name: str = "llama-tiny", seed: int | None = 123, tp: TensorParallel = SINGLE_PROCESS,
+                **overrides) -> LlamaModel:
     """A Llama/Qwen-style model of a named configuration with random weights.
 
-    ``overrides`` replace config fields, e.g. ``build_llama("llama-3.2-1b", n_layers=2)``.
+    ``overrides`` replace config fields, e.g. ``build_llama("llama-3.2-1b", n_layers=2)``. With
+    ``tp``, every rank builds the whole seeded model and keeps its slice, so the ranks together
+    hold exactly the single-process model.
     """
     if name not in LLAMA_CONFIGS:
         raise ValueError(f"unknown Llama/Qwen config {name!r}; choose one of {sorted(LLAMA_CONFIGS)}")
@@ -253,6 +287,11 @@ def build_llama(name: str = "llama-tiny", seed: int | None = 123, **overrides) -
         torch.manual_seed(seed)
     model = LlamaModel(cfg)
     _init_weights(model)
+    if tp.size > 1:
+        state = model.state_dict()
+        if cfg.tie_embeddings:
+            del state["out_head.weight"]
+        model = LlamaModel.from_state_dict(cfg, state, tp)
     return model.eval()
 
 

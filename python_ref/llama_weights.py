@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 
 from .llama import Llama3RopeScaling, LlamaConfig, LlamaModel
+from .tensor_parallel import SINGLE_PROCESS, TensorParallel
 from .weights import _read_state
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
@@ -72,27 +73,15 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
 
 
 def load_llama(source: str | os.PathLike | Mapping[str, torch.Tensor],
-               config: LlamaConfig | Mapping | str | os.PathLike) -> LlamaModel:
+               config: LlamaConfig | Mapping | str | os.PathLike, tp: TensorParallel = SINGLE_PROCESS) -> LlamaModel:
     """A model built from a ``.safetensors`` path or a state dict in HF layout.
 
     ``config`` is a :class:`LlamaConfig` or anything :func:`config_from_hf` reads (the
-    checkpoint's ``config.json``, as a path or dict, or a transformers config object).
+    checkpoint's ``config.json``, as a path or dict, or a transformers config object). With
+    ``tp``, each rank reads the whole file and keeps its slices (see llama.py).
     """
     cfg = config if isinstance(config, LlamaConfig) else config_from_hf(config)
-    state = _read_state(source)
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
-    ours = _to_ours(state, cfg)
-    if cfg.tie_embeddings:
-        # One tensor serves both; assign=True would otherwise untie the meta parameters.
-        model.load_state_dict(ours, assign=True, strict=False)
-        model.out_head.weight = model.tok_emb.weight
-        missing = {k for k in model.state_dict() if k not in ours and k != "out_head.weight"}
-        if missing:
-            raise KeyError(f"weights missing for {sorted(missing)}")
-    else:
-        model.load_state_dict(ours, assign=True)
-    return model.eval()
+    return LlamaModel.from_state_dict(cfg, _to_ours(_read_state(source), cfg), tp)
 
 
 def _to_ours(hf: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:

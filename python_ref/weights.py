@@ -12,13 +12,18 @@ from typing import Mapping
 import torch
 
 from .gpt2 import GPT2Config, GPTModel
+from .tensor_parallel import SINGLE_PROCESS, TensorParallel
 
 # GPT-2's published sizes: embedding width -> attention heads (not recoverable from shapes).
 _HEADS_BY_WIDTH = {768: 12, 1024: 16, 1280: 20, 1600: 25}
 
 
-def load_gpt2(source: str | os.PathLike | Mapping[str, torch.Tensor], n_heads: int | None = None) -> GPTModel:
-    """A GPT-2 built from a ``.safetensors`` file path or a state dict in HF layout."""
+def load_gpt2(source: str | os.PathLike | Mapping[str, torch.Tensor], n_heads: int | None = None,
+              tp: TensorParallel = SINGLE_PROCESS) -> GPTModel:
+    """A GPT-2 built from a ``.safetensors`` file path or a state dict in HF layout.
+
+    With ``tp``, each rank reads the whole file and keeps its slices (see gpt2.py).
+    """
     state = _read_state(source)
     state = {k.removeprefix("transformer."): v for k, v in state.items()}
     for required in ("wte.weight", "wpe.weight", "ln_f.weight"):
@@ -32,10 +37,7 @@ def load_gpt2(source: str | os.PathLike | Mapping[str, torch.Tensor], n_heads: i
         n_heads = _HEADS_BY_WIDTH[emb]
     cfg = GPT2Config(vocab_size=vocab, context_length=state["wpe.weight"].shape[0], emb_dim=emb,
                      n_heads=n_heads, n_layers=n_layers, qkv_bias=True)
-    with torch.device("meta"):
-        model = GPTModel(cfg)
-    model.load_state_dict(_to_ours(state, cfg), assign=True)
-    return model.eval()
+    return GPTModel.from_state_dict(cfg, _to_ours(state, cfg), tp)
 
 
 def _read_state(source) -> dict[str, torch.Tensor]:

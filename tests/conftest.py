@@ -1,7 +1,74 @@
+import os
+import re
+from collections import Counter
+
 import pytest
 import torch
+
+FUZZ_EXAMPLES_ENV = "KVCACHE_EXT_FUZZ_EXAMPLES"
+DEFAULT_FUZZ_EXAMPLES = 100
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("kvcache_ext fuzzing (tests/test_fuzz.py)")
+    group.addoption(
+        "--fuzz-examples", type=int, default=int(os.environ.get(FUZZ_EXAMPLES_ENV, DEFAULT_FUZZ_EXAMPLES)),
+        help=f"hypothesis examples per fuzz test, one op call each (default {DEFAULT_FUZZ_EXAMPLES}, or "
+             f"${FUZZ_EXAMPLES_ENV}). A long run: --fuzz-examples 6000 --fuzz-keep-going")
+    group.addoption(
+        "--fuzz-keep-going", action="store_true",
+        help="record contract violations and keep fuzzing instead of stopping at the first one; each fuzz "
+             "test fails at its end listing every kind of violation seen, with a count and its first example")
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class FuzzTally:
+    """Counts of one fuzz session, per op entry point: calls made, Python exceptions (refusals),
+    results checked against the reference, calls run in a forked child, contract violations."""
+
+    def __init__(self):
+        self.counts: dict[str, Counter] = {}
+        self.violations: dict[tuple[str, str], list] = {}  # (entry point, kind) -> [count, first example]
+
+    def record(self, entry_point: str, outcome: str, isolated: bool) -> None:
+        counts = self.counts.setdefault(entry_point, Counter())
+        counts["calls"] += 1
+        counts[outcome] += 1
+        counts["isolated in a child"] += isolated
+
+    def record_violation(self, entry_point: str, kind: str, example: str) -> None:
+        # Numbers vary between examples of one bug: group by the kind with digits folded.
+        key = (entry_point, re.sub(r"-?\d+", "N", kind))
+        seen = self.violations.setdefault(key, [0, f"{kind}\n    first example: {example}"])
+        seen[0] += 1
+
+    def violation_report(self, entry_points) -> str:
+        return "\n".join(f"[{count}x] {entry_point}: {first}"
+                         for (entry_point, _), (count, first) in sorted(self.violations.items())
+                         if entry_point.split("[")[0] in entry_points)
+
+
+_FUZZ_TALLY = pytest.StashKey[FuzzTally]()
+
+
+@pytest.fixture(scope="session")
+def fuzz_tally(request) -> FuzzTally:
+    return request.config.stash.setdefault(_FUZZ_TALLY, FuzzTally())
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    tally = config.stash.get(_FUZZ_TALLY, None)
+    if tally is None:
+        return
+    terminalreporter.section("kvcache_ext fuzzing")
+    for entry_point, counts in sorted(tally.counts.items()):
+        terminalreporter.write_line(
+            f"{entry_point}: {counts['calls']} calls, {counts['refused']} refused with an exception, "
+            f"{counts['checked']} results checked, {counts['violation']} contract violations "
+            f"({counts['isolated in a child']} calls isolated in a forked child)")
+    distinct = len(tally.violations)
+    terminalreporter.write_line(f"distinct kinds of violation: {distinct}")

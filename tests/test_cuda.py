@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext import _native
 from python_ref import build_gpt2, generate, reference_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
@@ -22,9 +21,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(autouse=True)
 def cuda_kernels_loaded():
-    if not _native.cuda_available:
-        message = f"kvcache_ext's CUDA kernels are not loaded: {_native.cuda_unavailable_reason}"
-        if os.environ.get(_native.REQUIRE_NATIVE_ENV) == "1":
+    if not kvcache_ext.native_available("cuda"):
+        message = f"kvcache_ext's CUDA kernels are not loaded: {kvcache_ext.build_info().get('cuda_unavailable_reason')}"
+        if os.environ.get("KVCACHE_EXT_REQUIRE_NATIVE") == "1":
             pytest.fail(message)
         pytest.skip(message)
 
@@ -78,8 +77,8 @@ def test_decode_attention_parity(dtype, head_dim, group, num_new, window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 256])
-def test_every_supported_head_dim(dtype, head_dim):
+@pytest.mark.parametrize("head_dim", list(range(8, 257, 8)))
+def test_every_multiple_of_8_head_dim(dtype, head_dim):
     q, k_cache, v_cache, lengths = random_problem(2, 8, 2, 1, head_dim, 4096, [4096, 33], dtype, False, head_dim)
     out, _ = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda())
     exact = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths)
@@ -191,19 +190,145 @@ def test_greedy_generation_cuda_equals_cpu(window):
     assert torch.equal(gpu_tokens.cpu(), cpu_tokens)
 
 
+# ---- int64 edges, large groups, unaligned views ------------------------------------------------------
+INT64_MAX, INT64_MIN, MAX_LENGTH = 2**63 - 1, -(2**63), 2**62
+EDGE_SLOTS, EDGE_NEW = 300, 3
+EDGE_LENGTHS = [0, EDGE_NEW - 1, EDGE_SLOTS, EDGE_SLOTS + 1, MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, INT64_MIN, -1]
+
+
+def check_decode_contract(q, k_cache, v_cache, lengths, window=None, gpu_caches=None):
+    """The op on CUDA against the contract: rows with num_new <= n <= 2^62 equal the float64
+    reference within twice plain PyTorch's error; other rows are zeros with lse -inf.
+    `gpu_caches`: the caches' CUDA twins when their layout matters (.cuda() makes views dense)."""
+    k_gpu, v_gpu = gpu_caches or (k_cache.cuda(), v_cache.cuda())
+    out, lse = torch.ops.kvcache_ext.decode_attention(q.cuda(), k_gpu, v_gpu, lengths.cuda(), window, None)
+    out, lse = out.cpu(), lse.cpu()
+    T = q.shape[2]
+    valid = torch.tensor([T <= int(n) <= MAX_LENGTH for n in lengths])
+    rows = valid.nonzero().flatten()
+    args = (k_cache[rows], v_cache[rows], lengths[rows], window)
+    exact, exact_lse = reference_attention(q[rows].double(), args[0].double(), args[1].double(), *args[2:],
+                                           return_lse=True)
+    plain = reference_attention(q[rows], *args)
+    assert max_error(out[rows], exact) <= 2 * max_error(plain, exact) + 1e-5
+    torch.testing.assert_close(lse[rows].double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+    invalid = (~valid).nonzero().flatten()
+    assert torch.equal(out[invalid], torch.zeros_like(out[invalid]))
+    assert bool((lse[invalid] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("window", [None, 50, MAX_LENGTH, INT64_MAX], ids=["none", "w50", "w2^62", "wmax"])
+def test_decode_edge_lengths(dtype, window):
+    # Each edge length next to a valid row, in one call; slots > 256, so the plan splits.
+    valid_neighbours = [EDGE_SLOTS + 7, EDGE_NEW, 5 * EDGE_SLOTS + 5]
+    lengths = torch.tensor([n for i, edge in enumerate(EDGE_LENGTHS) for n in (edge, valid_neighbours[i % 3])])
+    q, k_cache, v_cache, _ = random_problem(len(lengths), 8, 2, EDGE_NEW, 64, EDGE_SLOTS, [0], dtype, True, 21)
+    check_decode_contract(q, k_cache, v_cache, lengths, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_append_edge_lengths(dtype):
+    # Rows with 0 <= n <= 2^62 are written at (n + t) % S (exact integers here); others stay as
+    # they were; nothing else of the buffer the caches live in changes.
+    B, H, S, D, T = len(EDGE_LENGTHS), 2, 24, 16, 3
+    lengths = torch.tensor(EDGE_LENGTHS)
+    buffer = torch.randn(2 * B * H * S * D + 64).to(dtype)
+    k_new, v_new = torch.randn(B, H, T, D).to(dtype), torch.randn(B, H, T, D).to(dtype)
+    expected = buffer.clone()
+    expected_k = expected[16:16 + B * H * S * D].view(B, H, S, D)
+    expected_v = expected[-16 - B * H * S * D:-16].view(B, H, S, D)
+    for b, n in enumerate(EDGE_LENGTHS):
+        if 0 <= n <= MAX_LENGTH:
+            for t in range(T):
+                expected_k[b, :, (n + t) % S], expected_v[b, :, (n + t) % S] = k_new[b, :, t], v_new[b, :, t]
+    gpu_buffer = buffer.cuda()
+    k_gpu = gpu_buffer[16:16 + B * H * S * D].view(B, H, S, D)
+    v_gpu = gpu_buffer[-16 - B * H * S * D:-16].view(B, H, S, D)
+    torch.ops.kvcache_ext.append_kv(k_gpu, v_gpu, k_new.cuda(), v_new.cuda(), lengths.cuda())
+    assert torch.equal(gpu_buffer.cpu(), expected)
+
+
+def test_append_more_pairs_than_grid_rows():
+    # batch x kv_heads = 70,000 (row, head) pairs, above CUDA's gridDim.y limit of 65,535.
+    B, H, S, D = 2, 35000, 4, 8
+    k_cpu, v_cpu = torch.zeros(B, H, S, D, dtype=torch.bfloat16), torch.zeros(B, H, S, D, dtype=torch.bfloat16)
+    k_new, v_new = torch.randn(B, H, 1, D).bfloat16(), torch.randn(B, H, 1, D).bfloat16()
+    lengths = torch.tensor([5, 2])
+    k_gpu, v_gpu = k_cpu.cuda(), v_cpu.cuda()
+    kvcache_ext.append_kv(k_cpu, v_cpu, k_new, v_new, lengths)
+    kvcache_ext.append_kv(k_gpu, v_gpu, k_new.cuda(), v_new.cuda(), lengths.cuda())
+    assert torch.equal(k_gpu.cpu(), k_cpu) and torch.equal(v_gpu.cpu(), v_cpu)
+    assert k_cpu[0, :, 1].abs().sum() > 0 and k_cpu[1, :, 2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("q_heads,num_new", [(96, 1), (128, 5), (100, 3)])
+def test_large_gqa_groups(q_heads, num_new):
+    q, k_cache, v_cache, lengths = random_problem(2, q_heads, 1, num_new, 128, 700, [700, 1000], torch.bfloat16,
+                                                  True, q_heads)
+    check_decode_contract(q, k_cache, v_cache, lengths, 300)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("layout", ["offset_pointer", "odd_slot_stride", "slice_of_slots"])
+def test_unaligned_cache_views(dtype, layout):
+    # Rows off 16-byte boundaries (a layer's view of one buffer at an odd offset, padded slots,
+    # cache[:, :, 1:, 1:]) are read element by element instead of refused.
+    B, H_kv, S, D = 2, 2, 500, 8
+    numel = B * H_kv * S * D
+
+    def view(storage):
+        if layout == "offset_pointer":
+            return storage.flatten()[1:1 + numel].view(B, H_kv, S, D)
+        if layout == "odd_slot_stride":
+            return storage.flatten()[:B * H_kv * S * (D + 1)].view(B, H_kv, S, D + 1)[..., :D]
+        return storage.flatten()[:B * H_kv * (S + 1) * (D + 1)].view(B, H_kv, S + 1, D + 1)[:, :, 1:, 1:]
+
+    g = torch.Generator().manual_seed(22)
+    k_storage = torch.randn(2 * numel + 64, generator=g).to(dtype)
+    v_storage = torch.randn(2 * numel + 64, generator=g).to(dtype)
+    gpu_caches = (view(k_storage.cuda()), view(v_storage.cuda()))
+    assert gpu_caches[0].data_ptr() % 16 or gpu_caches[0].stride(2) * gpu_caches[0].element_size() % 16
+    q = torch.randn(B, 4, 2, D, generator=g).to(dtype)
+    check_decode_contract(q, view(k_storage), view(v_storage), torch.tensor([700, 9]), 300, gpu_caches)
+
+
 # ---- errors --------------------------------------------------------------------------------------
-def test_unsupported_head_dim_is_a_clear_error():
-    q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 24, 16, [4], torch.float32, False, 0)
-    with pytest.raises(RuntimeError, match="head_dim 24 is not supported by the CUDA kernel; supported: 16, 32"):
-        kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda())
+@pytest.mark.parametrize("head_dim", [4, 12, 264])
+def test_unsupported_head_dim_is_a_clear_error(head_dim):
+    q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, head_dim, 16, [4], torch.float32, False, 0)
+    with pytest.raises(RuntimeError, match=f"head_dim must be a multiple of 8 between 8 and 256, got {head_dim}"):
+        torch.ops.kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, None)
 
 
-def test_misaligned_cache_is_a_clear_error():
-    storage = torch.randn(1, 2, 16, 66, device="cuda")
-    k_cache = storage[..., :64]  # slot stride of 66 floats (264 bytes): rows not 16-byte aligned
-    q = torch.randn(1, 2, 1, 64, device="cuda")
-    with pytest.raises(RuntimeError, match="16-byte"):
-        torch.ops.kvcache_ext.decode_attention(q, k_cache, k_cache, torch.tensor([4], device="cuda"), None, None)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (None, True), (3.0, True)])
+@pytest.mark.parametrize("slots", [40, 8192], ids=["short", "split-KV"])
+def test_softcap_and_sinks_parity(dtype, softcap, with_sinks, slots):
+    q, k_cache, v_cache, lengths = random_problem(2, 8, 2, 2, 64, slots, [2, slots], dtype, True, 11)
+    q = q * 4
+    sinks = torch.randn(8) * 3 if with_sinks else None
+    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), softcap=softcap,
+                                            sinks=None if sinks is None else sinks.cuda())
+    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True,
+                                           softcap=softcap, sinks=sinks)
+    plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), softcap=softcap,
+                                sinks=None if sinks is None else sinks.cuda())
+    assert max_error(out.cpu(), exact) <= 2 * max_error(plain.cpu(), exact) + 1e-5
+    torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_scale_is_a_clear_error(scale):
+    q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 64, 16, [4], torch.float32, False, 0)
+    with pytest.raises(RuntimeError, match=f"scale must be finite and at most 1.7e38 .*, got {scale}"):
+        torch.ops.kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, scale)
+
+
+def test_scale_overflowing_float32_is_a_clear_error():
+    q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 64, 16, [4], torch.float32, False, 0)
+    with pytest.raises(RuntimeError, match="scale must be finite and at most 1.7e38"):
+        torch.ops.kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, 1e300)
 
 
 def test_mixed_devices_are_rejected():

@@ -3,7 +3,8 @@
 The kernel sources are compiled unchanged with g++ against a small emulation of the CUDA
 execution model (fibers for threads, barriers for __syncthreads and warp shuffles), together
 with the real host-side planning. This checks indexing, masking, the online softmax, the merge
-of lane groups and of Flash-Decoding splits, and the append's vectorised and element paths
+of lane groups and of Flash-Decoding splits, the append's vectorised and element paths, the
+handling of invalid lengths and the launch limits (the emulation refuses grids a GPU would)
 against python_ref on every CI run; tests/test_cuda.py repeats the checks on a real GPU.
 """
 
@@ -27,6 +28,10 @@ EMULATION_DIR = ROOT / "tests" / "cuda_emulation"
 SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*")) + sorted(EMULATION_DIR.glob("*"))
 ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
+MAX_LENGTH = 2**62  # kvcache_ext::kMaxLength
+MAX_GRID_X = 2**31 - 1
+HEAD_DIMS = list(range(8, 257, 8))
 
 
 @pytest.fixture(scope="module")
@@ -54,65 +59,117 @@ def ptr(t: torch.Tensor):
     return ctypes.c_void_p(t.data_ptr())
 
 
-def emulated_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=None, sm_count=132):
+def emulated_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=None, sm_count=132,
+                       max_blocks=MAX_GRID_X, softcap=None, sinks=None):
+    """Runs the CUDA binding's steps (window clamp, load path, plan, launches) under emulation."""
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
     out = torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H_q, T), float("nan"))
-    plan = (ctypes.c_int * 3)()
+    plan = (ctypes.c_int64 * 4)()
+    sinks32 = None if sinks is None else sinks.float().contiguous()  # alive until the call returns
     status = lib.emu_decode_attention(
         ELEM[q.dtype], ptr(q), int64s(q.stride()), ptr(k_cache), ptr(v_cache),
-        int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])), ptr(lengths), ptr(out), ptr(lse),
-        int64s([B, H_q, H_kv, T, D, S]), ctypes.c_int64(window or 0),
-        ctypes.c_double(1.0 / math.sqrt(D) if scale is None else scale), ctypes.c_int(sm_count), plan)
+        int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])), ptr(lengths),
+        ctypes.c_int64(lengths.stride(0)), ptr(out), ptr(lse), int64s([B, H_q, H_kv, T, D, S]),
+        ctypes.c_int64(window or 0), ctypes.c_double(1.0 / math.sqrt(D) if scale is None else scale),
+        ctypes.c_double(softcap or 0.0), None if sinks32 is None else ptr(sinks32),
+        ctypes.c_int(sm_count), ctypes.c_int64(max_blocks), plan)
     assert status == 0, f"emulated launch failed with status {status}"
-    return out, lse, {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2]}
+    return out, lse, {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2],
+                      "vector_loads": bool(plan[3])}
 
 
-def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths):
+def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths, max_words_per_launch=MAX_GRID_X):
+    """Returns the word size the launcher chose and the number of launches it made."""
     B, H, S, D = k_cache.shape
-    word_bytes = ctypes.c_int()
+    word_bytes, launches = ctypes.c_int(), ctypes.c_int()
     status = lib.emu_append_kv(
         ptr(k_cache), ptr(v_cache), int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])),
         ptr(k_new), ptr(v_new), int64s(list(k_new.stride()) + list(v_new.stride())), ptr(lengths),
-        int64s([B, H, k_new.shape[2], S, D]), ctypes.c_int64(k_cache.element_size()), ctypes.byref(word_bytes))
+        ctypes.c_int64(lengths.stride(0)), int64s([B, H, k_new.shape[2], S, D]),
+        ctypes.c_int64(k_cache.element_size()), ctypes.c_int64(max_words_per_launch),
+        ctypes.byref(word_bytes), ctypes.byref(launches))
     assert status == 0, f"emulated append failed with status {status}"
-    return word_bytes.value
+    return word_bytes.value, launches.value
 
 
 def max_error(x, reference):
     return (x.double() - reference).abs().max().item()
 
 
-def check_attention(lib, B, H_q, H_kv, T, D, S, lengths, window, dtype, sm_count, non_contiguous_q=False):
-    g = torch.Generator().manual_seed(B * 1000 + H_q * 100 + T * 10 + D + S)
-    q = torch.randn(B, H_q, T, D, generator=g).to(dtype)
+def guarded(shape, dtype, generator, guard_value=float("nan"), offset_elems=0, slot_padding=0):
+    """A random (B, H, S, D) cache inside a larger buffer whose other elements are `guard_value`:
+    reads of them poison the outputs (NaN), writes show in `guards_intact`. `offset_elems` and
+    `slot_padding` move row starts off 16-byte boundaries."""
+    B, H, S, D = shape
+    guard = 64
+    padded = (B, H, S, D + slot_padding)
+    numel = B * H * S * (D + slot_padding)
+    buffer = torch.full((guard + offset_elems + numel + guard,), guard_value, dtype=dtype)
+    view = buffer[guard + offset_elems:guard + offset_elems + numel].view(padded)[..., :D]
+    view.copy_(torch.randn(shape, generator=generator).to(dtype))
+    inside = torch.zeros(buffer.shape, dtype=torch.bool)
+    inside[guard + offset_elems:guard + offset_elems + numel].view(padded)[..., :D] = True
+    return view, buffer, inside
+
+
+def guards_intact(buffer, inside, guard_value):
+    rest = buffer[~inside].double()
+    return bool(rest.isnan().all()) if math.isnan(guard_value) else bool((rest == guard_value).all())
+
+
+def valid_for_decode(n, T):
+    return T <= n <= MAX_LENGTH
+
+
+def check_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=None, sm_count=132,
+                    max_blocks=MAX_GRID_X):
+    """Emulated decode against the contract: rows with a valid length equal reference_attention
+    (float64) within twice plain PyTorch's error in the inputs' dtype; other rows are zeros with
+    a log-sum-exp of -inf."""
+    T = q.shape[2]
+    out, lse, plan = emulated_attention(lib, q, k_cache, v_cache, lengths, window, scale, sm_count, max_blocks)
+    valid = torch.tensor([valid_for_decode(int(n), T) for n in lengths])
+    if valid.any():
+        rows = valid.nonzero().flatten()
+        args = (k_cache[rows], v_cache[rows], lengths[rows], window, scale)
+        exact, exact_lse = reference_attention(q[rows].double(), args[0].double(), args[1].double(), *args[2:],
+                                               return_lse=True)
+        plain = reference_attention(q[rows], *args)
+        bound = 2 * max_error(plain, exact) + 1e-5
+        assert max_error(out[rows], exact) <= bound, (plan, max_error(out[rows], exact), bound)
+        torch.testing.assert_close(lse[rows].double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+    invalid = (~valid).nonzero().flatten()
+    assert torch.equal(out[invalid], torch.zeros_like(out[invalid]))
+    assert bool((lse[invalid] == float("-inf")).all())
+    return plan
+
+
+def random_attention(B, H_q, H_kv, T, D, S, dtype, seed, non_contiguous_q=False):
+    g = torch.Generator().manual_seed(seed)
     if non_contiguous_q:  # (B, T, H_q, D) storage viewed as (B, H_q, T, D)
         q = torch.randn(B, T, H_q, D, generator=g).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, H_q, T, D, generator=g).to(dtype)
     k_cache = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
     v_cache = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
-    lengths = torch.tensor(lengths, dtype=torch.long)
-    out, lse, plan = emulated_attention(lib, q, k_cache, v_cache, lengths, window, sm_count=sm_count)
-    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, window,
-                                           return_lse=True)
-    plain = reference_attention(q, k_cache, v_cache, lengths, window)
-    bound = 2 * max_error(plain, exact) + 1e-5
-    assert max_error(out, exact) <= bound, (plan, max_error(out, exact), bound)
-    torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
-    return plan
+    return q, k_cache, v_cache
 
 
 # (batch, q_heads, kv_heads, num_new, head_dim, slots, lengths, window)
 ATTENTION_CASES = [
     (1, 4, 4, 1, 64, 1000, [1], None),               # a single visible position
     (1, 8, 1, 1, 128, 1000, [1000], None),            # MQA, full cache
-    (3, 8, 2, 1, 80, 1000, [7, 1000, 333], None),     # GQA 4, unequal rows, 80-dim (padded lanes)
+    (3, 8, 2, 1, 80, 1000, [7, 1000, 333], None),     # GQA 4, unequal rows, 80-dim (idle lanes)
     (3, 16, 2, 4, 128, 400, [7, 400, 4], None),       # GQA 8, T=4 (4 row chunks), T == length
     (3, 4, 2, 4, 64, 300, [7, 700, 1000], 100),       # ring buffer wrapped, window
     (2, 2, 1, 1, 96, 257, [300, 258], 257),           # window == slots, wrapped by a few
     (1, 2, 2, 4, 256, 64, [1000], 61),                # window + T - 1 == slots
     (2, 4, 4, 1, 16, 50, [1, 70], None),              # tiny head_dim, MHA (one row per block)
     (1, 4, 1, 5, 32, 40, [5], 3),                     # T > window, first rows see few keys
+    (2, 6, 2, 2, 24, 30, [40, 2], None),              # head_dim 24: capacity 32, a masked lane
+    (1, 2, 1, 3, 200, 70, [90], 20),                  # head_dim 200: capacity 256
 ]
 
 
@@ -120,14 +177,23 @@ ATTENTION_CASES = [
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[f"case{i}" for i in range(len(ATTENTION_CASES))])
 def test_decode_attention_matches_reference(emulator, case, dtype):
     B, H_q, H_kv, T, D, S, lengths, window = case
-    check_attention(emulator, B, H_q, H_kv, T, D, S, lengths, window, dtype, sm_count=132)
+    q, k_cache, v_cache = random_attention(B, H_q, H_kv, T, D, S, dtype, seed=B * 1000 + H_q * 100 + T * 10 + D + S)
+    check_attention(emulator, q, k_cache, v_cache, torch.tensor(lengths), window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_every_multiple_of_8_head_dim(emulator, head_dim, dtype):
+    # Two query rows per block (GQA 2) over a wrapped ring: every lane layout and its masking.
+    q, k_cache, v_cache = random_attention(2, 4, 2, 1, head_dim, 19, dtype, seed=head_dim)
+    check_attention(emulator, q, k_cache, v_cache, torch.tensor([25, 6]))
 
 
 @pytest.mark.parametrize("sm_count", [1, 8, 132])
 def test_split_counts_agree(emulator, sm_count):
     # Many SMs per (row, head) force Flash-Decoding splits and the combine kernel; one forces none.
-    plan = check_attention(emulator, 2, 8, 2, 1, 64, 2048, [2048, 900], None, torch.float32, sm_count,
-                           non_contiguous_q=True)
+    q, k_cache, v_cache = random_attention(2, 8, 2, 1, 64, 2048, torch.float32, seed=7, non_contiguous_q=True)
+    plan = check_attention(emulator, q, k_cache, v_cache, torch.tensor([2048, 900]), sm_count=sm_count)
     assert (plan["splits"] > 1) == (sm_count > 1)
 
 
@@ -135,7 +201,8 @@ def test_split_counts_agree(emulator, sm_count):
 def test_forced_split_count(emulator, monkeypatch, splits):
     # The tuning override; 64 splits of 700 positions leave most splits empty.
     monkeypatch.setenv("KVCACHE_EXT_CUDA_SPLITS", str(splits))
-    plan = check_attention(emulator, 1, 4, 2, 2, 96, 700, [700], None, torch.bfloat16, 132)
+    q, k_cache, v_cache = random_attention(1, 4, 2, 2, 96, 700, torch.bfloat16, seed=8)
+    plan = check_attention(emulator, q, k_cache, v_cache, torch.tensor([700]))
     assert plan["splits"] == splits
 
 
@@ -143,7 +210,8 @@ def test_forced_split_count(emulator, monkeypatch, splits):
 def test_forced_rows_per_block(emulator, monkeypatch, max_rows):
     # The other tuning override: a GQA group of 8 served by blocks of 1 or 4 query rows.
     monkeypatch.setenv("KVCACHE_EXT_CUDA_MAX_ROWS", str(max_rows))
-    plan = check_attention(emulator, 2, 16, 2, 2, 64, 300, [300, 9], 50, torch.float16, 132)
+    q, k_cache, v_cache = random_attention(2, 16, 2, 2, 64, 300, torch.float16, seed=9)
+    plan = check_attention(emulator, q, k_cache, v_cache, torch.tensor([300, 9]), 50)
     assert plan["rows_per_block"] == max_rows and plan["row_chunks"] == 16 // max_rows
 
 
@@ -158,6 +226,120 @@ def test_scale_and_non_contiguous_q(emulator):
     torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (None, True), (3.0, True)])
+@pytest.mark.parametrize("slots,split", [(40, False), (3000, True)], ids=["one split", "split-KV"])
+def test_softcap_and_sinks(emulator, dtype, softcap, with_sinks, slots, split):
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(1, 4, 2, 64, generator=g) * 4).to(dtype)
+    k_cache, v_cache = (torch.randn(1, 2, slots, 64, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.tensor([slots])
+    sinks = torch.randn(4, generator=g) * 3 if with_sinks else None
+    out, lse, plan = emulated_attention(emulator, q, k_cache, v_cache, lengths, softcap=softcap, sinks=sinks)
+    assert (plan["splits"] > 1) == split, plan
+    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True,
+                                           softcap=softcap, sinks=sinks)
+    plain = reference_attention(q, k_cache, v_cache, lengths, softcap=softcap, sinks=sinks)
+    assert max_error(out, exact) <= 2 * max_error(plain, exact) + 1e-5
+    torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+
+
+# ---- lengths and windows at the edges of int64 --------------------------------------------------
+S_EDGE, T_EDGE = 24, 3
+EDGE_LENGTHS = [0, T_EDGE - 1, S_EDGE, S_EDGE + 1, MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, INT64_MIN, -1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [None, 5, MAX_LENGTH, INT64_MAX], ids=["none", "w5", "w2^62", "wmax"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_edge_lengths(emulator, monkeypatch, dtype, window, splits):
+    # Every edge length, each next to a valid row, in one launch; NaN guards around the caches
+    # poison any output that reads outside them. Valid rows (T <= n <= 2^62) match the reference,
+    # the others are zeros with lse -inf, with and without Flash-Decoding splits.
+    monkeypatch.setenv("KVCACHE_EXT_CUDA_SPLITS", str(splits))
+    valid_neighbours = [S_EDGE + 7, T_EDGE, 2 * S_EDGE + 5]
+    lengths = torch.tensor([n for i, edge in enumerate(EDGE_LENGTHS) for n in (edge, valid_neighbours[i % 3])])
+    B = len(lengths)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, 4, T_EDGE, 16, generator=g).to(dtype)
+    k_cache, k_buffer, k_inside = guarded((B, 2, S_EDGE, 16), dtype, g)
+    v_cache, v_buffer, v_inside = guarded((B, 2, S_EDGE, 16), dtype, g)
+    plan = check_attention(emulator, q, k_cache, v_cache, lengths, window)
+    assert plan["splits"] == splits
+    assert guards_intact(k_buffer, k_inside, float("nan")) and guards_intact(v_buffer, v_inside, float("nan"))
+
+
+def test_decode_edge_lengths_in_a_long_cache(emulator):
+    # The same contract where the planner itself splits (slots > 256) and rows wrap many times.
+    lengths = torch.tensor(EDGE_LENGTHS + [T_EDGE, 1000, MAX_LENGTH - 1])
+    B = len(lengths)
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(B, 8, T_EDGE, 40, generator=g)
+    k_cache, _, _ = guarded((B, 2, 600, 40), torch.float32, g)
+    v_cache, _, _ = guarded((B, 2, 600, 40), torch.float32, g)
+    plan = check_attention(emulator, q, k_cache, v_cache, lengths, INT64_MAX, sm_count=132)
+    assert plan["splits"] > 1
+
+
+# ---- GQA groups, many query rows, grid strides ----------------------------------------------------
+@pytest.mark.parametrize("q_heads,num_new", [(96, 1), (128, 3), (100, 2)])
+def test_large_gqa_groups(emulator, q_heads, num_new):
+    # One KV head for all query heads: up to 384 query rows, 48 row chunks of 8 per KV head.
+    q, k_cache, v_cache = random_attention(1, q_heads, 1, num_new, 32, 40, torch.bfloat16, seed=q_heads)
+    check_attention(emulator, q, k_cache, v_cache, torch.tensor([45]), 30)
+
+
+@pytest.mark.parametrize("sm_count", [1, 132], ids=["one_split", "splits"])
+def test_more_work_than_one_grid(emulator, sm_count):
+    # Grids of at most 3 blocks: the split kernel is launched once per 3 work units, the combine
+    # kernel's blocks stride over the rows.
+    q, k_cache, v_cache = random_attention(3, 8, 2, 2, 64, 600, torch.float32, seed=13)
+    plan = check_attention(emulator, q, k_cache, v_cache, torch.tensor([600, 2, 1]), sm_count=sm_count, max_blocks=3)
+    assert plan["row_chunks"] * 3 * 2 * plan["splits"] > 3
+
+
+# ---- unaligned caches --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("layout", ["aligned", "offset_pointer", "odd_slot_stride", "slice_of_slots"])
+def test_unaligned_caches(emulator, dtype, layout):
+    # Per-layer views of one buffer at odd offsets, padded slot strides, cache[:, :, 1:]: the
+    # launcher picks element loads instead of refusing.
+    B, H_kv, S, D = 2, 2, 33, 8
+    g = torch.Generator().manual_seed(14)
+    if layout == "slice_of_slots":
+        k_cache = torch.randn(B, H_kv, S + 1, D + 1, generator=g).to(dtype)[:, :, 1:, 1:]
+        v_cache = torch.randn(B, H_kv, S + 1, D + 1, generator=g).to(dtype)[:, :, 1:, 1:]
+    else:
+        offset, padding = {"aligned": (0, 0), "offset_pointer": (1, 0), "odd_slot_stride": (0, 1)}[layout]
+        k_cache, _, _ = guarded((B, H_kv, S, D), dtype, g, offset_elems=offset, slot_padding=padding)
+        v_cache, _, _ = guarded((B, H_kv, S, D), dtype, g, offset_elems=offset, slot_padding=padding)
+    q = torch.randn(B, 8, 2, D, generator=g).to(dtype)  # 8 query rows per KV head
+    plan = check_attention(emulator, q, k_cache, v_cache, torch.tensor([40, 9]), 20)
+    assert plan["vector_loads"] == (layout == "aligned")
+    assert plan["rows_per_block"] == (8 if layout == "aligned" else 4)  # the slow path has 4-row kernels only
+
+
+def test_strided_lengths(emulator):
+    # lengths may be any 1-D view (here every other element of a longer tensor).
+    q, k_cache, v_cache = random_attention(2, 4, 2, 1, 64, 50, torch.float32, seed=15)
+    lengths = torch.tensor([30, -5, 7, -5])[::2]
+    check_attention(emulator, q, k_cache, v_cache, lengths)
+
+
+# ---- append ---------------------------------------------------------------------------------------
+def expected_append(k_cache, v_cache, k_new, v_new, lengths):
+    """The contract with exact Python integers: slot (n + t) % S for 0 <= n <= 2^62, else untouched."""
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    S = k_cache.shape[2]
+    for b, n in enumerate(lengths.tolist()):
+        if not 0 <= n <= MAX_LENGTH:
+            continue
+        for t in range(k_new.shape[2]):
+            expected_k[b, :, (n + t) % S] = k_new[b, :, t]
+            expected_v[b, :, (n + t) % S] = v_new[b, :, t]
+    return expected_k, expected_v
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("num_new,slots", [(5, 16), (300, 320)], ids=["few", "many_blocks"])
@@ -170,21 +352,52 @@ def test_append_kv_matches_reference(emulator, dtype, contiguous, num_new, slots
         k_new = torch.randn(B, T, H, D).to(dtype).transpose(1, 2)
         v_new = torch.randn(B, H, T, 2 * D).to(dtype)[..., ::2]
     lengths = torch.tensor([0, S - 2, 2 * S + 3])  # from empty, wrapping, long past the ring
-    word_bytes = emulated_append(emulator, k_cache, v_cache, k_new, v_new, lengths)
+    expected_k, expected_v = expected_append(k_cache, v_cache, k_new, v_new, lengths)
+    word_bytes, _ = emulated_append(emulator, k_cache, v_cache, k_new, v_new, lengths)
     assert word_bytes == (16 if contiguous else k_cache.element_size())
-    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    for b in range(B):
-        for t in range(T):
-            slot = (int(lengths[b]) + t) % S
-            expected_k[b, :, slot] = k_new[b, :, t]
-            expected_v[b, :, slot] = v_new[b, :, t]
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
-def test_append_kv_skips_negative_lengths(emulator):
-    # Device lengths cannot be checked on the host: a negative one must not write anywhere.
-    k_cache, v_cache = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)
-    k_new, v_new = torch.ones(2, 1, 1, 16), torch.ones(2, 1, 1, 16)
-    emulated_append(emulator, k_cache, v_cache, k_new, v_new, torch.tensor([-3, 2]))
-    assert k_cache[0].abs().sum() == 0 and v_cache[0].abs().sum() == 0
-    assert torch.equal(k_cache[1, 0, 2], torch.ones(16))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_append_kv_edge_lengths(emulator, dtype, num_new):
+    # Valid rows, the int64 edges included, land at (n + t) % S; invalid rows (< 0, > 2^62) are
+    # not written; nothing outside the caches changes.
+    S = 24
+    lengths = torch.tensor([0, num_new - 1, S, S + 1, MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, INT64_MIN, -1,
+                            MAX_LENGTH - 1])
+    B, H, D = len(lengths), 2, 16
+    g = torch.Generator().manual_seed(16)
+    guard = -7.0
+    k_cache, k_buffer, k_inside = guarded((B, H, S, D), dtype, g, guard_value=guard)
+    v_cache, v_buffer, v_inside = guarded((B, H, S, D), dtype, g, guard_value=guard, offset_elems=1)
+    k_new, v_new = torch.randn(B, H, num_new, D, generator=g).to(dtype), torch.randn(B, H, num_new, D, generator=g).to(dtype)
+    expected_k, expected_v = expected_append(k_cache, v_cache, k_new, v_new, lengths)
+    emulated_append(emulator, k_cache, v_cache, k_new, v_new, lengths)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert guards_intact(k_buffer, k_inside, guard) and guards_intact(v_buffer, v_inside, guard)
+
+
+def test_append_kv_more_pairs_than_grid_rows(emulator):
+    # batch x kv_heads = 65,537 (row, head) pairs, above CUDA's gridDim.y limit of 65,535.
+    B, H, S, D = 1, 65537, 2, 8
+    k_cache, v_cache = torch.zeros(B, H, S, D, dtype=torch.float16), torch.zeros(B, H, S, D, dtype=torch.float16)
+    k_new, v_new = torch.randn(B, H, 1, D).half(), torch.randn(B, H, 1, D).half()
+    lengths = torch.tensor([3])
+    expected_k, expected_v = expected_append(k_cache, v_cache, k_new, v_new, lengths)
+    emulated_append(emulator, k_cache, v_cache, k_new, v_new, lengths)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_append_kv_token_chunks(emulator):
+    # Launches are limited to 2^31 - 1 words per (row, head); with the limit lowered to 3 tokens'
+    # words, 10 tokens take 4 launches that must together write the same slots.
+    B, H, S, D, T = 2, 3, 12, 32, 10
+    k_cache, v_cache = torch.zeros(B, H, S, D), torch.zeros(B, H, S, D)
+    k_new, v_new = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    lengths = torch.tensor([5, MAX_LENGTH])
+    expected_k, expected_v = expected_append(k_cache, v_cache, k_new, v_new, lengths)
+    word_bytes, launches = emulated_append(emulator, k_cache, v_cache, k_new, v_new, lengths,
+                                           max_words_per_launch=3 * D * 4 // 16)
+    assert (word_bytes, launches) == (16, 4)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)

@@ -55,8 +55,7 @@ def test_positions_come_from_the_cache_per_row():
         model(idx[:, :3], cache)
         # Rows of different lengths (as after a batched prefill of ragged prompts): the new
         # token of each row must be rotated by that row's own position.
-        cache.lengths.copy_(torch.tensor([3, 1, 2]))
-        cache._host_length = 3
+        cache.rewind([0, 2, 1])  # rows now hold 3, 1 and 2 tokens
         batched = model(idx[:, 3:4], cache)
         for row, length in enumerate([3, 1, 2]):
             alone = PreallocatedCache(**model.kv_shape, batch_size=1, max_cache_len=16)

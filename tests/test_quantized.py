@@ -330,3 +330,20 @@ def test_quantized_decode_step_compiles_without_graph_breaks():
                                        atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] <= 2
     assert torch.equal(compiled_cache.k, eager_cache.k) and torch.equal(compiled_cache.k_scale, eager_cache.k_scale)
+
+
+def test_row_operations_move_scales_with_codes():
+    """reorder/select on a quantized cache give the rows (codes, scales, lengths) of the
+    original cache, so that the attention of every row is unchanged."""
+    torch.manual_seed(0)
+    model = build_llama("llama-tiny", head_dim=32)
+    cache = KVCache(**model.kv_shape, batch_size=3, max_cache_len=12, kv_dtype="int4")
+    idx = torch.randint(0, model.cfg.vocab_size, (3, 6), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        model(idx, cache)
+        before = {name: getattr(cache, name).clone() for name in ("k", "v", "k_scale", "v_scale")}
+        cache.reorder(torch.tensor([2, 0, 1]))
+        for name, old in before.items():
+            assert torch.equal(getattr(cache, name), old[:, [2, 0, 1]])
+        cache.select(torch.tensor([1]))
+        assert cache.k_scale.shape[1] == 1 and torch.equal(cache.k_scale[:, 0], before["k_scale"][:, 0])

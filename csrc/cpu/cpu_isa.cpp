@@ -20,18 +20,37 @@ KVCACHE_EXT_DECLARE_ISA(avx512)
 #endif
 #undef KVCACHE_EXT_DECLARE_ISA
 
+namespace {
+// Whether the list elements `a` and `b` (each up to ',' or the end of its list) are equal.
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a != '\0' && *a != ',' && *a == *b) ++a, ++b;
+  return (*a == '\0' || *a == ',') && (*b == '\0' || *b == ',');
+}
+
+constexpr bool list_includes(const char* list, const char* subset) {
+  for (const char* name = subset; *name != '\0'; name = isa_detail::next_name(name)) {
+    bool found = false;
+    for (const char* other = list; *other != '\0' && !found; other = isa_detail::next_name(other))
+      found = same_name(name, other);
+    if (!found) return false;
+  }
+  return true;
+}
+}  // namespace
+
+// Every name in the target lists must be one the check knows, or a copy could be compiled for a
+// feature that is never tested; and select_isa() takes the lower of two copies, which is only
+// sound if the AVX-512 copy needs everything the AVX2 copy does.
+static_assert(all_features_known(KVCACHE_EXT_AVX2_FEATURES) && all_features_known(KVCACHE_EXT_AVX512_FEATURES));
+static_assert(list_includes(KVCACHE_EXT_AVX512_FEATURES, KVCACHE_EXT_AVX2_FEATURES));
+
 Isa best_supported_isa() {
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return Isa::kAvx2;
-#endif
+  static const Isa best = best_isa_for(read_cpuid());
+  return best;
+#else
   return Isa::kBaseline;
+#endif
 }
 
 namespace {

@@ -4,7 +4,22 @@
 
 #include <cstdint>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include "attention_problem.h"
+
+// What each copy of the kernel is compiled for: the same string is the copy's target pragma
+// (KVCACHE_EXT_TARGET) and the list the run-time check requires, so the two cannot drift. "avx"
+// is listed although "avx2" implies it to the compiler, because a CPU (or hypervisor) may
+// report one and not the other and the compiled code uses both.
+#define KVCACHE_EXT_AVX2_FEATURES "avx,avx2,fma,f16c,bmi2"
+#define KVCACHE_EXT_AVX512_FEATURES "avx512f,avx512bw,avx512vl,avx512dq,avx,avx2,fma,f16c,bmi2"
+
+// `#pragma GCC target(MACRO)` does not expand the macro; _Pragma of a stringified argument does.
+#define KVCACHE_EXT_PRAGMA(text) _Pragma(#text)
+#define KVCACHE_EXT_TARGET(features) KVCACHE_EXT_PRAGMA(GCC target(features))
 
 namespace kvcache_ext::cpu {
 
@@ -19,5 +34,117 @@ Isa select_isa(Isa requested);
 
 PartialAttentionFn partial_attention_kernel();
 StoreRowFn store_row_kernel();
+
+// The raw values the decision is made from, kept apart from reading them (read_cpuid) so that
+// the decision can be tested on CPUs we do not have (tests/test_cpu_isa.py).
+struct CpuidValues {
+  uint32_t max_leaf = 0;   // CPUID.(EAX=0):EAX, the highest basic leaf; leaf 7 is valid if >= 7
+  uint32_t leaf1_ecx = 0;  // CPUID.(EAX=1):ECX
+  uint32_t leaf7_ebx = 0;  // CPUID.(EAX=7,ECX=0):EBX
+  uint64_t xcr0 = 0;       // XGETBV(ECX=0): register state the OS saves; read only if OSXSAVE
+};
+
+namespace isa_detail {
+
+// Register state in XCR0: SSE (bit 1) and the upper halves of ymm (bit 2) for any VEX code;
+// opmask (5), upper halves of zmm0-15 (6) and zmm16-31 (7) for EVEX code. Without the OS
+// saving them, the instructions fault (#UD) or the registers are corrupted on a context switch.
+constexpr uint64_t kXcr0Avx = (1u << 1) | (1u << 2);
+constexpr uint64_t kXcr0Avx512 = kXcr0Avx | (1u << 5) | (1u << 6) | (1u << 7);
+constexpr uint32_t kLeaf1EcxOsxsave = 1u << 27;  // the OS enabled XGETBV (and so XCR0 is readable)
+
+enum class Register { kLeaf1Ecx, kLeaf7Ebx };
+
+struct Feature {
+  const char* name;  // as GCC's target pragma spells it
+  Register reg;
+  int bit;
+  uint64_t xcr0;  // state the OS must enable for the feature's instructions
+};
+
+constexpr Feature kFeatures[] = {
+    {"fma", Register::kLeaf1Ecx, 12, kXcr0Avx},       {"avx", Register::kLeaf1Ecx, 28, kXcr0Avx},
+    {"f16c", Register::kLeaf1Ecx, 29, kXcr0Avx},      {"avx2", Register::kLeaf7Ebx, 5, kXcr0Avx},
+    {"bmi2", Register::kLeaf7Ebx, 8, 0},              {"avx512f", Register::kLeaf7Ebx, 16, kXcr0Avx512},
+    {"avx512dq", Register::kLeaf7Ebx, 17, kXcr0Avx512}, {"avx512bw", Register::kLeaf7Ebx, 30, kXcr0Avx512},
+    {"avx512vl", Register::kLeaf7Ebx, 31, kXcr0Avx512},
+};
+
+// Whether `name` (a pointer into a comma-separated list) starts with `feature` followed by ',' or
+// the end of the list.
+constexpr bool names(const char* name, const char* feature) {
+  while (*feature != '\0' && *name == *feature) ++name, ++feature;
+  return *feature == '\0' && (*name == ',' || *name == '\0');
+}
+
+constexpr const Feature* find_feature(const char* name) {
+  for (const Feature& feature : kFeatures)
+    if (names(name, feature.name)) return &feature;
+  return nullptr;
+}
+
+constexpr const char* next_name(const char* list) {
+  while (*list != '\0' && *list != ',') ++list;
+  return *list == ',' ? list + 1 : list;
+}
+
+constexpr bool has_feature(const CpuidValues& cpu, const Feature& feature) {
+  const bool leaf7 = feature.reg == Register::kLeaf7Ebx;
+  if (leaf7 && cpu.max_leaf < 7) return false;  // leaf 7 absent: its registers are not features
+  const uint32_t value = leaf7 ? cpu.leaf7_ebx : cpu.leaf1_ecx;
+  if ((value >> feature.bit & 1u) == 0) return false;
+  const uint64_t xcr0 = cpu.leaf1_ecx & kLeaf1EcxOsxsave ? cpu.xcr0 : 0;
+  return (xcr0 & feature.xcr0) == feature.xcr0;
+}
+
+}  // namespace isa_detail
+
+// Whether every name in the comma-separated `features` is one the run-time check knows.
+constexpr bool all_features_known(const char* features) {
+  for (const char* name = features; *name != '\0'; name = isa_detail::next_name(name))
+    if (isa_detail::find_feature(name) == nullptr) return false;
+  return true;
+}
+
+// Whether `cpu` has every feature in the comma-separated `features`, with the register state
+// each needs enabled by the OS. An unknown name counts as missing.
+constexpr bool has_features(const CpuidValues& cpu, const char* features) {
+  for (const char* name = features; *name != '\0'; name = isa_detail::next_name(name)) {
+    const isa_detail::Feature* feature = isa_detail::find_feature(name);
+    if (feature == nullptr || !isa_detail::has_feature(cpu, *feature)) return false;
+  }
+  return true;
+}
+
+#if defined(__x86_64__)
+// This CPU's values. Inline (not in cpu_isa.cpp) so the test program can read them too.
+inline CpuidValues read_cpuid() {
+  CpuidValues cpu;
+  cpu.max_leaf = __get_cpuid_max(0, nullptr);
+  unsigned eax, ebx, ecx, edx;
+  if (cpu.max_leaf >= 1) {
+    __cpuid(1, eax, ebx, ecx, edx);
+    cpu.leaf1_ecx = ecx;
+  }
+  if (cpu.max_leaf >= 7) {
+    __cpuid_count(7, 0, eax, ebx, ecx, edx);
+    cpu.leaf7_ebx = ebx;
+  }
+  // XGETBV is an invalid instruction unless the OS set CR4.OSXSAVE, which CPUID reports.
+  if (cpu.leaf1_ecx & isa_detail::kLeaf1EcxOsxsave) {
+    uint32_t low, high;
+    __asm__ volatile("xgetbv" : "=a"(low), "=d"(high) : "c"(0));
+    cpu.xcr0 = uint64_t{high} << 32 | low;
+  }
+  return cpu;
+}
+#endif
+
+// The best copy an x86-64 CPU with these CPUID/XCR0 values can run: a pure function of them.
+constexpr Isa best_isa_for(const CpuidValues& cpu) {
+  if (has_features(cpu, KVCACHE_EXT_AVX512_FEATURES)) return Isa::kAvx512;
+  if (has_features(cpu, KVCACHE_EXT_AVX2_FEATURES)) return Isa::kAvx2;
+  return Isa::kBaseline;
+}
 
 }  // namespace kvcache_ext::cpu

@@ -117,9 +117,10 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   STD_TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q must have the cache's dtype ",
                   dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
   STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  STD_TORCH_CHECK(H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv, ")");
+  check_new_tokens_fit(T, S);
+  STD_TORCH_CHECK(H_kv >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv,
+                  ") and kv_heads at least 1");
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  STD_TORCH_CHECK(!scale.has_value() || std::isfinite(*scale), "scale must be finite or None, got ", *scale);
   check_softcap_and_sinks(softcap, sinks, q);
   const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
 
@@ -134,7 +135,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_cache.stride(i), p.v_stride[i] = v_cache.stride(i);
   // A window longer than any row changes nothing; clamped so position arithmetic stays in int64.
   p.window = std::min(window.value_or(0), kMaxLength);
-  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
+  p.scale = checked_scale(scale, D);
   p.softcap = static_cast<float>(softcap.value_or(0.0));
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;

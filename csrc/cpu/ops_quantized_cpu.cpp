@@ -290,10 +290,11 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
                   ") to match the cache, got ", shape_of(q));
   const ElemType elem = elem_type_of(q, "q");
   STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  STD_TORCH_CHECK(H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a positive multiple of kv_heads (", H_kv,
-                  ")");
+  check_new_tokens_fit(T, S);
+  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a positive multiple of kv_heads (",
+                  H_kv, ") and kv_heads at least 1");
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  STD_TORCH_CHECK(!scale.has_value() || std::isfinite(*scale), "scale must be finite or None, got ", *scale);
+  const float checked = checked_scale(scale, D);
   check_softcap_and_sinks(softcap, sinks, q);
   const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
 
@@ -318,7 +319,7 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
     p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
   }
   p.window = std::min(window.value_or(0), kMaxLength);
-  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
+  p.scale = checked;
   p.softcap = static_cast<float>(softcap.value_or(0.0));
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;

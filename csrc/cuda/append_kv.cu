@@ -4,8 +4,8 @@
 namespace kvcache_ext::cuda {
 
 cudaError_t launch_append_kv(const AppendKvParams& p, cudaStream_t stream) {
-  return dispatch_append_kv(p, [&](AppendKernel kernel, dim3 grid, int threads) {
-    kernel<<<grid, threads, 0, stream>>>(p);
+  return dispatch_append_kv(p, [&](AppendKernel kernel, dim3 grid, int threads, const AppendKvParams& chunk) {
+    kernel<<<grid, threads, 0, stream>>>(chunk);
     return cudaGetLastError();
   });
 }

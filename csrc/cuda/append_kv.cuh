@@ -15,6 +15,7 @@ namespace kvcache_ext::cuda {
 constexpr int kAppendThreads = 256;
 // Words each thread copies, all loads issued before the stores: more bytes in flight per thread.
 constexpr int kAppendWordsPerThread = 4;
+// CUDA caps gridDim.y at 65535: the blocks stride over (row, head) pairs beyond that.
 constexpr int64_t kAppendMaxGridY = 65535;
 
 // grid.x: the num_new x words_per_row words of one (row, head) pair, blockDim.x *
@@ -32,7 +33,8 @@ __global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(const AppendK
   for (int i = 0; i < 3; ++i) cs[i] = is_v ? p.cache_stride[1][i] : p.cache_stride[0][i];
 #pragma unroll
   for (int i = 0; i < 4; ++i) ss[i] = is_v ? p.source_stride[1][i] : p.source_stride[0][i];
-  // The launcher guarantees num_new * words_per_row < 2^31: 32-bit index arithmetic.
+  // The launcher keeps num_new * words_per_row below 2^31: 32-bit index arithmetic, and
+  // (blockIdx.x * kAppendWordsPerThread + i) * blockDim.x stays below 2^31 + 1024.
   const uint32_t words = static_cast<uint32_t>(p.num_new * p.words_per_row);
   const uint32_t words_per_row = static_cast<uint32_t>(p.words_per_row);
   uint32_t token[kAppendWordsPerThread], w[kAppendWordsPerThread];
@@ -43,14 +45,15 @@ __global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(const AppendK
     w[i] = word % words_per_row;
   }
 
-  __shared__ int64_t first_slot;  // slot of the row's first new token, -1: skip the row
+  __shared__ int64_t first_slot;  // slot of this launch's first token in the row, -1: skip the row
   for (int64_t pair = blockIdx.y; pair < p.batch * p.kv_heads; pair += gridDim.y) {
     const int64_t b = pair / p.kv_heads, h = pair % p.kv_heads;
     if (threadIdx.x == 0) {
-      // A negative length cannot be reported without a host sync: leave that row untouched
-      // rather than write outside the cache.
-      const int64_t length = p.lengths[b];
-      first_slot = length < 0 ? -1 : length % p.slots;
+      // An invalid length cannot be reported without a host sync: leave that row untouched
+      // rather than write outside the cache. Reducing the length modulo slots first keeps the
+      // sum below 2 * slots for any valid length (token_begin < num_new <= slots).
+      const int64_t length = p.lengths[b * p.lengths_stride];
+      first_slot = length < 0 || length > kMaxLength ? -1 : (length % p.slots + p.token_begin) % p.slots;
     }
     __syncthreads();
     const int64_t slot0 = first_slot;
@@ -59,11 +62,12 @@ __global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(const AppendK
     Word values[kAppendWordsPerThread];
 #pragma unroll
     for (int i = 0; i < kAppendWordsPerThread; ++i)
-      if (token[i] != 0xffffffffu) values[i] = source[b * ss[0] + h * ss[1] + token[i] * ss[2] + w[i] * ss[3]];
+      if (token[i] != 0xffffffffu)
+        values[i] = source[b * ss[0] + h * ss[1] + (p.token_begin + token[i]) * ss[2] + w[i] * ss[3]];
 #pragma unroll
     for (int i = 0; i < kAppendWordsPerThread; ++i) {
       if (token[i] == 0xffffffffu) continue;
-      int64_t slot = slot0 + token[i];  // token < num_new <= slots: wraps at most once
+      int64_t slot = slot0 + token[i];  // slot0 + token < slots + slots: wraps at most once
       if (slot >= p.slots) slot -= p.slots;
       cache[b * cs[0] + h * cs[1] + slot * cs[2] + w[i]] = values[i];
     }
@@ -72,25 +76,41 @@ __global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(const AppendK
 
 using AppendKernel = void (*)(AppendKvParams);
 
-// `launch(kernel, grid, threads)` starts `kernel(p)`; shared by the CUDA build and the tests'
-// CPU emulation.
+// Words one launch copies per (row, head) at most: the kernel indexes them in 32 bits.
+constexpr int64_t kAppendMaxWordsPerLaunch = (int64_t{1} << 31) - 1;
+
+// `launch(kernel, grid, threads, params)` starts `kernel(params)`; shared by the CUDA build and
+// the tests' CPU emulation (which lowers max_words_per_launch to exercise the token chunks).
 template <typename Launch>
-cudaError_t dispatch_append_kv(const AppendKvParams& p, Launch&& launch) {
-  const int64_t words = p.num_new * p.words_per_row;
+cudaError_t dispatch_append_kv(const AppendKvParams& p, Launch&& launch,
+                               int64_t max_words_per_launch = kAppendMaxWordsPerLaunch) {
   const int64_t pairs = p.batch * p.kv_heads;
-  if (words == 0 || pairs == 0) return cudaSuccess;
-  if (words >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  const int64_t threads_needed = (words + kAppendWordsPerThread - 1) / kAppendWordsPerThread;
-  const int threads = static_cast<int>(threads_needed < kAppendThreads ? (threads_needed + 31) / 32 * 32 : kAppendThreads);
-  const int64_t words_per_block = int64_t{threads} * kAppendWordsPerThread;
-  const dim3 grid(static_cast<unsigned>((words + words_per_block - 1) / words_per_block),
-                  static_cast<unsigned>(pairs < kAppendMaxGridY ? pairs : kAppendMaxGridY), 2);
+  if (p.num_new == 0 || p.words_per_row == 0 || pairs == 0) return cudaSuccess;
+  AppendKernel kernel = nullptr;
   switch (p.word_bytes) {
-    case 16: return launch(static_cast<AppendKernel>(append_kv_kernel<uint4>), grid, threads);
-    case 4: return launch(static_cast<AppendKernel>(append_kv_kernel<uint32_t>), grid, threads);
-    case 2: return launch(static_cast<AppendKernel>(append_kv_kernel<uint16_t>), grid, threads);
+    case 16: kernel = append_kv_kernel<uint4>; break;
+    case 4: kernel = append_kv_kernel<uint32_t>; break;
+    case 2: kernel = append_kv_kernel<uint16_t>; break;
+    default: return cudaErrorInvalidValue;
   }
-  return cudaErrorInvalidValue;
+  // A row of words_per_row <= 256 words always fits; whole tokens per launch otherwise.
+  const int64_t tokens_per_launch = max_words_per_launch / p.words_per_row;
+  if (tokens_per_launch < 1) return cudaErrorInvalidValue;
+  for (int64_t token_begin = 0; token_begin < p.num_new; token_begin += tokens_per_launch) {
+    AppendKvParams chunk = p;
+    chunk.token_begin = token_begin;
+    chunk.num_new = p.num_new - token_begin < tokens_per_launch ? p.num_new - token_begin : tokens_per_launch;
+    const int64_t words = chunk.num_new * p.words_per_row;
+    const int64_t threads_needed = (words + kAppendWordsPerThread - 1) / kAppendWordsPerThread;
+    const int threads =
+        static_cast<int>(threads_needed < kAppendThreads ? (threads_needed + 31) / 32 * 32 : kAppendThreads);
+    const int64_t words_per_block = int64_t{threads} * kAppendWordsPerThread;
+    const dim3 grid(static_cast<unsigned>((words + words_per_block - 1) / words_per_block),
+                    static_cast<unsigned>(pairs < kAppendMaxGridY ? pairs : kAppendMaxGridY), 2);
+    const cudaError_t status = launch(kernel, grid, threads, chunk);
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace kvcache_ext::cuda

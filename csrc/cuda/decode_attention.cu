@@ -32,13 +32,15 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
     if (n == 1 || n == 4) max_rows = static_cast<int>(n);
   }
   p.rows_per_block = rows <= 1 || max_rows == 1 ? 1 : (rows <= 4 || max_rows == 4 ? 4 : 8);
-  p.row_chunks = static_cast<int>(ceil_div_host(rows, p.rows_per_block));
+  // Unaligned caches take the element-load kernels, compiled for 4 rows per block only.
+  if (!p.vector_loads) p.rows_per_block = 4;
+  p.row_chunks = ceil_div_host(rows, p.rows_per_block);
 
   // Positions one block may have to cover: a row never holds more than `slots`, and a window
   // limits a chunk of queries to window + num_new - 1. Lengths are on the device, so the plan
   // (and the scratch size that follows from it) uses this bound, never the actual lengths.
-  int64_t span = p.slots;
-  if (p.window > 0) span = std::min(span, p.window + p.num_new - 1);
+  // window < slots < 2^31 before the sum: no overflow for any window.
+  const int64_t span = p.window >= p.slots ? p.slots : std::min(p.slots, p.window + p.num_new - 1);
   const int64_t max_splits = std::clamp<int64_t>(ceil_div_host(span, kMinPositionsPerSplit), 1, kMaxSplits);
   // KVCACHE_EXT_CUDA_SPLITS=N forces N splits: for tuning this heuristic on a new GPU
   // (bench/cuda_bench.py sweeps it).

@@ -1,15 +1,17 @@
-// Flash-Decoding attention over the KV cache, templated on element type, head size and the
-// number of query rows a block serves. Semantics: python_ref.reference_attention (GQA,
-// bottom-right causal for num_new >= 1, ring-buffer slots, optional sliding window).
+// Flash-Decoding attention over the KV cache, templated on element type, head_dim capacity (the
+// power of two at or above head_dim) and the number of query rows a block serves. Semantics:
+// python_ref.reference_attention (GQA, bottom-right causal for num_new >= 1, ring-buffer slots,
+// optional sliding window).
 //
-// Work split. A block serves one (batch row, KV head, chunk of query rows, split):
+// Work split. A block serves one (batch row, KV head, chunk of query rows, split) at a time:
 //  * query rows are the (new token, group member) pairs of all query heads sharing the KV head,
 //    so each K/V byte the block loads serves up to `kRows` queries (GQA read once per group);
 //  * the positions visible to those rows are cut into `splits` equal pieces so that short
 //    batches still fill the GPU; each split writes a partial output and its log-sum-exp and a
 //    second kernel combines them (skipped when splits == 1).
 // Inside a block, a key row of head_dim elements is read by a group of kLanesPerKey lanes,
-// 16 bytes per lane per load; the dot products are summed over the group with shuffles. Each
+// 16 bytes per lane per load (one vector load when the cache rows are 16-byte aligned, element
+// loads otherwise); the dot products are summed over the group with shuffles. Each
 // lane group runs its own online softmax over every kKeyGroups-th key, so the main loop has no
 // block-wide synchronisation; the groups are merged once at the end through shared memory.
 // Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so exp2 is a single
@@ -92,85 +94,137 @@ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// How one block maps threads onto keys for element type E and head size kHeadDim.
-template <typename E, int kHeadDim, int kRows>
+// Reads the 16 bytes at `address` (a chunk of a K/V row): one vector load when every row start
+// is 16-byte aligned, else element by element (any cache view, e.g. cache[:, :, 1:] or a layer's
+// slice of a larger buffer at an odd offset).
+template <typename E, bool kVectorLoads>
+__device__ __forceinline__ uint4 load_chunk(const E* address) {
+  if constexpr (kVectorLoads) {
+    return __ldg(reinterpret_cast<const uint4*>(address));
+  } else {
+    uint32_t words[4];
+    if constexpr (sizeof(E) == 4) {
+      const uint32_t* elems = reinterpret_cast<const uint32_t*>(address);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) words[i] = __ldg(elems + i);
+    } else {
+      const unsigned short* elems = reinterpret_cast<const unsigned short*>(address);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        words[i] = uint32_t{__ldg(elems + 2 * i)} | (uint32_t{__ldg(elems + 2 * i + 1)} << 16);
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+// The head_dim capacity a kernel is compiled for: the power of two in [8, 256] at or above
+// head_dim. The lane layout below depends on head_dim only through it (lanes per key are a power
+// of two), so a kernel for capacity C serves every supported head_dim in (C / 2, C] with the
+// same layout an exact instantiation would have, masking the lanes past head_dim.
+__host__ __device__ constexpr int head_dim_capacity(int64_t head_dim) {
+  int capacity = 8;
+  while (capacity < head_dim) capacity *= 2;
+  return capacity;
+}
+
+// How one block maps threads onto keys for element type E and head_dim capacity kCapacity.
+template <typename E, int kCapacity, int kRows, bool kVectorLoads>
 struct AttentionLayout {
   static constexpr int kElemsPerVec = 16 / static_cast<int>(sizeof(E));  // per 16-byte load
-  static constexpr int kVecsPerRow = kHeadDim / kElemsPerVec;
-  static constexpr int kLanesPerKey = kVecsPerRow >= 32 ? 32 : next_pow2(kVecsPerRow);
-  static constexpr int kVecsPerLane = (kVecsPerRow + kLanesPerKey - 1) / kLanesPerKey;
+  static constexpr int kMaxVecsPerRow = kCapacity / kElemsPerVec;
+  static constexpr int kLanesPerKey = kMaxVecsPerRow >= 32 ? 32 : next_pow2(kMaxVecsPerRow);
+  static constexpr int kVecsPerLane = (kMaxVecsPerRow + kLanesPerKey - 1) / kLanesPerKey;
   static constexpr int kLaneElems = kVecsPerLane * kElemsPerVec;  // head_dim slice of a lane
   static constexpr int kKeyGroups = kAttentionThreads / kLanesPerKey;
   // Keys each lane group loads before using any: enough bytes in flight to cover memory
   // latency, few enough registers for the query rows' slices and accumulators.
-  static constexpr int kKeysPerStep = kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2);
+  // Element loads of 2-byte types hold twice the registers per key in flight: half the keys.
+  static constexpr int kKeysPerStep =
+      (kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2)) / (!kVectorLoads && sizeof(E) == 2 ? 2 : 1);
   static constexpr int kTileKeys = kKeyGroups * kKeysPerStep;  // keys per block per step
   // Resident blocks per SM to ask the compiler for (caps registers at 65536 / (128 * this)):
   // left alone it takes ~170 registers for 4 rows, 3 blocks per SM, where 128 suffice without
   // spilling; more resident warps keep more loads in flight.
   static constexpr int kMinBlocksPerSm = kRows == 8 ? 2 : (kVecsPerLane > 1 ? 3 : 4);
-  static_assert(kHeadDim % kElemsPerVec == 0, "head_dim must fill whole 16-byte vectors");
+  static_assert(kCapacity % kElemsPerVec == 0, "head_dim must fill whole 16-byte vectors");
   static_assert(kAttentionThreads % kLanesPerKey == 0, "lane groups must tile the block");
 };
 
-template <typename E, int kHeadDim, int kRows>
-__global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kHeadDim, kRows>::kMinBlocksPerSm))
-    decode_attention_split_kernel(const DecodeAttentionParams p) {
-  using L = AttentionLayout<E, kHeadDim, kRows>;
+// One work unit of the split kernel: (batch row, KV head, chunk of query rows, split), split
+// varying fastest so that the blocks of one group run side by side. kFullRow: head_dim equals
+// kCapacity, so the lane guards are compile-time (a run-time head_dim costs the 4-row kernels
+// ~6 registers, which they then spill).
+template <typename E, int kCapacity, int kRows, bool kVectorLoads, bool kFullRow>
+__device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p, int64_t work) {
+  using L = AttentionLayout<E, kCapacity, kRows, kVectorLoads>;
   constexpr int kLanes = L::kLanesPerKey, kVecs = L::kVecsPerLane, kVecElems = L::kElemsPerVec;
   constexpr int kLaneElems = L::kLaneElems, kKeyGroups = L::kKeyGroups, kSteps = L::kKeysPerStep;
 
   const int lane = threadIdx.x % kLanes;        // position within the key's lane group
   const int key_group = threadIdx.x / kLanes;   // which keys of a tile this group reads
+  const int head_dim = kFullRow ? kCapacity : static_cast<int>(p.head_dim);
+  const int vecs_per_row = head_dim / kVecElems;  // exact: head_dim is a multiple of 8
+  const int64_t group = p.q_heads / p.kv_heads;
+  const int64_t T = p.num_new, S = p.slots, total_rows = group * T;
+  const float scale_log2 = p.scale * kLog2e;
+  const float softcap_log2 = p.softcap * kLog2e, inv_softcap_log2 = p.softcap > 0.0f ? 1.0f / softcap_log2 : 0.0f;
+  const E* q = static_cast<const E*>(p.q);
 
-  // Block -> (batch row, KV head, chunk of query rows, split); splits vary fastest so that the
-  // blocks of one group run side by side.
-  const int split = static_cast<int>(blockIdx.x % p.splits);
-  const int64_t unit = blockIdx.x / p.splits;
-  const int row_chunk = static_cast<int>(unit % p.row_chunks);
+  __shared__ float group_acc[kKeyGroups][kRows][kCapacity];
+  __shared__ float group_max[kKeyGroups][kRows];
+  __shared__ float group_sum[kKeyGroups][kRows];
+  __shared__ int64_t out_row[kRows];  // row of out / lse each of the block's query rows writes
+
+  const int split = static_cast<int>(work % p.splits);
+  const int64_t unit = work / p.splits;
+  const int64_t row_chunk = unit % p.row_chunks;
   const int64_t pair = unit / p.row_chunks;
   const int64_t b = pair / p.kv_heads, kv_head = pair % p.kv_heads;
-  const int group = static_cast<int>(p.q_heads / p.kv_heads);
-  const int64_t T = p.num_new, S = p.slots;
   // Query row r = new token (r / group) of query head kv_head * group + r % group.
-  const int first_row = row_chunk * kRows;
-  const int rows = min(kRows, static_cast<int>(group * T) - first_row);
+  const int64_t first_row = row_chunk * kRows;
+  const int rows = static_cast<int>(min64(kRows, total_rows - first_row));
 
-  const int64_t n = p.lengths[b];
+  // Every quantity below stays within int64 for valid rows (num_new <= n <= kMaxLength,
+  // 1 <= window <= kMaxLength); an invalid row sees no position at all.
+  const int64_t n = p.lengths[b * p.lengths_stride];
+  const bool valid_row = n >= T && n <= kMaxLength;
   const int64_t first_live = n > S ? n - S : 0;  // older positions were overwritten
-  auto first_visible = [&](int64_t query_pos) {
-    return p.window > 0 ? max64(first_live, query_pos - p.window + 1) : first_live;
-  };
-  // Union of the rows' visible positions, then this block's split of it. Splits are rounded
-  // to whole tiles. Lengths below num_new (invalid, uncheckable on the host) give empty ranges.
-  const int64_t range_begin = first_visible(n - T + first_row / group);
-  const int64_t range_end = max64(range_begin, n - T + (first_row + rows - 1) / group + 1);
+  auto first_visible = [&](int64_t query_pos) { return max64(first_live, query_pos - p.window + 1); };
+  // Union of the rows' visible positions (at most min(n, slots) <= 2^31 - 1 of them), then this
+  // block's split of it. Splits are rounded to whole tiles.
+  int64_t range_begin = 0, range_end = 0;
+  if (valid_row) {
+    range_begin = first_visible(n - T + first_row / group);
+    range_end = max64(range_begin, n - T + (first_row + rows - 1) / group + 1);
+  }
   const int64_t per_split = ceil_div(ceil_div(range_end - range_begin, p.splits), L::kTileKeys) * L::kTileKeys;
   const int64_t begin = min64(range_end, range_begin + split * per_split);
-  const int count = static_cast<int>(min64(range_end, begin + per_split) - begin);  // < slots
+  // Unsigned: tile and key offsets run up to count + kTileKeys < 2^32 without wrapping.
+  const uint32_t count = static_cast<uint32_t>(min64(range_end, begin + per_split) - begin);
 
-  // Each row's query slice (pre-scaled) and visible offsets [lo, hi] relative to `begin`.
-  const float scale_log2 = p.scale * kLog2e;
-  const E* q = static_cast<const E*>(p.q);
+  // Each row's query slice (pre-scaled) and visible offsets [lo, end) relative to `begin`.
   float q_slice[kRows][kLaneElems];
-  int visible_lo[kRows], visible_hi[kRows];
+  uint32_t visible_lo[kRows], visible_end[kRows];
 #pragma unroll
   for (int m = 0; m < kRows; ++m) {
     visible_lo[m] = 0;
-    visible_hi[m] = -1;
+    visible_end[m] = 0;
 #pragma unroll
     for (int e = 0; e < kLaneElems; ++e) q_slice[m][e] = 0.0f;
     if (m < rows) {
-      const int r = first_row + m;
+      const int64_t r = first_row + m;
       const int64_t token = r / group, head = kv_head * group + r % group;
-      const int64_t query_pos = n - T + token;
-      visible_lo[m] = static_cast<int>(min64(max64(first_visible(query_pos) - begin, 0), count));
-      visible_hi[m] = static_cast<int>(min64(max64(query_pos - begin, -1), count - 1));
+      if (valid_row) {
+        const int64_t query_pos = n - T + token;
+        visible_lo[m] = static_cast<uint32_t>(min64(max64(first_visible(query_pos) - begin, 0), count));
+        visible_end[m] = static_cast<uint32_t>(min64(max64(query_pos + 1 - begin, 0), count));
+      }
+      if (threadIdx.x == 0) out_row[m] = (b * p.q_heads + head) * T + token;
       const E* q_row = q + b * p.q_stride[0] + head * p.q_stride[1] + token * p.q_stride[2];
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
         const int vec = lane + v * kLanes;
-        if (vec < L::kVecsPerRow) {
+        if (vec < vecs_per_row) {
 #pragma unroll
           for (int e = 0; e < kVecElems; ++e)
             q_slice[m][v * kVecElems + e] =
@@ -193,25 +247,25 @@ __global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kHeadDi
     for (int e = 0; e < kLaneElems; ++e) acc[m][e] = 0.0f;
   }
 
-  for (int tile = 0; tile < count; tile += L::kTileKeys) {
+  for (uint32_t tile = 0; tile < count; tile += L::kTileKeys) {
     // Issue every load of the step first. Key offset u * kKeyGroups + key_group: the lane
     // groups of a warp read consecutive slots, i.e. contiguous memory.
+    uint32_t key_offset[kSteps];
     uint4 k_raw[kSteps][kVecs], v_raw[kSteps][kVecs];
-    int key_offset[kSteps];
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
       key_offset[u] = tile + u * kKeyGroups + key_group;
-      int64_t slot = begin_slot + key_offset[u];  // the range spans < S slots: one wrap at most
-      if (slot >= S) slot -= S;
       const bool in_range = key_offset[u] < count;
+      int64_t slot = begin_slot + key_offset[u];  // in range: count <= S, so one wrap at most
+      if (slot >= S) slot -= S;
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
         const int vec = lane + v * kLanes;
         k_raw[u][v] = make_uint4(0, 0, 0, 0);
         v_raw[u][v] = make_uint4(0, 0, 0, 0);
-        if (in_range && vec < L::kVecsPerRow) {
-          k_raw[u][v] = __ldg(reinterpret_cast<const uint4*>(k_head + slot * p.k_stride[2] + vec * kVecElems));
-          v_raw[u][v] = __ldg(reinterpret_cast<const uint4*>(v_head + slot * p.v_stride[2] + vec * kVecElems));
+        if (in_range && vec < vecs_per_row) {
+          k_raw[u][v] = load_chunk<E, kVectorLoads>(k_head + slot * p.k_stride[2] + vec * kVecElems);
+          v_raw[u][v] = load_chunk<E, kVectorLoads>(v_head + slot * p.v_stride[2] + vec * kVecElems);
         }
       }
     }
@@ -241,12 +295,18 @@ __global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kHeadDi
 
     // Mask, then online softmax. Every lane of a group holds the same scores, so each keeps
     // identical running statistics for its slice of the accumulator.
+    if (p.softcap > 0.0f) {  // scores are in log2 units: cap at softcap * log2(e), same tanh
+#pragma unroll
+      for (int m = 0; m < kRows; ++m)
+#pragma unroll
+        for (int u = 0; u < kSteps; ++u) score[m][u] = softcap_log2 * tanhf(score[m][u] * inv_softcap_log2);
+    }
 #pragma unroll
     for (int m = 0; m < kRows; ++m) {
       float step_max = -INFINITY;
 #pragma unroll
       for (int u = 0; u < kSteps; ++u) {
-        if (key_offset[u] < visible_lo[m] || key_offset[u] > visible_hi[m]) score[m][u] = -INFINITY;
+        if (key_offset[u] < visible_lo[m] || key_offset[u] >= visible_end[m]) score[m][u] = -INFINITY;
         step_max = fmaxf(step_max, score[m][u]);
       }
       if (step_max > running_max[m] + kRescaleThreshold) {
@@ -276,9 +336,6 @@ __global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kHeadDi
   }
 
   // Merge the lane groups: rescale each to the common maximum and add.
-  __shared__ float group_acc[kKeyGroups][kRows][kHeadDim];
-  __shared__ float group_max[kKeyGroups][kRows];
-  __shared__ float group_sum[kKeyGroups][kRows];
 #pragma unroll
   for (int m = 0; m < kRows; ++m) {
     if (lane == 0) {
@@ -288,7 +345,7 @@ __global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kHeadDi
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int vec = lane + v * kLanes;
-      if (vec < L::kVecsPerRow) {
+      if (vec < vecs_per_row) {
 #pragma unroll
         for (int e = 0; e < kVecElems; ++e) group_acc[key_group][m][vec * kVecElems + e] = acc[m][v * kVecElems + e];
       }
@@ -296,8 +353,8 @@ __global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kHeadDi
   }
   __syncthreads();
 
-  for (int index = threadIdx.x; index < rows * kHeadDim; index += kAttentionThreads) {
-    const int m = index / kHeadDim, d = index % kHeadDim;
+  for (int index = threadIdx.x; index < rows * head_dim; index += kAttentionThreads) {
+    const int m = index / head_dim, d = index % head_dim;
     float best = -INFINITY;
 #pragma unroll 8
     for (int g = 0; g < kKeyGroups; ++g) best = fmaxf(best, group_max[g][m]);
@@ -310,18 +367,32 @@ __global__ void __launch_bounds__(kAttentionThreads, (AttentionLayout<E, kHeadDi
         value = fmaf(group_acc[g][m][d], weight, value);
       }
     }
-    const int r = first_row + m;
-    const int64_t out_row = (b * p.q_heads + kv_head * group + r % group) * T + r / group;
+    if (p.splits == 1 && p.sinks) {  // the sink logit joins the denominator (splits: in the combine)
+      const float sink = p.sinks[(out_row[m] / T) % p.q_heads * p.sinks_stride] * kLog2e;
+      const float shared = fmaxf(best, sink), weight = best == -INFINITY ? 0.0f : exp2f(best - shared);
+      total = total * weight + exp2f(sink - shared);
+      value *= weight;
+      best = shared;
+    }
     const float normalised = total > 0.0f ? value / total : 0.0f;
     const float row_lse = total > 0.0f ? (best + log2f(total)) * kLn2 : -INFINITY;  // natural log
     if (p.splits == 1) {
-      static_cast<E*>(p.out)[out_row * kHeadDim + d] = Elem<E>::from_float(normalised);
-      if (d == 0) p.lse[out_row] = row_lse;
+      static_cast<E*>(p.out)[out_row[m] * head_dim + d] = Elem<E>::from_float(normalised);
+      if (d == 0) p.lse[out_row[m]] = row_lse;
     } else {
-      p.partial_out[(out_row * p.splits + split) * kHeadDim + d] = normalised;
-      if (d == 0) p.partial_lse[out_row * p.splits + split] = row_lse;
+      p.partial_out[(out_row[m] * p.splits + split) * head_dim + d] = normalised;
+      if (d == 0) p.partial_lse[out_row[m] * p.splits + split] = row_lse;
     }
   }
+}
+
+// Block x serves work unit first_unit + x: the launcher covers more units than one grid holds
+// with several launches (a loop over units here would cost the 4-row kernels registers too).
+template <typename E, int kCapacity, int kRows, bool kVectorLoads, bool kFullRow>
+__global__ void __launch_bounds__(kAttentionThreads,
+                                  (AttentionLayout<E, kCapacity, kRows, kVectorLoads>::kMinBlocksPerSm))
+    decode_attention_split_kernel(const DecodeAttentionParams p) {
+  attend_work_unit<E, kCapacity, kRows, kVectorLoads, kFullRow>(p, p.first_unit + blockIdx.x);
 }
 
 // Combines the splits of every output row: out = sum_s w_s * out_s / sum_s w_s with
@@ -351,8 +422,16 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const D
       if (lane < splits) weight[lane] = w0;
       if (lane + 32 < splits) weight[lane + 32] = w1;
       if (lane == 0) {
-        inverse_total = total > 0.0f ? 1.0f / total : 0.0f;
-        p.lse[row] = total > 0.0f ? best + logf(total) : -INFINITY;
+        float row_lse = total > 0.0f ? best + logf(total) : -INFINITY, factor = 1.0f;
+        if (p.sinks) {  // the sink logit joins the denominator: lse' = logaddexp(lse, sink)
+          const float sink = p.sinks[(row / p.num_new) % p.q_heads * p.sinks_stride];
+          const float shared = fmaxf(row_lse, sink);
+          const float with_sink = shared + logf(expf(row_lse - shared) + expf(sink - shared));
+          factor = row_lse == -INFINITY ? 0.0f : expf(row_lse - with_sink);
+          row_lse = with_sink;
+        }
+        inverse_total = total > 0.0f ? factor / total : 0.0f;
+        p.lse[row] = row_lse;
       }
     }
     __syncthreads();
@@ -367,31 +446,59 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const D
 }
 
 // Launch dispatch, shared by the CUDA build and the CPU emulation of the tests: `launch(kernel,
-// blocks, threads)` starts `kernel(p)` on `blocks` blocks of `threads` threads and returns its
-// launch status. Kernels are chosen from the explicit head_dim list (kSupportedHeadDims in
-// kernels.h; the binding rejects anything else first) and rows_per_block.
+// blocks, threads, params)` starts `kernel(params)` on `blocks` blocks of `threads` threads and
+// returns its launch status. Kernels are chosen by head_dim capacity (head_dim_capacity),
+// rows_per_block and load path: 16-byte loads with a compile-time head_dim (head_dim equal to its
+// capacity: 8, 16, 32, 64, 128, 256), 16-byte loads with a run-time head_dim (the other
+// multiples of 8), or element loads (unaligned caches, any head_dim; the slow path, compiled for
+// 4 rows per block only to bound compile time and binary size).
+enum class LoadPath { kElements = 0, kVectorsRuntimeHeadDim = 1, kVectorsFullRow = 2 };
+
+inline LoadPath load_path_of(const DecodeAttentionParams& p) {
+  if (!p.vector_loads) return LoadPath::kElements;
+  return p.head_dim == head_dim_capacity(p.head_dim) ? LoadPath::kVectorsFullRow : LoadPath::kVectorsRuntimeHeadDim;
+}
 using AttentionKernel = void (*)(DecodeAttentionParams);
 
-template <typename E, int kHeadDim>
+// CUDA's limit on gridDim.x: the split kernel is launched once per this many work units, the
+// combine kernel's blocks stride over the rows beyond it.
+constexpr int64_t kMaxGridX = (int64_t{1} << 31) - 1;
+constexpr int kNumCapacities = 6;  // 8, 16, ..., 256
+
+template <typename E, int kCapacity, bool kVectorLoads, bool kFullRow>
 AttentionKernel split_kernel_for_rows(int rows_per_block) {
   switch (rows_per_block) {
-    case 1: return decode_attention_split_kernel<E, kHeadDim, 1>;
-    case 4: return decode_attention_split_kernel<E, kHeadDim, 4>;
-    case 8: return decode_attention_split_kernel<E, kHeadDim, 8>;
+    case 1: return decode_attention_split_kernel<E, kCapacity, 1, kVectorLoads, kFullRow>;
+    case 4: return decode_attention_split_kernel<E, kCapacity, 4, kVectorLoads, kFullRow>;
+    case 8: return decode_attention_split_kernel<E, kCapacity, 8, kVectorLoads, kFullRow>;
+  }
+  return nullptr;
+}
+
+template <typename E, int kCapacity>
+AttentionKernel split_kernel_for_loads(int rows_per_block, LoadPath path) {
+  switch (path) {
+    case LoadPath::kElements:  // one kernel per capacity for the slow path (plan_decode_attention)
+      return rows_per_block == 4 ? decode_attention_split_kernel<E, kCapacity, 4, false, false> : nullptr;
+    case LoadPath::kVectorsFullRow: return split_kernel_for_rows<E, kCapacity, true, true>(rows_per_block);
+    case LoadPath::kVectorsRuntimeHeadDim:
+      // Capacities 8 and 16 hold a single multiple of 8 each: always a full row.
+      if constexpr (kCapacity >= 32) return split_kernel_for_rows<E, kCapacity, true, false>(rows_per_block);
+      return nullptr;
   }
   return nullptr;
 }
 
 template <typename E>
-AttentionKernel split_kernel_for(int64_t head_dim, int rows_per_block) {
-  switch (head_dim) {
-    case 16: return split_kernel_for_rows<E, 16>(rows_per_block);
-    case 32: return split_kernel_for_rows<E, 32>(rows_per_block);
-    case 64: return split_kernel_for_rows<E, 64>(rows_per_block);
-    case 80: return split_kernel_for_rows<E, 80>(rows_per_block);
-    case 96: return split_kernel_for_rows<E, 96>(rows_per_block);
-    case 128: return split_kernel_for_rows<E, 128>(rows_per_block);
-    case 256: return split_kernel_for_rows<E, 256>(rows_per_block);
+AttentionKernel split_kernel_for(const DecodeAttentionParams& p) {
+  if (!head_dim_supported(p.head_dim)) return nullptr;
+  switch (head_dim_capacity(p.head_dim)) {
+    case 8: return split_kernel_for_loads<E, 8>(p.rows_per_block, load_path_of(p));
+    case 16: return split_kernel_for_loads<E, 16>(p.rows_per_block, load_path_of(p));
+    case 32: return split_kernel_for_loads<E, 32>(p.rows_per_block, load_path_of(p));
+    case 64: return split_kernel_for_loads<E, 64>(p.rows_per_block, load_path_of(p));
+    case 128: return split_kernel_for_loads<E, 128>(p.rows_per_block, load_path_of(p));
+    case 256: return split_kernel_for_loads<E, 256>(p.rows_per_block, load_path_of(p));
   }
   return nullptr;
 }
@@ -400,13 +507,13 @@ AttentionKernel split_kernel_for(int64_t head_dim, int rows_per_block) {
 // Cached per kernel after the first query (assumes one GPU model per process).
 template <typename E>
 int split_kernel_occupancy(const DecodeAttentionParams& p) {
-  static std::atomic<int> cached[kNumSupportedHeadDims][3];
-  int head_dim_index = 0;
-  while (head_dim_index < kNumSupportedHeadDims && kSupportedHeadDims[head_dim_index] != p.head_dim) ++head_dim_index;
+  static std::atomic<int> cached[kNumCapacities][3][3];
+  const AttentionKernel kernel = split_kernel_for<E>(p);
+  if (kernel == nullptr) return 0;
+  int capacity_index = 0;
+  while ((8 << capacity_index) < head_dim_capacity(p.head_dim)) ++capacity_index;
   const int rows_index = p.rows_per_block == 1 ? 0 : (p.rows_per_block == 4 ? 1 : 2);
-  const AttentionKernel kernel = split_kernel_for<E>(p.head_dim, p.rows_per_block);
-  if (kernel == nullptr || head_dim_index == kNumSupportedHeadDims) return 0;
-  std::atomic<int>& slot = cached[head_dim_index][rows_index];
+  std::atomic<int>& slot = cached[capacity_index][rows_index][static_cast<int>(load_path_of(p))];
   int blocks = slot.load(std::memory_order_relaxed);
   if (blocks > 0) return blocks;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttentionThreads, 0) != cudaSuccess) {
@@ -417,16 +524,25 @@ int split_kernel_occupancy(const DecodeAttentionParams& p) {
   return blocks;
 }
 
+// `max_blocks` caps either grid (the tests' emulation lowers it to exercise the repeated
+// launches and the combine kernel's stride).
 template <typename E, typename Launch>
-cudaError_t dispatch_decode_attention(const DecodeAttentionParams& p, Launch&& launch) {
-  const AttentionKernel split_kernel = split_kernel_for<E>(p.head_dim, p.rows_per_block);
-  if (split_kernel == nullptr) return cudaErrorInvalidValue;
-  const int64_t blocks = p.batch * p.kv_heads * p.row_chunks * p.splits;
-  cudaError_t status = launch(split_kernel, blocks, kAttentionThreads);
-  if (status != cudaSuccess || p.splits == 1) return status;
+cudaError_t dispatch_decode_attention(const DecodeAttentionParams& p, Launch&& launch,
+                                      int64_t max_blocks = kMaxGridX) {
+  const AttentionKernel split_kernel = split_kernel_for<E>(p);
+  if (split_kernel == nullptr || p.window < 1 || p.window > kMaxLength) return cudaErrorInvalidValue;
+  const int64_t units = p.batch * p.kv_heads * p.row_chunks * p.splits;
+  for (int64_t first_unit = 0; first_unit < units; first_unit += max_blocks) {
+    DecodeAttentionParams part = p;
+    part.first_unit = first_unit;
+    const int64_t blocks = units - first_unit < max_blocks ? units - first_unit : max_blocks;
+    const cudaError_t status = launch(split_kernel, blocks, kAttentionThreads, part);
+    if (status != cudaSuccess) return status;
+  }
+  if (p.splits == 1) return cudaSuccess;
   const int64_t rows = p.batch * p.q_heads * p.num_new;
-  const int64_t combine_blocks = rows < (int64_t{1} << 30) ? rows : (int64_t{1} << 30);
-  return launch(static_cast<AttentionKernel>(combine_splits_kernel<E>), combine_blocks, kCombineThreads);
+  return launch(static_cast<AttentionKernel>(combine_splits_kernel<E>), rows < max_blocks ? rows : max_blocks,
+                kCombineThreads, p);
 }
 
 }  // namespace kvcache_ext::cuda

@@ -1,12 +1,14 @@
-// decode_attention kernels for __nv_bfloat16 caches. One translation unit per dtype, so they compile
-// in parallel; each holds the head_dim x rows_per_block instantiations of decode_attention.cuh.
+// decode_attention kernels for __nv_bfloat16 caches. One translation unit per dtype, so they compile in
+// parallel; each holds the head_dim capacity x rows_per_block x load path instantiations of
+// decode_attention.cuh.
 #include "decode_attention.cuh"
 
 namespace kvcache_ext::cuda {
 
 cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t stream) {
-  return dispatch_decode_attention<__nv_bfloat16>(p, [&](AttentionKernel kernel, int64_t blocks, int threads) {
-    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
+  return dispatch_decode_attention<__nv_bfloat16>(p, [&](AttentionKernel kernel, int64_t blocks, int threads,
+                                                 const DecodeAttentionParams& params) {
+    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(params);
     return cudaGetLastError();
   });
 }

@@ -7,32 +7,27 @@
 
 #include <cstdint>
 
+#include "../capabilities.h"
 #include "../elem_type.h"
 
 namespace kvcache_ext::cuda {
 
-// Head sizes the attention kernel is compiled for (a template parameter each, so the per-lane
-// slice of q and of the accumulator lives in registers). Ascending; see decode_attention.cuh.
-constexpr int kSupportedHeadDims[] = {16, 32, 64, 80, 96, 128, 256};
-constexpr int kNumSupportedHeadDims = sizeof(kSupportedHeadDims) / sizeof(kSupportedHeadDims[0]);
-
-inline bool head_dim_supported(int64_t head_dim) {
-  for (int d : kSupportedHeadDims)
-    if (d == head_dim) return true;
-  return false;
-}
-
 // ---- append_kv --------------------------------------------------------------------------------
 // Copies rows of `words_per_row` words. A word is 16 bytes when every row start is 16-byte
 // aligned and the source's head_dim is contiguous (the fast path), otherwise one element
-// (2 or 4 bytes). All strides are counted in words.
+// (2 or 4 bytes). All strides are counted in words. A row whose length is outside
+// [0, kMaxLength] is left untouched (lengths live on the device and cannot be checked first).
 struct AppendKvParams {
   void* cache[2];              // K, V: [batch, kv_heads, slots, head_dim], head_dim contiguous
   const void* source[2];       // k_new, v_new: [batch, kv_heads, num_new, head_dim]
   const int64_t* lengths;      // [batch] tokens already in each row (device memory)
+  int64_t lengths_stride;      // elements
   int64_t cache_stride[2][3];  // batch, head, slot
   int64_t source_stride[2][4];  // batch, head, token, word
   int64_t batch, kv_heads, num_new, slots;
+  // One launch copies tokens [token_begin, token_begin + num_new) of the sources, so that its
+  // num_new * words_per_row words fit the kernel's 32-bit indices (launch_append_kv splits).
+  int64_t token_begin;
   int64_t words_per_row;
   int word_bytes;  // 16, 4 or 2
 };
@@ -64,11 +59,14 @@ inline void choose_append_words(AppendKvParams& p, int64_t elem_bytes, int64_t h
 cudaError_t launch_append_kv(const AppendKvParams& p, cudaStream_t stream);
 
 // ---- decode_attention -------------------------------------------------------------------------
+// A row whose length is below num_new or above kMaxLength (invalid, but only the device can see
+// it) gets zeros and a log-sum-exp of -inf and reads nothing of the cache.
 struct DecodeAttentionParams {
   const void* q;           // [batch, q_heads, num_new, head_dim], strides q_stride (elements)
-  const void* k_cache;     // [batch, kv_heads, slots, head_dim], rows 16-byte aligned
-  const void* v_cache;     // [batch, kv_heads, slots, head_dim], rows 16-byte aligned
+  const void* k_cache;     // [batch, kv_heads, slots, head_dim], head_dim contiguous
+  const void* v_cache;     // [batch, kv_heads, slots, head_dim], head_dim contiguous
   const int64_t* lengths;  // [batch] tokens per row, the num_new new ones included (device)
+  int64_t lengths_stride;  // elements
   void* out;               // [batch, q_heads, num_new, head_dim] contiguous, q's dtype
   float* lse;              // [batch, q_heads, num_new] contiguous
   float* partial_out;      // [batch * q_heads * num_new, splits, head_dim], used when splits > 1
@@ -77,18 +75,39 @@ struct DecodeAttentionParams {
   int64_t q_stride[4];
   int64_t k_stride[3];  // batch, head, slot (head_dim stride is 1)
   int64_t v_stride[3];
-  int64_t window;  // 0: no window
+  int64_t window;  // in [1, kMaxLength]: "no window" is kMaxLength, which no valid row exceeds
   float scale;     // applied to q . k (natural-log softmax domain)
+  float softcap;   // > 0: scores become softcap * tanh(score / softcap); 0: not capped
+  const float* sinks;    // [q_heads] sink logits joining each row's softmax denominator, or null
+  int64_t sinks_stride;
   ElemType elem;
+  // Whether every K/V row start is 16-byte aligned (data pointers and strides), so the kernel
+  // may read rows with 16-byte loads; otherwise it reads them element by element.
+  bool vector_loads;
   // Filled by plan_decode_attention:
   int rows_per_block;  // query rows (group member x new token) one block serves: 1, 4 or 8
-  int row_chunks;      // ceil(group * num_new / rows_per_block)
+  int64_t row_chunks;  // ceil(group * num_new / rows_per_block)
   int splits;          // chunks the visible positions are split into (Flash-Decoding)
+  // Set by the launcher: the split kernel's block x serves work unit first_unit + x.
+  int64_t first_unit;
 };
+
+// The window the kernels take, from the op's (0: none): no window and any window beyond
+// kMaxLength see the same positions of a valid row (at most kMaxLength of them), and the clamp
+// keeps the kernels' position arithmetic (query position - window + 1) inside int64.
+inline int64_t kernel_window(int64_t window) { return window <= 0 || window > kMaxLength ? kMaxLength : window; }
+
+// Fills vector_loads from the cache pointers and element strides (batch, head, slot).
+inline void choose_decode_loads(DecodeAttentionParams& p, int64_t elem_bytes) {
+  bool aligned = reinterpret_cast<uintptr_t>(p.k_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(p.v_cache) % 16 == 0;
+  for (int i = 0; i < 3; ++i)
+    aligned = aligned && (p.k_stride[i] * elem_bytes) % 16 == 0 && (p.v_stride[i] * elem_bytes) % 16 == 0;
+  p.vector_loads = aligned;
+}
 
 constexpr int kMaxSplits = 64;
 
-// Chooses rows_per_block, row_chunks and splits from shapes only (never from lengths, which
+// Chooses rows_per_block, row_chunks and splits from shapes (and vector_loads) only (never from lengths, which
 // live on the device), so the scratch size is known before launch and a decode step can be
 // captured in a CUDA graph. `sm_count`: multiprocessors of the device. Queries the occupancy
 // of the chosen kernel (a host-side query: no synchronisation, allowed during capture).
@@ -102,7 +121,7 @@ int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p);
 int split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p);
 
 // Launches the split kernel and, when splits > 1, the combine kernel. Expects a supported
-// head_dim (head_dim_supported) and a plan.
+// head_dim (kvcache_ext::head_dim_supported), window in [1, kMaxLength] and a plan.
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
 
 // Per-dtype launchers (one translation unit each, so they compile in parallel).

@@ -4,9 +4,11 @@
 //
 // A decode step must be capturable in a CUDA graph: nothing here reads device memory on the
 // host or synchronises, and every allocation is sized from shapes. The price is that checks
-// on the values of `lengths` (>= 0, >= num_new) cannot be made here; the kernels stay in
-// bounds for any value (a row with a negative length is not written, rows that see no
-// position get zeros and a log-sum-exp of -inf).
+// on the values of `lengths` cannot be made here, so every refusal below depends on shapes,
+// dtypes, strides, devices and the scalar arguments only; the kernels stay in bounds for any
+// length (append_kv leaves a row whose length is outside [0, kMaxLength] untouched;
+// decode_attention gives a row whose length is outside [num_new, kMaxLength] zeros and a
+// log-sum-exp of -inf).
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>  // aoti_torch_get_current_cuda_stream (USE_CUDA)
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -22,11 +24,13 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
 
 #include "../binding_common.h"
+#include "../capabilities.h"
 #include "kernels.h"
 
 namespace kvcache_ext::cuda {
@@ -35,14 +39,6 @@ namespace {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-constexpr int64_t kMaxInt32 = (int64_t{1} << 31) - 1;
-
-std::string supported_head_dims() {
-  std::string s;
-  for (int i = 0; i < kNumSupportedHeadDims; ++i) s += (i ? ", " : "") + std::to_string(kSupportedHeadDims[i]);
-  return s;
-}
-
 // All tensors of one call on the cache's GPU.
 void check_on_device(const Tensor& t, const char* what, const Tensor& k_cache) {
   STD_TORCH_CHECK(t.is_cuda(), what, " must be a CUDA tensor for the CUDA kernel");
@@ -50,17 +46,17 @@ void check_on_device(const Tensor& t, const char* what, const Tensor& k_cache) {
                   k_cache.get_device_index(), " like k_cache, got cuda:", t.get_device_index());
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // Checks shared by both ops: the cache pair, its layout and the lengths tensor.
 void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths) {
   check_cache_layout(k_cache, v_cache, lengths);
-  STD_TORCH_CHECK(k_cache.size(2) >= 1 && k_cache.size(2) <= kMaxInt32,
-                  "k_cache must have between 1 and 2^31 - 1 slots, got ", k_cache.size(2));
+  const int64_t D = k_cache.size(3);
+  STD_TORCH_CHECK(head_dim_supported(D), "head_dim must be a multiple of ", kHeadDimMultiple, " between ",
+                  kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", D);
+  STD_TORCH_CHECK(k_cache.size(2) >= 1 && k_cache.size(2) <= kMaxSlotsCuda, "k_cache must have between 1 and ",
+                  kMaxSlotsCuda, " slots on CUDA, got ", k_cache.size(2));
   STD_TORCH_CHECK(k_cache.is_cuda(), "k_cache must be a CUDA tensor for the CUDA kernel");
   check_on_device(v_cache, "v_cache", k_cache);
   check_on_device(lengths, "lengths", k_cache);
-  STD_TORCH_CHECK(lengths.numel() == 0 || lengths.stride(0) == 1, "lengths must be contiguous");
 }
 
 cudaStream_t current_stream(int32_t device_index) {
@@ -85,7 +81,6 @@ int sm_count(int32_t device_index) {
 void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
   check_cache(k_cache, v_cache, lengths);
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  STD_TORCH_CHECK(D % 8 == 0 && D >= 8 && D <= 256, "head_dim must be a multiple of 8 between 8 and 256, got ", D);
   for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
     STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name,
                     " must be (batch=", B, ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ",
@@ -99,8 +94,6 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
                   v_new.size(2));
   STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
   if (T == 0 || B == 0 || H == 0) return;
-  STD_TORCH_CHECK(T * D < kMaxInt32, "cannot append more than 2^31 elements per (row, head) at once, got ", T,
-                  " tokens of ", D);
 
   AppendKvParams p{};
   p.cache[0] = k_cache.mutable_data_ptr();
@@ -108,6 +101,7 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
   p.source[0] = k_new.const_data_ptr();
   p.source[1] = v_new.const_data_ptr();
   p.lengths = lengths.const_data_ptr<int64_t>();
+  p.lengths_stride = lengths.stride(0);
   p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = S;
   const int64_t cache_stride[2][3] = {{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
                                       {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
@@ -120,7 +114,8 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
 }
 
 std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
-                                            std::optional<int64_t> window, std::optional<double> scale) {
+                                            std::optional<int64_t> window, std::optional<double> scale,
+                                            std::optional<double> softcap, std::optional<Tensor> sinks) {
   check_cache(k_cache, v_cache, lengths);
   STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
   check_on_device(q, "q", k_cache);
@@ -130,21 +125,13 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
                   ") to match the cache ", shape_of(k_cache), ", got ", shape_of(q));
   STD_TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q must have the cache's dtype ",
                   dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
-  STD_TORCH_CHECK(head_dim_supported(D), "head_dim ", D, " is not supported by the CUDA kernel; supported: ",
-                  supported_head_dims());
   STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  STD_TORCH_CHECK(H_kv >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv, ")");
+  check_new_tokens_fit(T, S);
+  STD_TORCH_CHECK(H_kv >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv,
+                  ") and kv_heads at least 1");
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  STD_TORCH_CHECK(H_q / H_kv * T <= kMaxInt32, "too many query rows per KV head: ", H_q / H_kv, " x ", T);
-  STD_TORCH_CHECK(aligned16(k_cache.const_data_ptr()) && aligned16(v_cache.const_data_ptr()) &&
-                      (k_cache.stride(0) * k_cache.element_size()) % 16 == 0 &&
-                      (k_cache.stride(1) * k_cache.element_size()) % 16 == 0 &&
-                      (k_cache.stride(2) * k_cache.element_size()) % 16 == 0 &&
-                      (v_cache.stride(0) * v_cache.element_size()) % 16 == 0 &&
-                      (v_cache.stride(1) * v_cache.element_size()) % 16 == 0 &&
-                      (v_cache.stride(2) * v_cache.element_size()) % 16 == 0,
-                  "the CUDA kernel reads k_cache and v_cache rows with 16-byte loads: their data pointers "
-                  "and strides must be multiples of 16 bytes (a contiguous cache is)");
+  const float scale_value = checked_scale(scale, D);
+  check_softcap_and_sinks(softcap, sinks, q);
 
   DecodeAttentionParams p{};
   p.elem = elem_type_of(q, "q");
@@ -152,17 +139,20 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   p.k_cache = k_cache.const_data_ptr();
   p.v_cache = v_cache.const_data_ptr();
   p.lengths = lengths.const_data_ptr<int64_t>();
+  p.lengths_stride = lengths.stride(0);
   p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_cache.stride(i), p.v_stride[i] = v_cache.stride(i);
-  p.window = window.value_or(0);
-  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
+  p.window = kernel_window(window.value_or(0));
+  p.scale = scale_value;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  choose_decode_loads(p, static_cast<int64_t>(k_cache.element_size()));
 
   const int32_t device = k_cache.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
   plan_decode_attention(p, sm_count(device));
-  STD_TORCH_CHECK(B * H_kv * p.row_chunks * p.splits <= kMaxInt32, "too many (batch x kv_heads) for one launch: ",
-                  B, " x ", H_kv);
 
   Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
   Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());

@@ -30,7 +30,7 @@ struct dim3 {
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
-enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
 using cudaStream_t = struct CUstream_st*;
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 // The planner asks how many blocks an SM keeps; the emulation answers like an sm_90 would for
@@ -54,7 +54,6 @@ struct Fiber {
   ucontext_t context;
   dim3 thread_idx;
   bool done = false;
-  std::unique_ptr<char[]> stack;
 };
 
 struct Barrier {
@@ -117,12 +116,21 @@ inline int linear_thread() {
 
 inline const dim3& current_thread_idx() { return run->fibers[run->current].thread_idx; }
 
-// Runs `kernel(args...)` over the grid, one block after another.
+// Runs `kernel(args...)` over the grid, one block after another. Refuses, as CUDA does, grids
+// and blocks beyond the device limits (gridDim.x < 2^31, gridDim.y and z <= 65535, at most 1024
+// threads), so kernels that would fail to launch on a GPU fail here too.
 template <typename... Args>
-void launch(void (*kernel)(Args...), dim3 grid, dim3 block, Args... args) {
+cudaError_t launch(void (*kernel)(Args...), dim3 grid, dim3 block, Args... args) {
+  const unsigned long long threads_per_block = 1ull * block.x * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535u || grid.z > 65535u ||
+      threads_per_block == 0 || threads_per_block > 1024 || block.z > 64)
+    return cudaErrorInvalidConfiguration;
   grid_dim = grid;
   block_dim = block;
-  const int threads = static_cast<int>(block.x * block.y * block.z);
+  const int threads = static_cast<int>(threads_per_block);
+  // Stacks are reused by every block: allocating them per block dominates large grids.
+  std::vector<std::unique_ptr<char[]>> stacks(threads);
+  for (auto& stack : stacks) stack.reset(new char[kStackBytes]);
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
@@ -136,9 +144,8 @@ void launch(void (*kernel)(Args...), dim3 grid, dim3 block, Args... args) {
         for (int t = 0; t < threads; ++t) {
           Fiber& f = block_run.fibers[t];
           f.thread_idx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
-          f.stack.reset(new char[kStackBytes]);
           getcontext(&f.context);
-          f.context.uc_stack.ss_sp = f.stack.get();
+          f.context.uc_stack.ss_sp = stacks[t].get();
           f.context.uc_stack.ss_size = kStackBytes;
           f.context.uc_link = nullptr;
           makecontext(&f.context, fiber_main, 0);
@@ -147,6 +154,7 @@ void launch(void (*kernel)(Args...), dim3 grid, dim3 block, Args... args) {
         swapcontext(&block_run.scheduler, &block_run.fibers[0].context);
         run = nullptr;
       }
+  return cudaSuccess;
 }
 
 }  // namespace emu

@@ -1,0 +1,256 @@
+"""Small cases of every CUDA kernel of kvcache_ext, for compute-sanitizer (bench/gpu_check.sh runs
+this under memcheck, racecheck and synccheck before pytest, because one illegal access poisons
+the CUDA context of every later test in the same process). Needs torch and an installed
+kvcache_ext with its CUDA kernels; nothing else (the float64 reference is python_ref/attention.py,
+loaded by path).
+
+    python bench/cuda_sanitize.py [--json cases.json] [--quick]
+
+Covers append_kv (16-byte and element paths, transposed and strided sources, ring wrap-around,
+rows far past the ring, every dtype) and decode_attention (every dtype and head_dim, GQA groups
+1 to 8, 1 and 4 new tokens, 1, 4 and 8 query rows per block, with and without a window, one split
+and forced splits, strided q, a cache that is a slice of a larger one, lengths the public API
+refuses but the kernels must survive). Each case synchronises, so an error is attributed to it.
+
+Exit status: 0 every case ran and matched the reference, 1 a case failed (wrong result or a
+refused call), 2 the CUDA context was lost (an illegal access: the cases after it cannot run),
+3 nothing to run (no GPU or no CUDA kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEVICE = "cuda"  # (a test of this script on the CPU kernels sets "cpu")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Max abs error against float64 allowed per dtype (inputs ~N(0, 1)): a smoke test for gross bugs;
+# the exact bounds are tests/test_cuda.py's.
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 4e-2, torch.float16: 6e-3}
+
+
+def log(message: str) -> None:
+    print(f"[cuda_sanitize {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def load_reference():
+    spec = importlib.util.spec_from_file_location("_kvcache_reference_attention", REPO / "python_ref" / "attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reference_attention
+
+
+class ContextLost(RuntimeError):
+    pass
+
+
+def synchronize() -> None:
+    try:
+        torch.cuda.synchronize()
+    except Exception as error:  # an asynchronous kernel fault: the context is gone
+        raise ContextLost(f"{type(error).__name__}: {error}") from error
+
+
+def with_env(name: str, value):
+    class Env:
+        def __enter__(self):
+            self.old = os.environ.get(name)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = str(value)
+
+        def __exit__(self, *exc):
+            if self.old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = self.old
+
+    return Env()
+
+
+# ---- append_kv -----------------------------------------------------------------------------------
+def append_case(dtype, layout, head_dim, kvcache_ext, raw=False, lengths=(0, 14, 83)):
+    B, H, S, T = 3, 2, 16, 5
+    g = torch.Generator().manual_seed(head_dim + T)
+    # The same view of the same values on both devices (the layout is what the kernel sees).
+    view = {"contiguous": lambda t: t,
+            "transposed": lambda t: t.transpose(1, 2),  # (B, T, H, D) storage, as a model's projections give
+            "strided": lambda t: t[..., ::2]}[layout]   # head_dim not contiguous: the element path
+    base_shape = {"contiguous": (B, H, T, head_dim), "transposed": (B, T, H, head_dim),
+                  "strided": (B, H, T, 2 * head_dim)}[layout]
+    bases = [torch.randn(base_shape, generator=g).to(dtype) for _ in range(2)]
+    k_new, v_new = (view(b) for b in bases)
+    k_new_gpu, v_new_gpu = (view(b.to(DEVICE)) for b in bases)
+    k_cpu, v_cpu = (torch.randn(B, H, S, head_dim, generator=g).to(dtype) for _ in range(2))
+    lengths_cpu = torch.tensor(lengths, dtype=torch.long)
+    k_gpu, v_gpu = k_cpu.to(DEVICE), v_cpu.to(DEVICE)
+    op = torch.ops.kvcache_ext.append_kv if raw else kvcache_ext.append_kv
+    op(k_gpu, v_gpu, k_new_gpu, v_new_gpu, lengths_cpu.to(DEVICE))
+    synchronize()
+    # Expected: token t of row b at slot (lengths[b] + t) % S; rows with a negative length untouched.
+    for b, start in enumerate(lengths):
+        if start < 0:
+            continue
+        for t in range(T):
+            slot = (start + t) % S
+            k_cpu[b, :, slot], v_cpu[b, :, slot] = k_new[b, :, t], v_new[b, :, t]
+    if not (torch.equal(k_gpu.cpu(), k_cpu) and torch.equal(v_gpu.cpu(), v_cpu)):
+        raise AssertionError("cache differs from the expected copy")
+    return f"strides k_new {tuple(k_new_gpu.stride())}"
+
+
+# ---- decode_attention -----------------------------------------------------------------------------
+def decode_case(dtype, head_dim, group, num_new, window, splits, kvcache_ext, reference, max_rows=None,
+                q_layout="contiguous", cache_layout="contiguous", lengths=None, raw=False, extra=None):
+    B, H_kv = 3, 2
+    H_q = H_kv * group
+    slots = 40 if window is None else window + num_new - 1 + 3
+    if lengths is None:
+        lengths = [num_new, 9, 3 * slots + 5]  # the shortest row, a partial one, one past the ring's wrap
+    g = torch.Generator().manual_seed(head_dim * 7 + group * 3 + num_new)
+    if q_layout == "transposed":
+        q = torch.randn(B, num_new, H_q, head_dim, generator=g).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, H_q, num_new, head_dim, generator=g).to(dtype)
+    k = torch.randn(B, H_kv, slots, head_dim, generator=g).to(dtype)
+    v = torch.randn(B, H_kv, slots, head_dim, generator=g).to(dtype)
+    lengths_cpu = torch.tensor(lengths, dtype=torch.long)
+    q_gpu = q.transpose(1, 2).contiguous().to(DEVICE).transpose(1, 2) if q_layout == "transposed" else q.to(DEVICE)
+    if cache_layout == "slice":  # the cache is the first `slots` of a larger ring: strides of the larger one
+        k_big = torch.zeros(B, H_kv, slots + 8, head_dim, dtype=dtype, device=DEVICE)
+        v_big = torch.zeros_like(k_big)
+        k_big[:, :, :slots], v_big[:, :, :slots] = k.to(DEVICE), v.to(DEVICE)
+        k_gpu, v_gpu = k_big[:, :, :slots], v_big[:, :, :slots]
+    else:
+        k_gpu, v_gpu = k.to(DEVICE), v.to(DEVICE)
+    kwargs = dict(extra or {})
+    with with_env("KVCACHE_EXT_CUDA_SPLITS", splits), with_env("KVCACHE_EXT_CUDA_MAX_ROWS", max_rows):
+        if raw:  # past the public API's checks: the kernel's own bounds
+            out, lse = torch.ops.kvcache_ext.decode_attention(q_gpu, k_gpu, v_gpu, lengths_cpu.to(DEVICE), window, None,
+                                                              kwargs.get("softcap"), kwargs.get("sinks"))
+        else:
+            if "sinks" in kwargs:
+                kwargs["sinks"] = kwargs["sinks"].to(DEVICE)
+            out, lse = kvcache_ext.decode_attention(q_gpu, k_gpu, v_gpu, lengths_cpu.to(DEVICE), window, **kwargs)
+        synchronize()
+    out, lse = out.cpu(), lse.cpu()
+    if raw:  # rows a valid call cannot have: only finiteness and shape are checked
+        if out.shape != q.shape or lse.shape != q.shape[:3]:
+            raise AssertionError(f"shapes {tuple(out.shape)}, {tuple(lse.shape)}")
+        return "ran in bounds"
+    ref_kwargs = {key: (value.cpu().double() if torch.is_tensor(value) else value)
+                  for key, value in (extra or {}).items()}
+    exact, exact_lse = reference(q.double(), k.double(), v.double(), lengths_cpu, window, return_lse=True, **ref_kwargs)
+    error = (out.double() - exact).abs().max().item()
+    lse_error = (lse.double() - exact_lse).abs().max().item()
+    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
+        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
+    return f"error {error:.1e}, lse error {lse_error:.1e}"
+
+
+def build_cases(kvcache_ext, reference, quick: bool):
+    cases = []  # (name, thunk)
+
+    def add(name, fn, *args, **kwargs):
+        cases.append((name, lambda: fn(*args, **kwargs)))
+
+    for dtype_name, dtype in DTYPES.items():
+        for layout in ("contiguous", "transposed", "strided"):
+            for head_dim in ((64,) if quick else (8, 64, 136)):
+                add(f"append {dtype_name} {layout} D={head_dim}", append_case, dtype, layout, head_dim, kvcache_ext)
+    add("append raw lengths -3/huge", append_case, torch.bfloat16, "contiguous", 64, kvcache_ext,
+        raw=True, lengths=(-3, 2**40 + 7, 15))
+
+    # (group, num_new, window, splits, max_rows): rows per block 1, 4, 8 and row chunks > 1; one
+    # split, forced splits (more than positions per split allows, too), the heuristic (None).
+    configs = [(1, 1, None, 1, None), (1, 1, None, 3, None), (4, 1, None, None, None), (2, 4, 5, 1, None),
+               (8, 4, 5, 4, None), (8, 1, None, 2, 4), (3, 3, None, 2, None), (8, 4, 100, 64, None),
+               (4, 4, None, 5, 1)]
+    if quick:
+        configs = configs[:3] + configs[4:5]
+    for dtype_name, dtype in DTYPES.items():
+        for head_dim in (64, 128):
+            for group, num_new, window, splits, max_rows in configs:
+                add(f"decode {dtype_name} D={head_dim} group={group} T={num_new} window={window} splits={splits} "
+                    f"max_rows={max_rows}", decode_case, dtype, head_dim, group, num_new, window, splits,
+                    kvcache_ext, reference, max_rows=max_rows)
+    def supported(head_dim):  # the CUDA capability table decides (h-cuda: every multiple of 8)
+        try:
+            kvcache_ext.capabilities("cuda").check_head_dim(head_dim)
+            return True
+        except ValueError:
+            return False
+
+    for dtype_name, dtype in DTYPES.items():
+        if quick and dtype is not torch.bfloat16:
+            continue
+        for head_dim in [d for d in (8, 16, 32, 80, 96, 136, 256) if supported(d)]:
+            for window, splits in ((None, 1), (7, 3)):
+                add(f"decode {dtype_name} D={head_dim} group=2 T=2 window={window} splits={splits}", decode_case,
+                    dtype, head_dim, 2, 2, window, splits, kvcache_ext, reference)
+    add("decode bf16 transposed q, sliced cache, splits=3", decode_case, torch.bfloat16, 128, 4, 2, None, 3,
+        kvcache_ext, reference, q_layout="transposed", cache_layout="slice")
+    add("decode f32 softcap=30 + sinks", decode_case, torch.float32, 64, 2, 2, None, 2, kvcache_ext, reference,
+        extra={"softcap": 30.0, "sinks": torch.randn(4)})
+    for splits in (1, 4):
+        add(f"decode raw lengths 0/-4/2^40, splits={splits}", decode_case, torch.float16, 64, 2, 1, None, splits,
+            kvcache_ext, reference, lengths=[0, -4, 2**40 + 3], raw=True)
+        add(f"decode raw lengths < num_new, window, splits={splits}", decode_case, torch.bfloat16, 128, 4, 4, 5,
+            splits, kvcache_ext, reference, lengths=[1, 2, 3], raw=True)
+    return cases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the per-case results here")
+    parser.add_argument("--quick", action="store_true", help="fewer cases (for the slowest sanitizer tools)")
+    args = parser.parse_args()
+    log(f"start: torch {torch.__version__}, CUDA device: {torch.cuda.is_available()}")
+    if not torch.cuda.is_available():
+        log("torch sees no CUDA device: nothing to run")
+        return 3
+    import kvcache_ext
+
+    if not kvcache_ext.native_available("cuda"):
+        log(f"kvcache_ext's CUDA kernels are not loaded ({kvcache_ext.kernels_used('cuda')}): nothing to run")
+        return 3
+    log(f"kvcache_ext {kvcache_ext.__file__}, cuda kernels: {kvcache_ext.kernels_used('cuda')}")
+    cases = build_cases(kvcache_ext, load_reference(), args.quick)
+    results, status = [], 0
+    for index, (name, thunk) in enumerate(cases):
+        t0 = time.perf_counter()
+        try:
+            detail, ok = thunk(), True
+        except ContextLost as error:
+            results.append({"case": name, "ok": False, "detail": f"CUDA context lost: {error}"})
+            log(f"[{index + 1}/{len(cases)}] CONTEXT LOST {name}: {error}; the remaining {len(cases) - index - 1} "
+                "cases cannot run")
+            status = 2
+            break
+        except Exception as error:
+            detail, ok = f"{type(error).__name__}: {error}".strip(), False
+            traceback.print_exc()
+            status = max(status, 1)
+        results.append({"case": name, "ok": ok, "detail": detail, "seconds": round(time.perf_counter() - t0, 3)})
+        log(f"[{index + 1}/{len(cases)}] {'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    failed = [r["case"] for r in results if not r["ok"]]
+    summary = {"cases": len(cases), "ran": len(results), "failed": len(failed), "failed_cases": failed,
+               "status": status, "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"done: {len(results)} of {len(cases)} cases ran, {len(failed)} failed (exit {status})")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,658 @@
+"""Property-based fuzzing of append_kv and decode_attention on CPU: the Python wrappers and the raw
+torch.ops entry points, against the contract.
+
+Every generated call is classified from its inputs alone: inputs the contract refuses must raise a
+Python exception (ValueError, TypeError or RuntimeError) and leave every byte as it was; valid
+inputs must give the reference's result; inputs the contract leaves open (a cache whose head_dim
+is not contiguous, an expanded cache read by decode_attention) may do either. A crash or hang is
+never accepted.
+
+Caches are views carved out of larger buffers whose other bytes (guards before and after, padding
+between rows) hold a sentinel pattern; after every call the whole buffer is compared byte for byte
+with the expected one, so a write outside the view is caught. Calls with a length or window beyond
+2**62 (where int64 arithmetic can overflow) run in a forked child, so that a crash is reported as a
+violation instead of ending the run.
+
+Default: 100 examples per test (--fuzz-examples N or KVCACHE_EXT_FUZZ_EXAMPLES=N), one call each,
+after the pinned regression cases.
+The long run:
+
+    KVCACHE_EXT_REQUIRE_NATIVE=1 pytest -q tests/test_fuzz.py --fuzz-examples 6000 --fuzz-keep-going
+
+(--fuzz-keep-going records violations and fuzzes on; the counts are printed at the end.)
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import pickle
+import select
+import signal
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import kvcache_ext
+from attention_oracle import attention_plain
+from python_ref import reference_attention
+from python_ref.caches import append_to_slots
+
+pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_LENGTH = 2**62
+INT64_MAX = 2**63 - 1
+REFUSAL_TYPES = (ValueError, TypeError, RuntimeError)
+CHILD_TIMEOUT_S = 60
+
+
+class ContractViolation(AssertionError):
+    def __init__(self, kind: str, detail: str = ""):
+        super().__init__(f"{kind}\n{detail}" if detail else kind)
+        self.kind, self.detail = kind, detail
+
+
+# --- tensors in guarded buffers -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a 4-d tensor's elements sit in its buffer: ``order`` lists its dims outermost first,
+    ``pads`` adds elements to each dim's stride, ``squash`` halves one dim's stride (overlapping
+    rows; stride 0 when it was 1), ``lead``/``trail`` are guard elements around the view beyond
+    the lead guard's minimum (the view's own span, so a slot index down to -S stays inside)."""
+    order: tuple = (0, 1, 2, 3)
+    pads: tuple = (0, 0, 0, 0)
+    squash: int | None = None
+    lead: int = 0
+    trail: int = 1
+
+
+SENTINEL_PATTERN = ((torch.arange(251) * 73 + 41) % 256).to(torch.uint8)  # a prime period
+
+
+def sentinel_bytes(count: int) -> torch.Tensor:
+    period = SENTINEL_PATTERN.numel()
+    return SENTINEL_PATTERN.repeat(count // period + 1)[:count]  # a new tensor: repeat copies
+
+
+def carve(shape, dtype, layout: Layout, generator):
+    """A view of ``shape`` laid out as ``layout`` in a sentinel-filled buffer; returns (buffer as
+    uint8, view). Elements the view spans hold random normal values."""
+    strides = [0] * 4
+    extent = 1
+    for dim in reversed(layout.order):
+        strides[dim] = extent + (layout.pads[dim] if extent > 1 else 0)
+        extent = shape[dim] * strides[dim]
+    if layout.squash is not None:
+        strides[layout.squash] //= 2
+    span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+    offset = span + layout.lead
+    count = offset + span + layout.trail
+    element = torch.empty((), dtype=dtype).element_size()
+    buffer = sentinel_bytes(count * element)
+    elements = buffer.view(dtype)
+    elements[offset:offset + span] = torch.randn(span, generator=generator).to(dtype)
+    return buffer, elements.as_strided(shape, strides, offset)
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    # Fast path: every dim's stride clears the span of the dims inside it (no overlap).
+    inner_span, nested = 0, True
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
+        nested &= stride > inner_span
+        inner_span += (size - 1) * stride
+    if nested:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return offsets.unique().numel() < offsets.numel()
+
+
+def make_lengths(values, layout: str, fault: str | None):
+    """The lengths tensor: contiguous, every other element of a bigger one, a slice at an offset,
+    or one value expanded (stride 0); faults give int32, a wrong shape or the meta device."""
+    B = len(values)
+    if fault == "lengths_meta":
+        return torch.empty(B, dtype=torch.int64, device="meta")
+    if fault == "lengths_int32":
+        return torch.tensor([max(-2**31, min(2**31 - 1, v)) for v in values], dtype=torch.int32)
+    if fault == "lengths_shape":
+        return torch.tensor([*values, 0])
+    if layout == "strided":
+        base = torch.zeros(2 * B, dtype=torch.int64)
+        base[::2] = torch.tensor(values)
+        return base[::2]
+    if layout == "offset":
+        base = torch.zeros(B + 2, dtype=torch.int64)
+        base[1:B + 1] = torch.tensor(values)
+        return base[1:B + 1]
+    if layout == "expanded":  # one element of a zero-filled tensor, so a read past it finds zeros
+        base = torch.zeros(B, dtype=torch.int64)
+        base[0] = values[0]
+        return base[:1].expand(B)
+    return torch.tensor(values)
+
+
+# --- strategies ---------------------------------------------------------------------------------
+
+def rarely(draw, one_in: int) -> bool:
+    return draw(st.integers(0, one_in - 1)) == 0
+
+
+@st.composite
+def layouts(draw, head_dim_innermost: bool, allow_squash: bool):
+    outer = draw(st.permutations([0, 1, 2]))
+    order = (*outer, 3) if head_dim_innermost else tuple(draw(st.permutations([0, 1, 2, 3])))
+    plain = draw(st.booleans())
+    pads = (0, 0, 0, 0) if plain else tuple(draw(st.lists(st.integers(0, 5), min_size=4, max_size=4)))
+    squash = draw(st.sampled_from([0, 1, 2, 3])) if allow_squash and rarely(draw, 8) else None
+    return Layout(order=tuple(order), pads=pads, squash=squash,
+                  lead=draw(st.integers(0, 9)), trail=draw(st.integers(1, 9)))
+
+
+@st.composite
+def cache_layouts(draw):
+    """Mostly valid cache layouts (head_dim contiguous, no overlap); now and then a transposed
+    head_dim or overlapping rows."""
+    if rarely(draw, 12):
+        return draw(layouts(head_dim_innermost=False, allow_squash=False))
+    return draw(layouts(head_dim_innermost=True, allow_squash=rarely(draw, 3)))
+
+
+def length_values(draw, B, T, S, least):
+    """Per-row lengths: mostly at least ``least`` (0 for append, T for decode) and a few slot
+    counts past S (the ring wraps); now and then an extreme."""
+    special = [0, 1, T - 1, T, S, S + 1, S + T, MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, -1, -2**63]
+    return [draw(st.sampled_from(special)) if rarely(draw, 6) else draw(st.integers(least, 3 * S + T))
+            for _ in range(B)]
+
+
+@st.composite
+def common_shapes(draw):
+    B = draw(st.integers(1, 4))
+    H_kv = draw(st.integers(1, 4))
+    S = draw(st.integers(1, 40))
+    T = draw(st.integers(S + 1, S + 2)) if rarely(draw, 10) else draw(st.integers(1, S))
+    if rarely(draw, 15):
+        D = draw(st.sampled_from([4, 12, 20, 264]))
+    else:  # mostly small head dims, which keep a call cheap; up to 256 a third of the time
+        D = 8 * draw(st.integers(1, 32 if rarely(draw, 3) else 8))
+    dtype = draw(st.sampled_from(DTYPES))
+    return B, H_kv, S, T, D, dtype
+
+
+@dataclass(frozen=True)
+class AppendCase:
+    api: str
+    dtype: torch.dtype
+    B: int
+    H: int
+    S: int
+    T: int
+    D: int
+    lengths: tuple
+    lengths_layout: str
+    k_cache_layout: Layout
+    v_cache_layout: Layout
+    k_new_layout: Layout
+    v_new_layout: Layout
+    fault: str | None
+    seed: int
+
+
+APPEND_FAULTS = ["k_new_dtype", "v_cache_dtype", "float64", "k_new_heads", "k_new_head_dim", "k_new_batch",
+                 "v_new_tokens", "v_cache_slots", "lengths_int32", "lengths_shape", "k_new_meta", "lengths_meta"]
+
+
+@st.composite
+def append_cases(draw):
+    B, H, S, T, D, dtype = draw(common_shapes())
+    lengths_layout = draw(st.sampled_from(["contiguous", "strided", "offset", "expanded"]))
+    values = length_values(draw, B, T, S, least=0)
+    if lengths_layout == "expanded":
+        values = values[:1] * B
+    return AppendCase(
+        api=draw(st.sampled_from(["wrapper", "raw op"])), dtype=dtype, B=B, H=H, S=S, T=T, D=D,
+        lengths=tuple(values), lengths_layout=lengths_layout,
+        k_cache_layout=draw(cache_layouts()), v_cache_layout=draw(cache_layouts()),
+        k_new_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
+        v_new_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
+        fault=draw(st.sampled_from(APPEND_FAULTS)) if rarely(draw, 6) else None,
+        seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    api: str
+    dtype: torch.dtype
+    B: int
+    H_kv: int
+    group: int
+    S: int
+    T: int
+    D: int
+    lengths: tuple
+    lengths_layout: str
+    window: int | None
+    scale: float | None
+    q_layout: Layout
+    k_cache_layout: Layout
+    v_cache_layout: Layout
+    fault: str | None
+    seed: int
+
+
+DECODE_FAULTS = ["q_dtype", "v_cache_dtype", "float64", "q_batch", "q_head_dim", "q_heads", "v_cache_slots",
+                 "lengths_int32", "lengths_shape", "q_meta", "lengths_meta"]
+
+
+@st.composite
+def decode_cases(draw):
+    B, H_kv, S, T, D, dtype = draw(common_shapes())
+    group = draw(st.integers(65, 96)) if rarely(draw, 20) else draw(st.integers(1, 8))
+    lengths_layout = draw(st.sampled_from(["contiguous", "strided", "offset", "expanded"]))
+    values = length_values(draw, B, T, S, least=T)
+    if lengths_layout == "expanded":
+        values = values[:1] * B
+    window_kind, scale_kind = draw(st.integers(0, 9)), draw(st.integers(0, 9))
+    if window_kind < 5:
+        window = None
+    elif window_kind < 8:
+        window = draw(st.integers(1, S + T))
+    else:
+        window = draw(st.sampled_from([1, S + 1, MAX_LENGTH, INT64_MAX, 0, -1, -2**63, 2**63]))
+    if scale_kind < 5:
+        scale = None
+    elif scale_kind < 8:  # scores stay of order one, so the float32 log-sum-exp stays comparable
+        scale = draw(st.floats(-4.0, 4.0)) / math.sqrt(D)
+    else:
+        scale = draw(st.sampled_from([0.0, math.inf, -math.inf, math.nan]))
+    return DecodeCase(
+        api=draw(st.sampled_from(["wrapper", "raw op"])), dtype=dtype, B=B, H_kv=H_kv, group=group, S=S, T=T,
+        D=D, lengths=tuple(values), lengths_layout=lengths_layout, window=window, scale=scale,
+        q_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
+        k_cache_layout=draw(cache_layouts()), v_cache_layout=draw(cache_layouts()),
+        fault=draw(st.sampled_from(DECODE_FAULTS)) if rarely(draw, 6) else None,
+        seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def other_dtype(dtype):
+    return DTYPES[(DTYPES.index(dtype) + 1) % len(DTYPES)]
+
+
+# Cases that broke the contract once, run first on every run (small: B=2, S=4, D=8 unless said).
+def append_case(**changes):
+    defaults = dict(api="wrapper", dtype=torch.float32, B=2, H=1, S=4, T=1, D=8, lengths=(1, 2),
+                    lengths_layout="contiguous", k_cache_layout=Layout(), v_cache_layout=Layout(),
+                    k_new_layout=Layout(), v_new_layout=Layout(), fault=None, seed=0)
+    return AppendCase(**{**defaults, **changes})
+
+
+def decode_case(**changes):
+    defaults = dict(api="wrapper", dtype=torch.float32, B=2, H_kv=1, group=2, S=4, T=1, D=8, lengths=(3, 2),
+                    lengths_layout="contiguous", window=None, scale=None, q_layout=Layout(),
+                    k_cache_layout=Layout(), v_cache_layout=Layout(), fault=None, seed=0)
+    return DecodeCase(**{**defaults, **changes})
+
+
+APPEND_REGRESSIONS = [
+    append_case(lengths_layout="strided"),  # lengths read as if contiguous
+    append_case(lengths=(3, 3), lengths_layout="expanded"),
+    append_case(api="raw op", S=3, T=2, lengths=(INT64_MAX, 0)),  # lengths + t overflows: writes before the cache
+    append_case(lengths=(MAX_LENGTH + 1, 0)),
+    append_case(k_cache_layout=Layout(squash=0)),  # batch rows of k_cache overlap
+    append_case(api="raw op", fault="k_new_meta"),
+]
+DECODE_REGRESSIONS = [
+    decode_case(lengths_layout="strided"),
+    decode_case(lengths=(INT64_MAX, 3)),  # crashed the process
+    decode_case(lengths=(MAX_LENGTH + 1, 3)),
+    decode_case(B=1, group=96, lengths=(3,)),
+    decode_case(scale=math.nan),
+    decode_case(api="raw op", scale=-math.inf),
+    decode_case(window=2**63),
+    decode_case(api="raw op", fault="q_meta"),
+]
+
+
+def pinned(cases):
+    def decorate(test):
+        for case in reversed(cases):
+            test = example(case=case)(test)
+        return test
+    return decorate
+
+
+# --- what the contract says about an input -------------------------------------------------------
+
+def cache_refusals(k_cache, v_cache, D):
+    """(must refuse, may refuse) reasons shared by both ops; each reason is a word a helpful error
+    message names."""
+    must, may = [], []
+    if k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype:
+        must.append("dtype")
+    if v_cache.shape != k_cache.shape:
+        must.append("shape")
+    if D % 8 or not 8 <= D <= 256:
+        must.append("head_dim")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        may.append("contiguous")
+    return must, may
+
+
+def lengths_refusals(lengths, B):
+    if lengths.device.type != "cpu" or lengths.dtype != torch.int64 or lengths.shape != (B,):
+        return ["lengths"]
+    return []
+
+
+def append_contract(case: AppendCase, k_cache, v_cache, k_new, v_new, lengths):
+    must, may = cache_refusals(k_cache, v_cache, case.D)
+    must += lengths_refusals(lengths, case.B)
+    if has_internal_overlap(k_cache) or has_internal_overlap(v_cache):
+        must.append("overlap")
+    for new in (k_new, v_new):
+        if new.dtype != k_cache.dtype:
+            must.append("dtype")
+        if new.device.type != "cpu":
+            must.append("device")
+        if new.shape[:2] != k_cache.shape[:2] or new.shape[3] != k_cache.shape[3]:
+            must.append("shape")
+    if k_new.shape[2] != v_new.shape[2]:
+        must.append("tokens")
+    if case.T > case.S:
+        must.append("slots")
+    if not all(0 <= n <= MAX_LENGTH for n in case.lengths):
+        must.append("lengths")
+    return must, may
+
+
+def decode_contract(case: DecodeCase, q, k_cache, v_cache, lengths):
+    must, may = cache_refusals(k_cache, v_cache, case.D)
+    must += lengths_refusals(lengths, case.B)
+    if has_internal_overlap(k_cache) or has_internal_overlap(v_cache):
+        may.append("overlap")
+    if q.dtype != k_cache.dtype:
+        must.append("dtype")
+    if q.device.type != "cpu":
+        must.append("device")
+    if q.shape[0] != case.B or q.shape[3] != case.D or q.shape[1] % case.H_kv:
+        must.append("shape")
+    if not all(case.T <= n <= MAX_LENGTH for n in case.lengths):
+        must.append("lengths")
+    if case.window is not None and not 1 <= case.window <= INT64_MAX:
+        must.append("window")
+    if case.scale is not None and not math.isfinite(case.scale):
+        must.append("scale")
+    return must, may
+
+
+# Words a message may use for each reason (the wrapper's messages name what was wrong).
+REASON_WORDS = {
+    "dtype": ("dtype", "float", "Float", "Half", "BFloat16", "Double"),
+    "shape": ("shape", "batch", "heads", "head_dim", "must be ("),
+    "head_dim": ("head_dim",),
+    "contiguous": ("contiguous", "stride"),
+    "lengths": ("lengths",),
+    "overlap": ("overlap", "expanded", "stride", "alias"),
+    "device": ("device",),
+    "tokens": ("tokens",),
+    "slots": ("slots", "tokens"),
+    "window": ("window",),
+    "scale": ("scale",),
+}
+
+
+def expect_refusal_or_pass(case, call, must, may):
+    """Runs ``call``; returns the exception it raised (None if it returned) after checking that
+    this is what the contract allows."""
+    try:
+        result = call()
+    except REFUSAL_TYPES as error:
+        if not must and not may:
+            last_line = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            raise ContractViolation(f"refused a valid input: {type(error).__name__}: {last_line[:160]}")
+        if must and case.api == "wrapper":
+            words = [w for reason in must + may for w in REASON_WORDS[reason]]
+            if not any(w in str(error) for w in words):
+                raise ContractViolation(f"refusal message does not name the problem ({'/'.join(must)})",
+                                        f"{type(error).__name__}: {error}")
+        return error, None
+    except Exception as error:  # any other type is not a refusal the contract allows
+        raise ContractViolation(f"raised {type(error).__name__} (expected ValueError/TypeError/RuntimeError)",
+                                str(error)[:300])
+    if must:
+        raise ContractViolation(f"accepted an input the contract refuses ({', '.join(sorted(set(must)))})")
+    return None, result
+
+
+# --- the two properties ----------------------------------------------------------------------------
+
+def build_append(case: AppendCase):
+    generator = torch.Generator().manual_seed(case.seed)
+    cache_dtype = torch.float64 if case.fault == "float64" else case.dtype
+    shape = (case.B, case.H, case.S, case.D)
+    k_buffer, k_cache = carve(shape, cache_dtype, case.k_cache_layout, generator)
+    v_shape = (case.B, case.H, case.S + 1, case.D) if case.fault == "v_cache_slots" else shape
+    v_dtype = other_dtype(case.dtype) if case.fault == "v_cache_dtype" else cache_dtype
+    v_buffer, v_cache = carve(v_shape, v_dtype, case.v_cache_layout, generator)
+    k_shape = list((case.B, case.H, case.T, case.D))
+    for fault, dim in (("k_new_batch", 0), ("k_new_heads", 1), ("k_new_head_dim", 3)):
+        if case.fault == fault:
+            k_shape[dim] += 1
+    v_new_shape = (case.B, case.H, case.T + 1 if case.fault == "v_new_tokens" else case.T, case.D)
+    k_new_dtype = other_dtype(case.dtype) if case.fault == "k_new_dtype" else cache_dtype
+    if case.fault == "k_new_meta":
+        k_new = torch.empty(k_shape, dtype=k_new_dtype, device="meta")
+    else:
+        k_new = carve(k_shape, k_new_dtype, case.k_new_layout, generator)[1]
+    v_new = carve(v_new_shape, cache_dtype, case.v_new_layout, generator)[1]
+    lengths = make_lengths(list(case.lengths), case.lengths_layout, case.fault)
+    return k_buffer, v_buffer, k_cache, v_cache, k_new, v_new, lengths
+
+
+def check_append(case: AppendCase) -> str:
+    k_buffer, v_buffer, k_cache, v_cache, k_new, v_new, lengths = build_append(case)
+    must, may = append_contract(case, k_cache, v_cache, k_new, v_new, lengths)
+    k_before, v_before = k_buffer.clone(), v_buffer.clone()
+    inputs_before = [t.clone() for t in (k_new, v_new, lengths) if t.device.type == "cpu"]
+    op = kvcache_ext.append_kv if case.api == "wrapper" else torch.ops.kvcache_ext.append_kv
+    error, _ = expect_refusal_or_pass(case, lambda: op(k_cache, v_cache, k_new, v_new, lengths), must, may)
+    inputs_after = [t for t in (k_new, v_new, lengths) if t.device.type == "cpu"]
+    if not all(torch.equal(a, b) for a, b in zip(inputs_after, inputs_before)):
+        raise ContractViolation("changed k_new, v_new or lengths")
+    if error is not None:
+        if not (torch.equal(k_buffer, k_before) and torch.equal(v_buffer, v_before)):
+            raise ContractViolation("a refused call changed cache or guard bytes", f"{type(error).__name__}: {error}")
+        return "refused"
+    # The reference append, with lengths reduced modulo S in Python so that it cannot overflow.
+    expected_k_buffer, expected_v_buffer = k_before, v_before
+    expected_k = expected_k_buffer.view(k_cache.dtype).as_strided(k_cache.shape, k_cache.stride(),
+                                                                  k_cache.storage_offset())
+    expected_v = expected_v_buffer.view(v_cache.dtype).as_strided(v_cache.shape, v_cache.stride(),
+                                                                  v_cache.storage_offset())
+    append_to_slots(expected_k, expected_v, k_new, v_new, torch.tensor([n % case.S for n in case.lengths]))
+    if not torch.equal(k_cache, expected_k) or not torch.equal(v_cache, expected_v):
+        raise ContractViolation("appended values differ from append_to_slots")
+    if not (torch.equal(k_buffer, expected_k_buffer) and torch.equal(v_buffer, expected_v_buffer)):
+        raise ContractViolation("wrote outside the cache view (guard or padding bytes changed)")
+    return "checked"
+
+
+def build_decode(case: DecodeCase):
+    generator = torch.Generator().manual_seed(case.seed)
+    cache_dtype = torch.float64 if case.fault == "float64" else case.dtype
+    shape = (case.B, case.H_kv, case.S, case.D)
+    k_buffer, k_cache = carve(shape, cache_dtype, case.k_cache_layout, generator)
+    v_shape = (case.B, case.H_kv, case.S + 1, case.D) if case.fault == "v_cache_slots" else shape
+    v_dtype = other_dtype(case.dtype) if case.fault == "v_cache_dtype" else cache_dtype
+    v_buffer, v_cache = carve(v_shape, v_dtype, case.v_cache_layout, generator)
+    q_shape = [case.B, case.H_kv * case.group, case.T, case.D]
+    for fault, dim in (("q_batch", 0), ("q_heads", 1), ("q_head_dim", 3)):
+        if case.fault == fault:
+            q_shape[dim] += 1
+    q_dtype = other_dtype(case.dtype) if case.fault == "q_dtype" else cache_dtype
+    if case.fault == "q_meta":
+        q = torch.empty(q_shape, dtype=q_dtype, device="meta")
+    else:
+        q = carve(q_shape, q_dtype, case.q_layout, generator)[1]
+    lengths = make_lengths(list(case.lengths), case.lengths_layout, case.fault)
+    return k_buffer, v_buffer, q, k_cache, v_cache, lengths
+
+
+def check_decode(case: DecodeCase) -> str:
+    k_buffer, v_buffer, q, k_cache, v_cache, lengths = build_decode(case)
+    must, may = decode_contract(case, q, k_cache, v_cache, lengths)
+    before = [t.clone() for t in (k_buffer, v_buffer, q, lengths) if t.device.type == "cpu"]
+    if case.api == "wrapper":
+        def call():
+            return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window=case.window, scale=case.scale)
+    else:
+        def call():
+            return torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, case.window, case.scale)
+    error, result = expect_refusal_or_pass(case, call, must, may)
+    after = [t for t in (k_buffer, v_buffer, q, lengths) if t.device.type == "cpu"]
+    if not all(torch.equal(a, b) for a, b in zip(after, before)):
+        raise ContractViolation("changed q, the caches, guard bytes or lengths"
+                                + (f" (while refusing: {error})" if error is not None else ""))
+    if error is not None:
+        return "refused"
+    out, lse = result
+    B, H_q, T, D = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or lse.shape != (B, H_q, T) or lse.dtype != torch.float32:
+        raise ContractViolation("wrong output shape or dtype",
+                                f"out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)} {lse.dtype}")
+    check_attention_result(case, q, k_cache, v_cache, out, lse)
+    return "checked"
+
+
+def check_attention_result(case: DecodeCase, q, k_cache, v_cache, out, lse):
+    """The parity criterion of tests/attention_oracle.py: the error against reference_attention in
+    float64 at most twice plain PyTorch's in the same dtype plus 1e-5; lse close to the exact one."""
+    lengths = torch.tensor(case.lengths)
+    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths,
+                                           window=case.window, scale=case.scale, return_lse=True)
+    # attention_plain scales by 1/sqrt(D): a custom scale goes into q (rounded to q's dtype).
+    plain_q = q if case.scale is None else (q.double() * (case.scale * math.sqrt(case.D))).to(q.dtype)
+    plain = attention_plain(plain_q, k_cache, v_cache, lengths, case.window)
+    # With T > S the first T - S queries' own positions are already overwritten: nothing is
+    # visible, and the reference gives NaN and a log-sum-exp of -inf there.
+    empty = exact_lse == -math.inf
+    if not (bool(out[empty].isnan().all()) and bool((lse[empty] == -math.inf).all())):
+        raise ContractViolation("queries that see no position differ from the reference's NaN / -inf")
+    seen = ~empty
+    if not seen.any():
+        return
+    error = (out.double() - exact)[seen].abs().max().item()
+    plain_error = (plain.double() - exact)[seen].abs().max().item()
+    if not error <= 2 * plain_error + 1e-5:
+        raise ContractViolation("out differs from reference_attention beyond the parity criterion",
+                                f"max error {error:.3g}, plain PyTorch's {plain_error:.3g}")
+    lse_error = (lse.double() - exact_lse)[seen].abs()
+    if not bool((lse_error <= 1e-4 + 1e-5 * exact_lse[seen].abs()).all()):
+        raise ContractViolation("lse differs from the exact log-sum-exp", f"max error {lse_error.max().item():.3g}")
+
+
+# --- running a case, in process or isolated ------------------------------------------------------
+
+def near_int64_overflow(case) -> bool:
+    window = getattr(case, "window", None)
+    return any(abs(n) > MAX_LENGTH for n in case.lengths) or (window is not None and abs(window) > MAX_LENGTH)
+
+
+def run_in_child(check, case) -> str:
+    """``check(case)`` in a forked child (one thread): its outcome, or a ContractViolation if it
+    violated the contract, crashed or hung."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        faulthandler.disable()  # a crash is the parent's to report, not a traceback on the shared stderr
+        try:
+            torch.set_num_threads(1)
+            message = ("outcome", check(case))
+        except ContractViolation as violation:
+            message = ("violation", violation.kind, violation.detail)
+        except BaseException as error:  # noqa: BLE001 - reported to the parent, which fails the test
+            message = ("error", repr(error))
+        os.write(write_end, pickle.dumps(message))
+        os._exit(0)
+    os.close(write_end)
+    data, deadline, timed_out = b"", time.monotonic() + CHILD_TIMEOUT_S, False
+    with os.fdopen(read_end, "rb") as pipe:
+        while True:
+            if not select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                timed_out = True
+                os.kill(pid, signal.SIGKILL)
+                break
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                break
+            data += chunk
+    _, status = os.waitpid(pid, 0)
+    if timed_out:
+        raise ContractViolation(f"hung (killed after {CHILD_TIMEOUT_S} s)")
+    if os.WIFSIGNALED(status):
+        raise ContractViolation(f"crashed the process ({signal.Signals(os.WTERMSIG(status)).name})")
+    message = pickle.loads(data)
+    if message[0] == "violation":
+        raise ContractViolation(message[1], message[2])
+    if message[0] == "error":
+        raise AssertionError(f"the check itself failed in the child: {message[1]}")
+    return message[1]
+
+
+def run_case(tally, keep_going: bool, op_name: str, check, case) -> None:
+    entry_point = f"{op_name}[{case.api}]"
+    isolated = near_int64_overflow(case)
+    try:
+        outcome = run_in_child(check, case) if isolated else check(case)
+    except ContractViolation as violation:
+        tally.record(entry_point, "violation", isolated)
+        if not keep_going:
+            raise
+        tally.record_violation(entry_point, violation.kind, f"{case!r}\n    {violation.detail}".rstrip())
+        return
+    tally.record(entry_point, outcome, isolated)
+
+
+def fuzz_settings(config):
+    return settings(max_examples=config.getoption("--fuzz-examples"), deadline=None, derandomize=True,
+                    database=None, print_blob=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                           HealthCheck.data_too_large])
+
+
+def test_append_kv_fuzz(request, fuzz_tally):
+    keep_going = request.config.getoption("--fuzz-keep-going")
+
+    @fuzz_settings(request.config)
+    @given(append_cases())
+    @pinned(APPEND_REGRESSIONS)
+    def fuzz(case):
+        run_case(fuzz_tally, keep_going, "append_kv", check_append, case)
+
+    fuzz()
+    report = fuzz_tally.violation_report(["append_kv"])
+    assert not report, "contract violations:\n" + report
+
+
+def test_decode_attention_fuzz(request, fuzz_tally):
+    keep_going = request.config.getoption("--fuzz-keep-going")
+
+    @fuzz_settings(request.config)
+    @given(decode_cases())
+    @pinned(DECODE_REGRESSIONS)
+    def fuzz(case):
+        run_case(fuzz_tally, keep_going, "decode_attention", check_decode, case)
+
+    fuzz()
+    report = fuzz_tally.violation_report(["decode_attention"])
+    assert not report, "contract violations:\n" + report
