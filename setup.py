@@ -24,10 +24,12 @@ MIN_TORCH = (2, 10)
 TORCH_TARGET = f"-DTORCH_TARGET_VERSION=0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
-cpu_sources = ["csrc/ops.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/gather_rows.cpp", "csrc/cpu/cpu_isa.cpp", "csrc/cpu/decode_attention_baseline.cpp"]
+cpu_sources = ["csrc/ops.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/gather_rows.cpp", "csrc/cpu/cpu_isa.cpp", "csrc/cpu/decode_attention_baseline.cpp",
+               "csrc/cpu/ops_quantized_cpu.cpp", "csrc/cpu/quantized_baseline.cpp"]
 isas = ["baseline"]
 if x86:
-    cpu_sources += ["csrc/cpu/decode_attention_avx2.cpp", "csrc/cpu/decode_attention_avx512.cpp"]
+    cpu_sources += ["csrc/cpu/decode_attention_avx2.cpp", "csrc/cpu/decode_attention_avx512.cpp",
+                    "csrc/cpu/quantized_avx2.cpp", "csrc/cpu/quantized_avx512.cpp"]
     isas = ["avx512", "avx2", "baseline"]
 # No -march=native: the wheel must run on any CPU of its architecture; the AVX2/AVX-512
 # copies of the kernel are chosen at run time (csrc/cpu/cpu_isa.cpp).

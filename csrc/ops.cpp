@@ -38,4 +38,21 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // Asks for an instruction set (same numbering); returns the one used, at most the best the
   // CPU supports. For tests and benchmarks of every code path.
   m.def("select_cpu_isa(int isa) -> int");
+
+  // Quantized caches (formats specified in python_ref/quantize.py; the format follows from the
+  // data dtype: int8 -> "int8", float8_e4m3fn -> "fp8_e4m3", uint8 -> "int4", two values per
+  // byte). data [batch, kv_heads, slots, head_dim] (head_dim / 2 bytes for int4), scales float32
+  // [batch, kv_heads, slots] (int8, fp8) or float16 [batch, kv_heads, slots, head_dim / 32]
+  // (int4). append_kv_quantized quantizes k_new/v_new [batch, kv_heads, num_new, head_dim]
+  // (float32, bfloat16 or float16) into slot (lengths[b] + t) % slots, data and scales, exactly
+  // as python_ref.quantize.quantize does; lengths as for append_kv.
+  m.def(
+      "append_kv_quantized(Tensor(a!) k_data, Tensor(b!) k_scales, Tensor(c!) v_data, Tensor(d!) v_scales, "
+      "Tensor k_new, Tensor v_new, Tensor lengths) -> ()");
+  // decode_attention over the values a quantized cache stands for, dequantized in registers:
+  // python_ref.quantize.reference_quantized_attention. q (and out) float32, bfloat16 or float16.
+  m.def(
+      "decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, "
+      "Tensor lengths, int? window=None, float? scale=None, float? softcap=None, Tensor? sinks=None) "
+      "-> (Tensor, Tensor)");
 }

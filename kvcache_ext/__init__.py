@@ -1,7 +1,8 @@
 """kvcache_ext: a preallocated KV cache for PyTorch LLM decoding with native kernels.
 
 ``KVCache`` drops into any model that speaks python_ref's cache protocol; ``append_kv`` and
-``decode_attention`` are the ops behind it; ``capabilities(device)`` is the table of what the
+``decode_attention`` are the ops behind it (``append_kv_quantized`` and
+``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``); ``capabilities(device)`` is the table of what the
 kernels support. Without a loadable native library the package warns once and runs the same API
 on the pure-PyTorch reference path (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that an error).
 """
@@ -9,7 +10,8 @@ on the pure-PyTorch reference path (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that 
 from ._native import build_info
 from .cache import KVCache
 from .capabilities import Capabilities, capabilities, kernels_used, native_available
-from .ops import append_kv, decode_attention, gather_rows
+from .ops import append_kv, append_kv_quantized, decode_attention, decode_attention_quantized, gather_rows
 
-__all__ = ["KVCache", "append_kv", "decode_attention", "gather_rows", "build_info", "capabilities", "Capabilities",
+__all__ = ["KVCache", "append_kv", "decode_attention", "gather_rows", "append_kv_quantized", "decode_attention_quantized",
+           "build_info", "capabilities", "Capabilities",
            "native_available", "kernels_used"]

@@ -14,7 +14,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 SUITES = {"append": "append.py", "decode": "decode_attention.py", "generation": "generation.py", "rows": "rows.py",
-          "tp": "tensor_parallel.py"}
+          "tp": "tensor_parallel.py", "quantized": "quantized.py"}
 REQUIREMENTS = {"pytest": "pytest", "pytest_benchmark": "pytest-benchmark", "matplotlib": "matplotlib"}
 
 

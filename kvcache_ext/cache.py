@@ -25,10 +25,23 @@ class KVCache(PreallocatedCache):
     a refused call leaves the cache as it was. The lengths it passes are its own, valid by
     construction. Row operations (``reorder``, ``fork``, ...) and ``save``/``load`` are
     python_ref's; ``reorder`` and ``fork`` copy rows with the native ``gather_rows`` op.
+
+    ``kv_dtype`` (None: keys/values stored in ``dtype``) picks a quantized format, ``"int8"``,
+    ``"fp8_e4m3"`` or ``"int4"`` (``python_ref/quantize.py``), and returns a
+    :class:`kvcache_ext.quantized.QuantizedKVCache`; ``dtype`` stays that of q, k, v and the output.
     """
 
+    def __new__(cls, *args, kv_dtype=None, **kwargs):
+        # kv_dtype="int8" / "fp8_e4m3" / "int4" stores quantized keys/values: a QuantizedKVCache.
+        if cls is KVCache and kv_dtype is not None:
+            from .quantized import QuantizedKVCache
+            cls = QuantizedKVCache
+        return super().__new__(cls)
+
     def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_cache_len=None, window=None,
-                 chunk_size=128, dtype=torch.float32, device=None, sink_tokens=0):
+                 chunk_size=128, dtype=torch.float32, device=None, sink_tokens=0, kv_dtype=None):
+        if kv_dtype is not None:  # only KVCache itself maps kv_dtype to the quantized cache
+            raise TypeError(f"{type(self).__name__} does not take kv_dtype")
         table = capabilities(device)
         table.check_dtype(dtype, "KVCache dtype")
         if isinstance(head_dim, int):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from python_ref.quantize import FORMATS
+
 from . import _native
 
 CPU_LIBRARY = "cpu library"
@@ -36,6 +38,7 @@ class Capabilities:
     max_length: int
     max_slots: int
     max_group: int | None
+    kv_formats: tuple[str, ...]  # quantized cache formats (python_ref/quantize.py) stored natively
 
     @property
     def native(self) -> bool:
@@ -84,13 +87,15 @@ def kernel_table(device_type: str) -> Capabilities:
     return Capabilities(device_type=device_type, kernels={"cpu": CPU_LIBRARY, "cuda": CUDA_LIBRARY}[device_type],
                         dtypes=tuple(getattr(torch, name) for name in table["dtypes"]),
                         head_dim_multiple=table["head_dim_multiple"], max_head_dim=table["max_head_dim"],
-                        max_length=table["max_length"], max_slots=table["max_slots"], max_group=table["max_group"])
+                        max_length=table["max_length"], max_slots=table["max_slots"], max_group=table["max_group"],
+                        kv_formats=tuple(table["kv_formats"]))
 
 
 def python_fallback_table(device_type: str) -> Capabilities:
     """The pure-PyTorch path: no kernel limits but the bound on lengths both paths share."""
     return Capabilities(device_type=device_type, kernels=PYTHON_FALLBACK, dtypes=SUPPORTED_DTYPES, head_dim_multiple=1,
-                        max_head_dim=2**31 - 1, max_length=MAX_LENGTH, max_slots=MAX_LENGTH, max_group=None)
+                        max_head_dim=2**31 - 1, max_length=MAX_LENGTH, max_slots=MAX_LENGTH, max_group=None,
+                        kv_formats=FORMATS)
 
 
 def _power_of_two(n: int) -> str:
@@ -99,15 +104,16 @@ def _power_of_two(n: int) -> str:
 
 def limits_markdown() -> str:
     """README's limits table, rendered from the kernels' own tables (a test compares the two)."""
-    rows = ["| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots "
+            "| quantized `kv_dtype` |",
+            "|---|---|---|---|---|---|---|"]
     for table in (kernel_table("cpu"), kernel_table("cuda"), python_fallback_table("cpu")):
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in table.dtypes)
         head_dim = (f"multiples of {table.head_dim_multiple} from {table.head_dim_multiple} to {table.max_head_dim}"
                     if table.head_dim_multiple > 1 else "any")
         group = "any" if table.max_group is None else f"at most {table.max_group}"
         rows.append(f"| {table.kernels} | {dtypes} | {head_dim} | {group} | 0 to {_power_of_two(table.max_length)} "
-                    f"| at most {_power_of_two(table.max_slots)} |")
+                    f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} |")
     return "\n".join(rows)
 
 

@@ -27,10 +27,11 @@ import os
 import torch
 
 from python_ref import reference_attention
+from python_ref import quantize as quant
 from python_ref.caches import append_to_slots
 
 from . import _native
-from .capabilities import MAX_LENGTH, capabilities
+from .capabilities import MAX_LENGTH, SUPPORTED_DTYPES, capabilities
 
 DEBUG_ENV = "KVCACHE_EXT_DEBUG"
 _INT64_MAX = 2**63 - 1
@@ -102,13 +103,19 @@ def check_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
 def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None) -> None:
     """Everything ``decode_attention`` needs of its arguments, values of ``lengths`` excepted."""
     check_cache_pair(k_cache, v_cache)
-    B, H_kv, S, D = k_cache.shape
-    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D:
-        raise ValueError(f"q must be (batch={B}, q_heads, num_new, head_dim={D}), got {tuple(q.shape)}")
     if q.dtype != k_cache.dtype:
         raise TypeError(f"q must have the cache's dtype {k_cache.dtype}, got {q.dtype}")
-    if q.device != k_cache.device:
-        raise ValueError(f"q must be on the cache's device {k_cache.device}, got {q.device}")
+    B, H_kv, S, D = k_cache.shape
+    check_queries(q, B, H_kv, S, D, k_cache.device, window, scale, softcap, sinks)
+    check_lengths(lengths, B, k_cache.device)
+
+
+def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> None:
+    """The checks of q and the attention options, shared by the plain and the quantized cache."""
+    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D:
+        raise ValueError(f"q must be (batch={B}, q_heads, num_new, head_dim={D}), got {tuple(q.shape)}")
+    if q.device != device:
+        raise ValueError(f"q must be on the cache's device {device}, got {q.device}")
     if H_kv == 0 or q.shape[1] % H_kv or q.shape[1] == 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of KV heads ({H_kv})")
     if not 1 <= q.shape[2] <= S:
@@ -127,7 +134,6 @@ def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None
                              f"{sinks.dtype} of shape {tuple(sinks.shape)}")
         if sinks.device != q.device:
             raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
-    check_lengths(lengths, B, k_cache.device)
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
@@ -227,3 +233,132 @@ if _native.available:
     @torch.library.register_fake("kvcache_ext::gather_rows")
     def _gather_rows_fake(k_cache, v_cache, src_rows):
         return None
+
+
+# ---- quantized caches ------------------------------------------------------------------------
+# Formats, bytes and arithmetic: python_ref/quantize.py. Two ops of their own rather than optional
+# scale arguments on append_kv/decode_attention: their arguments differ in kind (the cache holds
+# codes, not values; q and k_new keep a float dtype the cache does not have), so each op's schema
+# says exactly what it takes, the plain ops and their fakes stay as they are, and the format
+# follows from the data dtype (int8, float8_e4m3fn, uint8 = packed int4).
+_KV_FORMAT_OF_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.uint8: "int4"}
+
+
+def kv_format_of(data: torch.Tensor) -> str:
+    """The quantized format that a data tensor's dtype stands for."""
+    fmt = _KV_FORMAT_OF_DTYPE.get(data.dtype)
+    if fmt is None:
+        raise TypeError(f"k_data must be int8 (int8), float8_e4m3fn (fp8_e4m3) or uint8 (int4), got {data.dtype}")
+    return fmt
+
+
+def check_quantized_cache(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
+    """Shapes, dtypes, layout and device of a quantized cache against the capability table;
+    returns its format and head_dim."""
+    fmt = kv_format_of(k_data)
+    if k_data.dim() != 4:
+        raise ValueError(f"k_data must be (batch, kv_heads, slots, head_dim bytes), got shape {tuple(k_data.shape)}")
+    if v_data.shape != k_data.shape or v_data.dtype != k_data.dtype:
+        raise ValueError(f"v_data must match k_data {k_data.dtype} {tuple(k_data.shape)}, got "
+                         f"{v_data.dtype} {tuple(v_data.shape)}")
+    table = capabilities(k_data.device)
+    if fmt not in table.kv_formats:
+        raise TypeError(f"the {table.kernels} on {k_data.device.type} stores kv formats {table.kv_formats}, not {fmt!r}")
+    B, H, S, row = k_data.shape
+    head_dim = 2 * row if fmt == "int4" else row
+    table.check_head_dim(head_dim)
+    quant.check_head_dim(fmt, head_dim)
+    table.check_slots(S)
+    expected_scales = quant.scale_shape(fmt, (B, H, S, head_dim))
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if tuple(t.shape) != expected_scales or t.dtype != quant.scale_dtype(fmt):
+            raise ValueError(f"{name} must be {quant.scale_dtype(fmt)} of shape {expected_scales} for {fmt}, got "
+                             f"{t.dtype} of shape {tuple(t.shape)}")
+        if fmt == "int4" and t.shape[3] > 1 and t.stride(3) != 1:
+            raise ValueError(f"{name} needs contiguous groups (last dimension)")
+    if k_data.stride(3) != 1 or v_data.stride(3) != 1:
+        raise ValueError("k_data and v_data need a contiguous last dimension")
+    for name, t in (("k_data", k_data), ("k_scales", k_scales), ("v_data", v_data), ("v_scales", v_scales)):
+        if t.device != k_data.device:
+            raise ValueError(f"{name} must be on k_data's device {k_data.device}, got {t.device}")
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} must not be an expanded view (writes would collide)")
+    return fmt, head_dim
+
+
+def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths) -> None:
+    """Everything ``append_kv_quantized`` needs of its arguments, values of ``lengths`` excepted."""
+    _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
+    B, H, S = k_data.shape[:3]
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != D:
+            raise ValueError(f"{name} must be (batch={B}, kv_heads={H}, num_new, head_dim={D}), got {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES or t.dtype != k_new.dtype:
+            raise TypeError(f"k_new and v_new must share one of {SUPPORTED_DTYPES}, got {k_new.dtype} and {v_new.dtype}")
+        if t.device != k_data.device:
+            raise ValueError(f"{name} must be on the cache's device {k_data.device}, got {t.device}")
+    if k_new.shape[2] != v_new.shape[2]:
+        raise ValueError(f"k_new and v_new must hold the same number of tokens, got {k_new.shape[2]} and {v_new.shape[2]}")
+    if k_new.shape[2] > S:
+        raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
+    check_lengths(lengths, B, k_data.device)
+
+
+def check_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None,
+                                     softcap=None, sinks=None) -> None:
+    """Everything ``decode_attention_quantized`` needs of its arguments, values of ``lengths`` excepted."""
+    _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    check_queries(q, k_data.shape[0], k_data.shape[1], k_data.shape[2], D, k_data.device, window, scale, softcap,
+                  sinks)
+    check_lengths(lengths, k_data.shape[0], k_data.device)
+
+
+def append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths) -> None:
+    """Quantize ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the cache at slots ``(lengths + t) % S``:
+    codes into ``*_data``, scales into ``*_scales``, exactly ``python_ref.quantize.quantize``."""
+    check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths)
+    check_length_values(lengths, 0, "the tokens already in each row")
+    if not capabilities(k_data.device).native:
+        fmt = kv_format_of(k_data)
+        rows = torch.arange(k_data.shape[0], device=k_data.device).unsqueeze(1)
+        slots = (lengths.unsqueeze(1) + torch.arange(k_new.shape[2], device=k_data.device)) % k_data.shape[2]
+        for data, scales, new in ((k_data, k_scales, k_new), (v_data, v_scales, v_new)):
+            codes, new_scales = quant.quantize(new, fmt)
+            data[rows, :, slots] = codes.movedim(2, 1)
+            scales[rows, :, slots] = new_scales.movedim(2, 1)
+        return
+    torch.ops.kvcache_ext.append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths)
+
+
+def decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None,
+                               sinks=None):
+    """``decode_attention`` over a quantized cache, dequantized in the kernel's registers:
+    ``python_ref.quantize.reference_quantized_attention``. Returns ``(out, lse)`` like
+    ``decode_attention`` (``out`` in q's dtype)."""
+    check_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window, scale, softcap, sinks)
+    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
+    if not capabilities(k_data.device).native:
+        out, lse = quant.reference_quantized_attention(q, k_data, k_scales, v_data, v_scales, lengths,
+                                                       kv_format_of(k_data), window, scale, return_lse=True,
+                                                       softcap=softcap, sinks=sinks)
+        return out, lse.float()
+    return torch.ops.kvcache_ext.decode_attention_quantized(
+        q, k_data, k_scales, v_data, v_scales, lengths, window, None if scale is None else float(scale),
+        None if softcap is None else float(softcap), None if sinks is None else sinks.float())
+
+
+if _native.available:
+
+    @torch.library.register_fake("kvcache_ext::append_kv_quantized")
+    def _append_kv_quantized_fake(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths):
+        _check_one_device(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths)
+        return None
+
+    @torch.library.register_fake("kvcache_ext::decode_attention_quantized")
+    def _decode_attention_quantized_fake(q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None,
+                                         softcap=None, sinks=None):
+        _check_one_device(q, k_data, k_scales, v_data, v_scales, lengths, sinks)
+        B, H_q, T, _ = q.shape
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)

@@ -17,6 +17,7 @@
 
 #include "../binding_common.h"
 #include "attention_problem.h"
+#include "attention_schedule.h"
 #include "cpu_isa.h"
 
 namespace kvcache_ext::cpu {
@@ -119,7 +120,6 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   check_new_tokens_fit(T, S);
   STD_TORCH_CHECK(H_kv >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv,
                   ") and kv_heads at least 1");
-  const int64_t group = H_q / H_kv;
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   check_softcap_and_sinks(softcap, sinks, q);
   const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
@@ -142,8 +142,31 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
 
   Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
   Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
-  void* out_ptr = out.mutable_data_ptr();
-  float* lse_ptr = lse.mutable_data_ptr<float>();
+  schedule_decode_attention(p, partial_attention_kernel(), out.mutable_data_ptr(),
+                            static_cast<int64_t>(q.element_size()), lse.mutable_data_ptr<float>());
+  return {out, lse};
+}
+
+std::string capabilities(std::string device_type) {
+  STD_TORCH_CHECK(device_type == "cpu" || device_type == "cuda", "device_type must be \"cpu\" or \"cuda\", got \"",
+                  device_type, "\"");
+  return capabilities_json(device_type == "cuda");
+}
+
+int64_t cpu_isa() { return static_cast<int64_t>(active_isa()); }
+
+int64_t select_cpu_isa(int64_t isa) {
+  STD_TORCH_CHECK(isa >= 0 && isa <= 2, "isa must be 0 (baseline), 1 (AVX2) or 2 (AVX-512), got ", isa);
+  return static_cast<int64_t>(select_isa(static_cast<Isa>(isa)));
+}
+
+}  // namespace
+
+void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn partial, void* out,
+                               int64_t out_elem_size, float* lse) {
+  const int64_t B = p.batch, H_kv = p.kv_heads, H_q = p.q_heads, T = p.num_new, D = p.head_dim;
+  const int64_t group = H_q / H_kv;
+  const int64_t* len = p.lengths;
 
   // Work item: (row, KV head, block of its query heads, chunk of new tokens, split of the
   // positions); a block of heads and a chunk of tokens make at most kMaxRowsPerCall query rows.
@@ -162,7 +185,6 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
     splits = std::clamp<int64_t>((4 * threads + groups - 1) / groups, 1,
                                  std::max<int64_t>(1, longest / kMinPositionsPerSplit));
 
-  const PartialAttentionFn partial = partial_attention_kernel();
   const StoreRowFn store = store_row_kernel();
   const int64_t rows_max = heads_per_block * chunk;
   std::vector<float> scratch;
@@ -202,9 +224,8 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
       const float inv = weight / denominator;
       for (int64_t d = 0; d < D; ++d) normalised[d] = acc[m * D + d] * inv;
       const int64_t offset = ((b * H_q + h) * T + i);
-      const int64_t elem_size = static_cast<int64_t>(q.element_size());
-      store(p.elem, normalised, D, 1, static_cast<char*>(out_ptr) + offset * D * elem_size);
-      lse_ptr[offset] = top + std::log(denominator);
+      store(p.elem, normalised, D, 1, static_cast<char*>(out) + offset * D * out_elem_size);
+      lse[offset] = top + std::log(denominator);
     }
   };
 
@@ -231,7 +252,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
       }
     }
   });
-  if (splits == 1) return {out, lse};
+  if (splits == 1) return;
 
   // Merge the splits of each group: rescale every partial to the common maximum.
   torch::stable::parallel_for(0, groups, std::max<int64_t>(1, grain / splits), [&](int64_t begin, int64_t end) {
@@ -260,23 +281,8 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
       write_output(w, acc, row_max, row_sum);
     }
   });
-  return {out, lse};
 }
 
-std::string capabilities(std::string device_type) {
-  STD_TORCH_CHECK(device_type == "cpu" || device_type == "cuda", "device_type must be \"cpu\" or \"cuda\", got \"",
-                  device_type, "\"");
-  return capabilities_json(device_type == "cuda");
-}
-
-int64_t cpu_isa() { return static_cast<int64_t>(active_isa()); }
-
-int64_t select_cpu_isa(int64_t isa) {
-  STD_TORCH_CHECK(isa >= 0 && isa <= 2, "isa must be 0 (baseline), 1 (AVX2) or 2 (AVX-512), got ", isa);
-  return static_cast<int64_t>(select_isa(static_cast<Isa>(isa)));
-}
-
-}  // namespace
 }  // namespace kvcache_ext::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {

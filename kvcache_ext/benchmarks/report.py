@@ -79,7 +79,7 @@ def summary_markdown(results: list[Result], run: dict, command: str, failed: boo
     if failed:
         lines += ["", "**Some benchmarks failed (see the console); their rows may be missing or wrong.**"]
     for suite, section in (("decode", _decode_section), ("append", _append_section),
-                           ("generation", _generation_section)):
+                           ("generation", _generation_section), ("quantized", _quantized_section)):
         selected = [r for r in results if r.suite == suite]
         if selected:
             lines += ["", *section(selected)]
@@ -104,6 +104,26 @@ def _decode_section(results):
             f"| {label} | {dtype} | {batch} | {context} | {_time(native)} | {_gbps(native)} | "
             f"{_fraction(native)} | {_gbps(by_impl.get('sdpa'))} | {_gbps(by_impl.get('reference'))} | "
             f"{_speedup(native, by_impl.get('sdpa'))} | {_speedup(native, by_impl.get('reference'))} |")
+    return lines
+
+
+def _quantized_section(results):
+    lines = [
+        "## Quantized caches",
+        "",
+        "One bfloat16 query token per row over a full cache of L tokens stored as bfloat16 or quantized "
+        "(python_ref/quantize.py). GB/s counts the bytes the kernel reads (codes and scales, q) and writes; "
+        "*vs bfloat16* is the bfloat16 kernel's time over this one's on the same case.",
+        "",
+        "| shape | B | L | kv format | time | GB/s | of copy | bytes vs bfloat16 | vs bfloat16 |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for (shape, batch, context), by_impl in _grouped(results, ("shape", "batch", "context")):
+        bf16 = by_impl.get("bfloat16")
+        for fmt, result in by_impl.items():
+            lines.append(
+                f"| {result.info['shape_label']} | {batch} | {context} | {fmt} | {_time(result)} | {_gbps(result)} | "
+                f"{_fraction(result)} | {result.info['bytes_vs_bfloat16']:.3f} | {_speedup(result, bf16)} |")
     return lines
 
 

@@ -1,0 +1,344 @@
+// CPU implementations of the quantized-cache ops catalogued in csrc/ops.cpp: every check before
+// any byte is written, the quantizer (bit for bit python_ref/quantize.py) and the launch of the
+// quantized decode-attention kernel on the shared thread schedule.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "../binding_common.h"
+#include "attention_schedule.h"
+#include "cpu_isa.h"
+#include "quantized_problem.h"
+
+namespace kvcache_ext::cpu {
+
+#define KVCACHE_EXT_DECLARE_QUANTIZED_ISA(isa) \
+  namespace isa {                              \
+  PartialAttentionFn quantized_partial_attention_kernel(KvFormat format, int64_t head_dim); \
+  }
+KVCACHE_EXT_DECLARE_QUANTIZED_ISA(baseline)
+#if defined(__x86_64__)
+KVCACHE_EXT_DECLARE_QUANTIZED_ISA(avx2)
+KVCACHE_EXT_DECLARE_QUANTIZED_ISA(avx512)
+#endif
+#undef KVCACHE_EXT_DECLARE_QUANTIZED_ISA
+
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+template <typename To, typename From>
+To bits_as(const From& from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
+}
+
+// ---- scalar conversions of the quantizer (python_ref/quantize.py's arithmetic) ---------------
+
+float half_to_float(uint16_t h) {  // exact
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, magnitude = h & 0x7fffu;
+  if (magnitude >= 0x7c00u) return bits_as<float>(sign | 0x7f800000u | (magnitude & 0x3ffu) << 13);
+  return bits_as<float>(sign | bits_as<uint32_t>(bits_as<float>(magnitude << 13) * 0x1p112f));
+}
+
+float bfloat16_to_float(uint16_t h) { return bits_as<float>(uint32_t(h) << 16); }
+
+// Round to nearest even, for 0 <= f <= 65504 (int4 scales are clamped to float16's range).
+uint16_t float_to_half(float f) {
+  const uint32_t a = bits_as<uint32_t>(f);
+  if (a < 0x38800000u)  // below float16's smallest normal: units of the smallest subnormal
+    return uint16_t(std::nearbyint(f * 0x1p24f));
+  return uint16_t((a + 0xfffu + ((a >> 13) & 1u) - (112u << 23)) >> 13);
+}
+
+// float8 e4m3fn, round to nearest even, for |f| <= 448 (the quantizer clamps to it).
+uint8_t float_to_e4m3fn(float f) {
+  const uint32_t u = bits_as<uint32_t>(f);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a < 0x3c800000u)  // below 2^-6, e4m3's smallest normal: units of 2^-9 (8 units = 2^-6)
+    return uint8_t(sign | uint8_t(std::nearbyint(bits_as<float>(a) * 0x1p9f)));
+  return uint8_t(sign | uint8_t((((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3))));
+}
+
+// Quantizes one vector x[0, D) into `data` and its scale(s), per python_ref/quantize.py.
+void quantize_vector(KvFormat format, const float* x, int64_t D, void* data, void* scales) {
+  if (format == KvFormat::kInt4) {
+    auto* bytes = static_cast<uint8_t*>(data);
+    auto* half_scales = static_cast<uint16_t*>(scales);
+    for (int64_t g0 = 0; g0 < D; g0 += kInt4Group) {
+      float top = 0.0f;
+      for (int64_t d = g0; d < g0 + kInt4Group; ++d) top = std::max(top, std::fabs(x[d]));
+      const uint16_t scale_bits = float_to_half(std::min(top / 7.0f, 65504.0f));
+      half_scales[g0 / kInt4Group] = scale_bits;
+      const float s = half_to_float(scale_bits);
+      for (int64_t i = 0; i < kInt4Group / 2; ++i) {  // values i and i + 16 of the group share byte i
+        int nibbles[2];
+        for (int k = 0; k < 2; ++k) {
+          const float q = s > 0.0f ? std::nearbyint(x[g0 + i + k * kInt4Group / 2] / s) : 0.0f;
+          nibbles[k] = static_cast<int>(std::clamp(q, -7.0f, 7.0f)) + 8;
+        }
+        bytes[g0 / 2 + i] = uint8_t(nibbles[0] | nibbles[1] << 4);
+      }
+    }
+    return;
+  }
+  float top = 0.0f;
+  for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(x[d]));
+  const float limit = format == KvFormat::kInt8 ? 127.0f : 448.0f;
+  const float s = top / limit;
+  *static_cast<float*>(scales) = s;
+  for (int64_t d = 0; d < D; ++d) {
+    const float ratio = std::clamp(s > 0.0f ? x[d] / s : 0.0f, -limit, limit);
+    if (format == KvFormat::kInt8)
+      static_cast<int8_t*>(data)[d] = static_cast<int8_t>(std::nearbyint(ratio));
+    else
+      static_cast<uint8_t*>(data)[d] = float_to_e4m3fn(ratio);
+  }
+}
+
+// ---- checks ---------------------------------------------------------------------------------
+
+void check_cpu(const Tensor& t, const char* what) {
+  STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");
+}
+
+KvFormat format_of(const Tensor& data) {
+  switch (data.scalar_type()) {
+    case ScalarType::Char: return KvFormat::kInt8;
+    case ScalarType::Float8_e4m3fn: return KvFormat::kFp8E4M3;
+    case ScalarType::Byte: return KvFormat::kInt4;
+    default:
+      STD_TORCH_CHECK(false, "k_data must be int8 (int8 format), float8_e4m3fn (fp8_e4m3) or uint8 (int4, two "
+                      "values per byte), got ", dtype_name(data.scalar_type()));
+  }
+  return KvFormat::kInt8;
+}
+
+bool disjoint(const Tensor& a, const Tensor& b) {
+  const auto* a_begin = static_cast<const char*>(a.const_data_ptr());
+  const auto* b_begin = static_cast<const char*>(b.const_data_ptr());
+  return a.numel() == 0 || b.numel() == 0 || a_begin + span_bytes(a) <= b_begin || b_begin + span_bytes(b) <= a_begin;
+}
+
+// The quantized cache: data and scales of keys and values, and lengths. Returns the format and
+// head_dim (values per cached vector).
+std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const Tensor& k_scales, const Tensor& v_data,
+                                                   const Tensor& v_scales, const Tensor& lengths) {
+  STD_TORCH_CHECK(k_data.dim() == 4, "k_data must be (batch, kv_heads, slots, head_dim bytes), got shape ",
+                  shape_of(k_data));
+  STD_TORCH_CHECK(v_data.dim() == 4 && v_data.sizes().equals(k_data.sizes()), "v_data must have k_data's shape ",
+                  shape_of(k_data), ", got ", shape_of(v_data));
+  STD_TORCH_CHECK(v_data.scalar_type() == k_data.scalar_type(), "v_data must be ", dtype_name(k_data.scalar_type()),
+                  " like k_data, got ", dtype_name(v_data.scalar_type()));
+  const KvFormat format = format_of(k_data);
+  const int64_t B = k_data.size(0), H = k_data.size(1), S = k_data.size(2);
+  const int64_t D = format == KvFormat::kInt4 ? 2 * k_data.size(3) : k_data.size(3);
+  STD_TORCH_CHECK(head_dim_supported(D), "head_dim must be a multiple of ", kHeadDimMultiple, " between ",
+                  kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", D);
+  STD_TORCH_CHECK(format != KvFormat::kInt4 || D % kInt4Group == 0, "int4 needs head_dim a multiple of ", kInt4Group,
+                  ", got ", D);
+  STD_TORCH_CHECK(S >= 1 && S <= kMaxSlotsCpu, "k_data must have between 1 and 2^62 slots, got shape ",
+                  shape_of(k_data));
+  const bool int4 = format == KvFormat::kInt4;
+  const ScalarType scale_type = int4 ? ScalarType::Half : ScalarType::Float;
+  for (const auto& [t, name] : {std::pair{&k_scales, "k_scales"}, std::pair{&v_scales, "v_scales"}}) {
+    const bool shape_ok = int4 ? t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(2) == S &&
+                                     t->size(3) == D / kInt4Group && (t->size(3) == 1 || t->stride(3) == 1)
+                               : t->dim() == 3 && t->size(0) == B && t->size(1) == H && t->size(2) == S;
+    STD_TORCH_CHECK(shape_ok, name, " must be ",
+                    int4 ? "(batch, kv_heads, slots, head_dim / 32) with contiguous groups" : "(batch, kv_heads, slots)",
+                    " for ", shape_of(k_data), " data, got ", shape_of(*t));
+    STD_TORCH_CHECK(t->scalar_type() == scale_type, name, " must be ", dtype_name(scale_type), ", got ",
+                    dtype_name(t->scalar_type()));
+    check_cpu(*t, name);
+  }
+  STD_TORCH_CHECK(k_data.stride(3) == 1 && v_data.stride(3) == 1, "k_data and v_data need a contiguous last dimension");
+  check_cpu(k_data, "k_data");
+  check_cpu(v_data, "v_data");
+  // The ops write all four in place: no element may be two places at once, no two may overlap.
+  const Tensor* written[4] = {&k_data, &k_scales, &v_data, &v_scales};
+  for (int i = 0; i < 4; ++i) {
+    STD_TORCH_CHECK(elements_distinct(*written[i]),
+                    "the cache's data and scales must not be expanded or self-overlapping views");
+    for (int j = i + 1; j < 4; ++j)
+      STD_TORCH_CHECK(disjoint(*written[i], *written[j]), "k_data, k_scales, v_data and v_scales must not share memory");
+  }
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "lengths must have shape (", B, ",), got ",
+                  shape_of(lengths));
+  STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
+                  dtype_name(lengths.scalar_type()));
+  check_cpu(lengths, "lengths");
+  return {format, D};
+}
+
+// Each row's length, checked to lie in [lowest, 2^62]; `what` says what a length counts.
+std::vector<int64_t> row_lengths(const Tensor& lengths, int64_t lowest, const char* what) {
+  const int64_t B = lengths.size(0), stride = lengths.stride(0);
+  const int64_t* data = lengths.const_data_ptr<int64_t>();
+  std::vector<int64_t> len(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    len[b] = data[b * stride];
+    STD_TORCH_CHECK(len[b] >= lowest && len[b] <= kMaxLength, "lengths must count ", what, ": between ", lowest,
+                    " and 2^62, got ", len[b], " for row ", b);
+  }
+  return len;
+}
+
+// Element `index` (in elements, through strides) of a float32/bfloat16/float16 tensor, as float.
+float element_as_float(const void* base, ElemType elem, int64_t index) {
+  switch (elem) {
+    case ElemType::kFloat32: return static_cast<const float*>(base)[index];
+    case ElemType::kBFloat16: return bfloat16_to_float(static_cast<const uint16_t*>(base)[index]);
+    case ElemType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[index]);
+  }
+  return 0.0f;
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
+                         Tensor lengths) {
+  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  const int64_t B = k_data.size(0), H = k_data.size(1), S = k_data.size(2);
+  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name, " must be (batch=", B,
+                    ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ", shape_of(*t));
+    elem_type_of(*t, name);
+    check_cpu(*t, name);
+  }
+  STD_TORCH_CHECK(v_new.scalar_type() == k_new.scalar_type(), "v_new must be ", dtype_name(k_new.scalar_type()),
+                  " like k_new, got ", dtype_name(v_new.scalar_type()));
+  const int64_t T = k_new.size(2);
+  STD_TORCH_CHECK(v_new.size(2) == T, "k_new and v_new must hold the same number of tokens, got ", T, " and ",
+                  v_new.size(2));
+  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
+
+  const ElemType elem = elem_type_of(k_new, "k_new");
+  const int64_t scale_size = format == KvFormat::kInt4 ? 2 : 4;
+  struct Side {
+    char* data;
+    char* scales;
+    const void* src;
+    int64_t data_stride[3], scale_stride[3], src_stride[4];
+  };
+  const Side sides[2] = {
+      {static_cast<char*>(k_data.mutable_data_ptr()), static_cast<char*>(k_scales.mutable_data_ptr()),
+       k_new.const_data_ptr(), {k_data.stride(0), k_data.stride(1), k_data.stride(2)},
+       {k_scales.stride(0), k_scales.stride(1), k_scales.stride(2)},
+       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)}},
+      {static_cast<char*>(v_data.mutable_data_ptr()), static_cast<char*>(v_scales.mutable_data_ptr()),
+       v_new.const_data_ptr(), {v_data.stride(0), v_data.stride(1), v_data.stride(2)},
+       {v_scales.stride(0), v_scales.stride(1), v_scales.stride(2)},
+       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
+  };
+  // One work item per (K or V, row, head): T vectors of D values each.
+  torch::stable::parallel_for(0, 2 * B * H, std::max<int64_t>(1, 1024 / std::max<int64_t>(T * D, 1)),
+                              [&](int64_t begin, int64_t end) {
+    float x[kMaxHeadDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const Side& side = sides[item / (B * H)];
+      const int64_t b = (item % (B * H)) / H, h = item % H;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t slot = (len[b] % S + t) % S;  // len[b] + t could exceed int64
+        const int64_t src = b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2];
+        for (int64_t d = 0; d < D; ++d) x[d] = element_as_float(side.src, elem, src + d * side.src_stride[3]);
+        char* data = side.data + b * side.data_stride[0] + h * side.data_stride[1] + slot * side.data_stride[2];
+        char* scales = side.scales +
+                       (b * side.scale_stride[0] + h * side.scale_stride[1] + slot * side.scale_stride[2]) * scale_size;
+        quantize_vector(format, x, D, data, scales);
+      }
+    }
+  });
+}
+
+PartialAttentionFn quantized_kernel(KvFormat format, int64_t head_dim) {
+  switch (active_isa()) {
+#if defined(__x86_64__)
+    case Isa::kAvx512: return avx512::quantized_partial_attention_kernel(format, head_dim);
+    case Isa::kAvx2: return avx2::quantized_partial_attention_kernel(format, head_dim);
+#endif
+    default: return baseline::quantized_partial_attention_kernel(format, head_dim);
+  }
+}
+
+std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
+                                                      Tensor v_scales, Tensor lengths, std::optional<int64_t> window,
+                                                      std::optional<double> scale, std::optional<double> softcap,
+                                                      std::optional<Tensor> sinks) {
+  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
+  check_cpu(q, "q");
+  const int64_t B = k_data.size(0), H_kv = k_data.size(1), S = k_data.size(2);
+  const int64_t H_q = q.size(1), T = q.size(2);
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
+                  ") to match the cache, got ", shape_of(q));
+  const ElemType elem = elem_type_of(q, "q");
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  check_new_tokens_fit(T, S);
+  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a positive multiple of kv_heads (",
+                  H_kv, ") and kv_heads at least 1");
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  const float checked = checked_scale(scale, D);
+  check_softcap_and_sinks(softcap, sinks, q);
+  const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
+
+  // The queries widened to float once (they are a few KB; the cache is what is large).
+  std::vector<float> q_float(static_cast<size_t>(B * H_q * T * D));
+  const void* q_base = q.const_data_ptr();
+  for (int64_t b = 0, out = 0; b < B; ++b)
+    for (int64_t h = 0; h < H_q; ++h)
+      for (int64_t i = 0; i < T; ++i)
+        for (int64_t d = 0; d < D; ++d, ++out)
+          q_float[out] = element_as_float(q_base, elem,
+                                          b * q.stride(0) + h * q.stride(1) + i * q.stride(2) + d * q.stride(3));
+
+  QuantizedProblem p{};
+  p.elem = elem;
+  p.k_cache = k_data.const_data_ptr();
+  p.v_cache = v_data.const_data_ptr();
+  p.lengths = len.data();
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
+  for (int i = 0; i < 3; ++i) {
+    p.k_stride[i] = k_data.stride(i), p.v_stride[i] = v_data.stride(i);
+    p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
+  }
+  p.window = std::min(window.value_or(0), kMaxLength);
+  p.scale = checked;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  p.format = format;
+  p.q_float = q_float.data();
+  p.k_scales = k_scales.const_data_ptr();
+  p.v_scales = v_scales.const_data_ptr();
+
+  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
+  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
+  schedule_decode_attention(p, quantized_kernel(format, D), out.mutable_data_ptr(),
+                            static_cast<int64_t>(q.element_size()), lse.mutable_data_ptr<float>());
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace kvcache_ext::cpu
+
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
+  m.impl("append_kv_quantized", TORCH_BOX(&kvcache_ext::cpu::append_kv_quantized));
+  m.impl("decode_attention_quantized", TORCH_BOX(&kvcache_ext::cpu::decode_attention_quantized));
+}

@@ -1,0 +1,19 @@
+// The quantized-cache decode-attention kernel compiled for AVX2 + FMA (Haswell and newer, Zen).
+// System headers come first so the target pragma applies only to our code.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma,f16c,bmi2")
+#define KVCACHE_EXT_ISA avx2
+#define KVCACHE_EXT_X86_AVX2 1  // AVX2 + F16C intrinsics may be used
+#include "quantized_kernel.inc"
+#endif

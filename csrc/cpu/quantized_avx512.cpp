@@ -1,0 +1,20 @@
+// The quantized-cache decode-attention kernel compiled for AVX-512 (Skylake-SP and newer, Zen 4).
+// System headers come first so the target pragma applies only to our code.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+#define KVCACHE_EXT_ISA avx512
+#define KVCACHE_EXT_X86_AVX2 1    // AVX2 + F16C intrinsics may be used
+#define KVCACHE_EXT_X86_AVX512 1  // and AVX-512 ones
+#include "quantized_kernel.inc"
+#endif

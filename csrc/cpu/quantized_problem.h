@@ -1,0 +1,28 @@
+// Decode attention over a quantized cache (formats specified in python_ref/quantize.py): the
+// AttentionProblem fields describe the data tensors (k_cache/v_cache point at the quantized
+// bytes, strides in bytes), this adds the format, the scales and the queries widened to float.
+#pragma once
+
+#include <cstdint>
+
+#include "attention_problem.h"
+
+namespace kvcache_ext::cpu {
+
+enum class KvFormat : int {
+  kInt8 = 0,     // int8 data, one float32 scale per (row, KV head, token)
+  kFp8E4M3 = 1,  // float8_e4m3fn data, one float32 scale per (row, KV head, token)
+  kInt4 = 2,     // two int4 values per byte, one float16 scale per group of kInt4Group values
+};
+constexpr int64_t kInt4Group = 32;
+
+struct QuantizedProblem : AttentionProblem {
+  KvFormat format;
+  const float* q_float;  // q widened to float32, contiguous [batch, q_heads, num_new, head_dim]
+  const void* k_scales;  // float32 [batch, kv_heads, slots] or float16 [batch, kv_heads, slots, groups]
+  const void* v_scales;
+  int64_t k_scale_stride[3];  // batch, head, slot (in elements; groups are contiguous)
+  int64_t v_scale_stride[3];
+};
+
+}  // namespace kvcache_ext::cpu

@@ -1,0 +1,128 @@
+"""KVCache storage in a quantized format: ``KVCache(..., kv_dtype="int8" | "fp8_e4m3" | "int4")``.
+
+The formats (bytes, scales, rounding) are specified in ``python_ref/quantize.py``. Keys and
+values are quantized by the append op as they are stored and dequantized in registers by the
+decode-attention op; ``dtype`` stays the dtype of q, k, v and of the attention output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from python_ref import quantize as quant
+from python_ref.caches import PreallocatedCache
+
+from . import ops
+from .cache import KVCache
+from .capabilities import capabilities
+
+# The names the constructor accepts: the formats and, for fp8, torch's dtype name too.
+KV_DTYPES = {"int8": "int8", "fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "int4": "int4",
+             torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
+
+
+def kv_format(kv_dtype) -> str:
+    """The format named by a ``kv_dtype`` argument (see ``KV_DTYPES``)."""
+    fmt = KV_DTYPES.get(kv_dtype)
+    if fmt is None:
+        raise ValueError(f"kv_dtype must be None, 'int8', 'fp8_e4m3' (or 'fp8') or 'int4', got {kv_dtype!r}")
+    return fmt
+
+
+class QuantizedKVCache(KVCache):
+    """A :class:`KVCache` whose buffers hold quantized keys/values plus their scales.
+
+    Buffers per layer: ``k``/``v`` the codes (``python_ref.quantize.data_shape``: int8 or
+    float8_e4m3fn ``(B, H_kv, slots, D)``, int4 packed into uint8 ``(B, H_kv, slots, D / 2)``)
+    and ``k_scale``/``v_scale`` (``python_ref.quantize.scale_shape``). Everything else (capacity,
+    ring buffer, lengths, the step protocol) is :class:`KVCache`'s. Built by
+    ``KVCache(..., kv_dtype=...)``.
+    """
+
+    def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_cache_len=None, window=None,
+                 chunk_size=128, dtype=torch.float32, device=None, kv_dtype="int8"):
+        fmt = kv_format(kv_dtype)
+        table = capabilities(device)
+        table.check_dtype(dtype, "KVCache dtype")
+        if fmt not in table.kv_formats:
+            raise TypeError(f"kv_dtype {fmt!r} is not stored by the {table.kernels} on {torch.device(device or 'cpu')}"
+                            f" (formats: {table.kv_formats or 'none'})")
+        if isinstance(head_dim, int):
+            table.check_head_dim(head_dim)
+            quant.check_head_dim(fmt, head_dim)
+        # The base class allocates k and v as the code buffers: its head_dim is bytes per vector.
+        code_bytes = quant.data_shape(fmt, (head_dim,))[0] if isinstance(head_dim, int) else head_dim
+        PreallocatedCache.__init__(self, num_layers, batch_size, kv_heads, code_bytes, max_cache_len=max_cache_len,
+                                   window=window, chunk_size=chunk_size, dtype=quant.storage_dtype(fmt), device=device)
+        table.check_slots(self.slots)
+        self.head_dim, self.kv_dtype, self.dtype = head_dim, fmt, dtype
+        scale_shape = quant.scale_shape(fmt, (num_layers, batch_size, kv_heads, self.slots, head_dim))
+        for name in ("k_scale", "v_scale"):
+            self.register_buffer(name, torch.zeros(scale_shape, dtype=quant.scale_dtype(fmt), device=device),
+                                 persistent=False)
+
+    def _check_step(self, layer, q, k, v, scale):
+        if self._num_new is None:
+            raise RuntimeError("attend() called outside a step: call start_step(T) first")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        expected = (self.batch_size, self.kv_heads, self._num_new, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {expected}, got {tuple(t.shape)}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} must be {self.dtype} like the cache's dtype, got {t.dtype}")
+        if q.dim() != 4 or q.shape[0] != self.batch_size or q.shape[2] != self._num_new \
+                or q.shape[3] != self.head_dim or q.shape[1] % self.kv_heads != 0:
+            raise ValueError(
+                f"q must have shape (B={self.batch_size}, H_q (a multiple of {self.kv_heads}), "
+                f"T={self._num_new}, D={self.head_dim}), got {tuple(q.shape)}")
+        # The attention of a step runs after its keys/values are stored: check it first. A ring
+        # buffer takes a long step in pieces of chunk_size tokens; the first is the largest.
+        piece = slice(0, self.chunk_size)
+        cache = (self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer])
+        ops.check_append_kv_quantized(*cache, k[:, :, piece], v[:, :, piece], self.lengths)
+        ops.check_decode_attention_quantized(q[:, :, piece], *cache, self.lengths, self.window, scale)
+
+    def _append(self, layer, k, v, lengths):
+        ops.append_kv_quantized(self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer], k, v, lengths)
+
+    def _attention(self, layer, q, lengths_after, longest_after, scale):
+        return ops.decode_attention_quantized(q, self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer],
+                                              lengths_after, self.window, scale)
+
+    # Row operations (reorder, fork, select, repeat_interleave, crop, rewind; python_ref's) move
+    # the scales with the codes. The float8 codes are copied as bytes.
+    def _gather_rows(self, src_rows):
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            raw.copy_(raw.index_select(1, src_rows))
+
+    def _resize_rows(self, src_rows):
+        self.k_scale = self.k_scale.index_select(1, src_rows)
+        self.v_scale = self.v_scale.index_select(1, src_rows)
+        super()._resize_rows(src_rows)
+
+    def save(self, path, fingerprint: str = "") -> None:
+        raise NotImplementedError("saving a quantized KVCache is not supported yet (its scales are not saved)")
+
+    @classmethod
+    def load(cls, path, device=None, fingerprint: str = "", max_cache_len: int | None = None):
+        raise NotImplementedError("loading a quantized KVCache is not supported yet")
+
+    def _bytes_per_slot(self) -> int:
+        """Bytes one cached token takes in all layers, keys and values, scales included."""
+        per_slot = 0
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            per_slot += t.numel() * t.element_size() // (self.batch_size * self.slots)
+        return per_slot
+
+    def bytes_allocated(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale))
+
+    def bytes_used(self) -> int:
+        return self._bytes_per_slot() * self.batch_size * min(self.seq_length, self.slots)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace(f"dtype={self.k.dtype}", f"dtype={self.dtype}, kv_dtype={self.kv_dtype}")
