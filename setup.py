@@ -24,12 +24,23 @@ MIN_TORCH = (2, 10)
 TORCH_TARGET = f"-DTORCH_TARGET_VERSION=0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
-cpu_sources = ["csrc/ops.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/gather_rows.cpp", "csrc/cpu/cpu_isa.cpp", "csrc/cpu/decode_attention_baseline.cpp",
-               "csrc/cpu/ops_quantized_cpu.cpp", "csrc/cpu/quantized_baseline.cpp"]
+cpu_sources = [
+    "csrc/ops.cpp",
+    "csrc/cpu/ops_cpu.cpp",
+    "csrc/cpu/gather_rows.cpp",
+    "csrc/cpu/cpu_isa.cpp",
+    "csrc/cpu/decode_attention_baseline.cpp",
+    "csrc/cpu/ops_quantized_cpu.cpp",
+    "csrc/cpu/quantized_baseline.cpp",
+]
 isas = ["baseline"]
 if x86:
-    cpu_sources += ["csrc/cpu/decode_attention_avx2.cpp", "csrc/cpu/decode_attention_avx512.cpp",
-                    "csrc/cpu/quantized_avx2.cpp", "csrc/cpu/quantized_avx512.cpp"]
+    cpu_sources += [
+        "csrc/cpu/decode_attention_avx2.cpp",
+        "csrc/cpu/decode_attention_avx512.cpp",
+        "csrc/cpu/quantized_avx2.cpp",
+        "csrc/cpu/quantized_avx512.cpp",
+    ]
     isas = ["avx512", "avx2", "baseline"]
 # No -march=native: the wheel must run on any CPU of its architecture; the AVX2/AVX-512
 # copies of the kernel are chosen at run time (csrc/cpu/cpu_isa.cpp).
@@ -44,13 +55,18 @@ def want_cuda() -> bool:
     choice = os.environ.get("KVCACHE_EXT_CUDA", "")
     if choice not in ("", "0", "1"):
         raise SystemExit(f"KVCACHE_EXT_CUDA must be 0 or 1, got {choice!r}")
-    toolkit = (bool(torch.version.cuda) and CUDA_HOME is not None and Path(CUDA_HOME, "bin", "nvcc").exists()
-               and Path(CUDA_HOME, "include", "cuda_runtime.h").exists())
+    toolkit = (
+        bool(torch.version.cuda)
+        and CUDA_HOME is not None
+        and Path(CUDA_HOME, "bin", "nvcc").exists()
+        and Path(CUDA_HOME, "include", "cuda_runtime.h").exists()
+    )
     if choice == "1" and not toolkit:
         raise SystemExit(
             "KVCACHE_EXT_CUDA=1 needs a CUDA build of torch and the CUDA toolkit (bin/nvcc and "
             f"include/cuda_runtime.h under CUDA_HOME); found torch {torch.__version__} (CUDA "
-            f"{torch.version.cuda}) and CUDA_HOME={CUDA_HOME} (set CUDA_HOME, e.g. /usr/local/cuda-13.0)")
+            f"{torch.version.cuda}) and CUDA_HOME={CUDA_HOME} (set CUDA_HOME, e.g. /usr/local/cuda-13.0)"
+        )
     # Without the switch, only where the kernels can also run: a plain `pip install .` on a
     # machine without a GPU stays a fast CPU-only build.
     return choice == "1" or (choice == "" and toolkit and torch.cuda.is_available())
@@ -63,10 +79,17 @@ if want_cuda():
     cuda_archs = [a for a in re.split(r"[;\s]+", os.environ["TORCH_CUDA_ARCH_LIST"]) if a]
     cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
     # USE_CUDA declares aoti_torch_get_current_cuda_stream in the stable C shim.
-    ext_modules.append(CUDAExtension(
-        "kvcache_ext._C_cuda", cuda_sources, py_limited_api=True,
-        extra_compile_args={"cxx": cxx_flags + ["-DUSE_CUDA"],
-                            "nvcc": ["-O3", "-std=c++17", "-DUSE_CUDA", TORCH_TARGET]}))
+    ext_modules.append(
+        CUDAExtension(
+            "kvcache_ext._C_cuda",
+            cuda_sources,
+            py_limited_api=True,
+            extra_compile_args={
+                "cxx": cxx_flags + ["-DUSE_CUDA"],
+                "nvcc": ["-O3", "-std=c++17", "-DUSE_CUDA", TORCH_TARGET],
+            },
+        )
+    )
 
 
 def write_build_info():
@@ -92,7 +115,10 @@ setup(
     license="MIT",
     license_files=["LICENSE"],
     packages=find_packages(include=["kvcache_ext", "kvcache_ext.*", "python_ref", "python_ref.*"]),
-    package_data={"python_ref": ["assets/gpt2.tiktoken", "assets/gpt2.tiktoken.LICENSE"], "kvcache_ext": ["_build_info.json"]},
+    package_data={
+        "python_ref": ["assets/gpt2.tiktoken", "assets/gpt2.tiktoken.LICENSE"],
+        "kvcache_ext": ["_build_info.json"],
+    },
     install_requires=[f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}", "tiktoken", "safetensors", "numpy"],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.24,<6", "accelerate", "matplotlib"],

@@ -55,8 +55,10 @@ def require_cuda():
     import kvcache_ext
 
     if not kvcache_ext.native_available("cuda"):
-        raise SystemExit(f"cuda_bench: kvcache_ext's CUDA kernels are not loaded ({kvcache_ext.kernels_used('cuda')}): "
-                         f"{kvcache_ext.build_info().get('cuda_unavailable_reason')}")
+        raise SystemExit(
+            f"cuda_bench: kvcache_ext's CUDA kernels are not loaded ({kvcache_ext.kernels_used('cuda')}): "
+            f"{kvcache_ext.build_info().get('cuda_unavailable_reason')}"
+        )
     log(f"kvcache_ext {kvcache_ext.__file__}: {kvcache_ext.build_info()}")
     return torch, kvcache_ext
 
@@ -73,13 +75,24 @@ def load_reference():
 def environment() -> dict:
     import torch
 
-    result = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-              "cuda_available": torch.cuda.is_available(), "gpu": None, "capability": None}
+    result = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpu": None,
+        "capability": None,
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        result.update(gpu=props.name, capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                      sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
-                      l2_bytes=getattr(props, "L2_cache_size", None), device_count=torch.cuda.device_count())
+        result.update(
+            gpu=props.name,
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+            sm_count=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            l2_bytes=getattr(props, "L2_cache_size", None),
+            device_count=torch.cuda.device_count(),
+        )
     return result
 
 
@@ -96,8 +109,14 @@ def run_checks() -> dict:
             results.append({"name": name, "ok": True, "detail": detail, "seconds": round(time.perf_counter() - t0, 2)})
             log(f"check ok    {name} {detail or ''}")
         except Exception as error:  # a failed check is reported, the others still run
-            results.append({"name": name, "ok": False, "detail": f"{type(error).__name__}: {error}",
-                            "seconds": round(time.perf_counter() - t0, 2)})
+            results.append(
+                {
+                    "name": name,
+                    "ok": False,
+                    "detail": f"{type(error).__name__}: {error}",
+                    "seconds": round(time.perf_counter() - t0, 2),
+                }
+            )
             log(f"check FAIL  {name}: {error}")
             traceback.print_exc()
 
@@ -115,14 +134,17 @@ def run_checks() -> dict:
         error = (out.cpu().double() - exact).abs().max().item()
         bound = 2 * (plain.double() - exact).abs().max().item() + 1e-5
         lse_error = (lse.cpu().double() - exact_lse).abs().max().item()
-        assert error <= bound and lse_error <= 1e-3, \
+        assert error <= bound and lse_error <= 1e-3, (
             f"error {error:.3g} > bound {bound:.3g} or lse error {lse_error:.3g}"
+        )
         return f"error {error:.2e} <= {bound:.2e}"
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for D, group, T, window in ((64, 1, 1, None), (80, 4, 4, 100), (128, 8, 1, None), (128, 2, 4, 100)):
-            check(f"parity {str(dtype).split('.')[-1]} D={D} group={group} T={T} window={window}",
-                  lambda: parity(dtype, D, group, T, window))
+            check(
+                f"parity {str(dtype).split('.')[-1]} D={D} group={group} T={T} window={window}",
+                lambda: parity(dtype, D, group, T, window),
+            )
 
     def append_equals_cpu():
         B, H, S, D, T = 3, 4, 64, 128, 9
@@ -142,8 +164,10 @@ def run_checks() -> dict:
         k0 = torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16)
         v0 = torch.randn_like(k0)
         lengths0 = torch.tensor([10, 3000], device="cuda")
-        steps = [tuple(torch.randn(B, h, 1, D, device="cuda", dtype=torch.bfloat16) for h in (H_q, H_kv, H_kv))
-                 for _ in range(3)]
+        steps = [
+            tuple(torch.randn(B, h, 1, D, device="cuda", dtype=torch.bfloat16) for h in (H_q, H_kv, H_kv))
+            for _ in range(3)
+        ]
         k_cache, v_cache, lengths = k0.clone(), v0.clone(), lengths0.clone()
         q, k_new, v_new = (t.clone() for t in steps[0])
 
@@ -184,8 +208,9 @@ def run_checks() -> dict:
         sizes = dict(batch_size=2, max_cache_len=64, dtype=torch.float32)
         cpu = generate(model, prompt, 24, cache=kvcache_ext.KVCache(**model.kv_shape, **sizes, device="cpu"))
         gpu_model = copy.deepcopy(model).cuda()
-        gpu = generate(gpu_model, prompt.cuda(), 24,
-                       cache=kvcache_ext.KVCache(**gpu_model.kv_shape, **sizes, device="cuda"))
+        gpu = generate(
+            gpu_model, prompt.cuda(), 24, cache=kvcache_ext.KVCache(**gpu_model.kv_shape, **sizes, device="cuda")
+        )
         assert torch.equal(gpu.cpu(), cpu), "greedy tokens differ between CUDA and CPU"
         return f"{gpu.shape[1] - prompt.shape[1]} tokens identical"
 
@@ -263,10 +288,15 @@ def run_bench(json_path: str | None = None) -> dict:
 
     timer = Timer(torch)
     props = torch.cuda.get_device_properties(0)
-    result = {"device": props.name, "sm_count": props.multi_processor_count,
-              "memory_gib": round(props.total_memory / 2**30, 1), "l2_bytes": timer.l2_bytes,
-              "method": "cold L2: eager = events around each call after a 4x-L2 read; graph = replay of calls "
-                        "over rotated input copies (>= 4x L2), per call", "errors": []}
+    result = {
+        "device": props.name,
+        "sm_count": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "l2_bytes": timer.l2_bytes,
+        "method": "cold L2: eager = events around each call after a 4x-L2 read; graph = replay of calls "
+        "over rotated input copies (>= 4x L2), per call",
+        "errors": [],
+    }
 
     def save():  # after every case: a run cut off keeps what it measured
         if json_path:
@@ -291,8 +321,12 @@ def run_bench(json_path: str | None = None) -> dict:
         us = timer.eager_us([lambda: dst.copy_(src)])
         graph = timer.graph_us([lambda: dst.copy_(src)], min_calls=5)
         best = min(us, graph)
-        result["copy"] = {"bytes": copy_bytes, "us": round(us, 1), "graph_us": round(graph, 1),
-                          "gb_per_s": round(2 * copy_bytes / (best * 1e-6) / 1e9, 1)}
+        result["copy"] = {
+            "bytes": copy_bytes,
+            "us": round(us, 1),
+            "graph_us": round(graph, 1),
+            "gb_per_s": round(2 * copy_bytes / (best * 1e-6) / 1e9, 1),
+        }
         log(f"device copy: {result['copy']}")
 
     attempt("copy", measure_copy)
@@ -305,8 +339,14 @@ def run_bench(json_path: str | None = None) -> dict:
         sets = []
         for _ in range(n):
             k = torch.randn(b, hkv, length, d, device=DEVICE, dtype=dt)
-            sets.append((torch.randn(b, hq, 1, d, device=DEVICE, dtype=dt), k, torch.randn_like(k),
-                         torch.full((b,), length, device=DEVICE, dtype=torch.long)))
+            sets.append(
+                (
+                    torch.randn(b, hq, 1, d, device=DEVICE, dtype=dt),
+                    k,
+                    torch.randn_like(k),
+                    torch.full((b,), length, device=DEVICE, dtype=torch.long),
+                )
+            )
         return sets
 
     def time_decode(b, hq, hkv, length, d, dt, window=None, max_rows=None, splits=None, with_sdpa=True):
@@ -325,10 +365,21 @@ def run_bench(json_path: str | None = None) -> dict:
                 os.environ[name] = str(value)
         try:
             ours = [lambda s=s: kvcache_ext.decode_attention(s[0], s[1], s[2], s[3], window) for s in sets]
-            row = {"batch": b, "q_heads": hq, "kv_heads": hkv, "length": length, "head_dim": d,
-                   "dtype": str(dt).split(".")[-1], "window": window, "max_rows": max_rows, "splits": splits,
-                   "copies": len(sets), "bytes_read": read,
-                   "us": round(timer.eager_us(ours), 1), "graph_us": round(timer.graph_us(ours), 1)}
+            row = {
+                "batch": b,
+                "q_heads": hq,
+                "kv_heads": hkv,
+                "length": length,
+                "head_dim": d,
+                "dtype": str(dt).split(".")[-1],
+                "window": window,
+                "max_rows": max_rows,
+                "splits": splits,
+                "copies": len(sets),
+                "bytes_read": read,
+                "us": round(timer.eager_us(ours), 1),
+                "graph_us": round(timer.graph_us(ours), 1),
+            }
         finally:
             for name, value in old.items():
                 if value is None:
@@ -340,15 +391,23 @@ def run_bench(json_path: str | None = None) -> dict:
         if with_sdpa:
             # The same problem for torch: all `length` positions visible (the window: its last positions).
             start = length - visible
-            sdpa = [lambda s=s: F.scaled_dot_product_attention(s[0], s[1][:, :, start:], s[2][:, :, start:],
-                                                               enable_gqa=True) for s in sets]
+            sdpa = [
+                lambda s=s: F.scaled_dot_product_attention(
+                    s[0], s[1][:, :, start:], s[2][:, :, start:], enable_gqa=True
+                )
+                for s in sets
+            ]
             try:
                 row["sdpa_us"] = round(timer.eager_us(sdpa), 1)
                 row["sdpa_graph_us"] = round(timer.graph_us(sdpa), 1)
                 row["speedup_vs_sdpa"] = round(row["sdpa_graph_us"] / row["graph_us"], 2)
                 s = sets[0]
-                row["max_abs_diff_vs_sdpa"] = (kvcache_ext.decode_attention(s[0], s[1], s[2], s[3], window)[0].float()
-                                               - sdpa[0]().float()).abs().max().item()
+                row["max_abs_diff_vs_sdpa"] = (
+                    (kvcache_ext.decode_attention(s[0], s[1], s[2], s[3], window)[0].float() - sdpa[0]().float())
+                    .abs()
+                    .max()
+                    .item()
+                )
             except Exception as error:  # e.g. no SDPA backend for this dtype/shape
                 row["sdpa_error"] = f"{type(error).__name__}: {str(error)[:300]}"
         del sets
@@ -360,8 +419,11 @@ def run_bench(json_path: str | None = None) -> dict:
 
     def measure_main():
         row = time_decode(*main_shape)
-        row["target_met"] = bool(row["fraction_of_copy"] and row["fraction_of_copy"] >= 0.85
-                                 and row["graph_us"] <= row.get("sdpa_graph_us", math.inf))
+        row["target_met"] = bool(
+            row["fraction_of_copy"]
+            and row["fraction_of_copy"] >= 0.85
+            and row["graph_us"] <= row.get("sdpa_graph_us", math.inf)
+        )
         result["decode_attention"] = row
         log(f"decode attention: {row}")
 
@@ -372,8 +434,9 @@ def run_bench(json_path: str | None = None) -> dict:
     for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
         row = attempt(f"forced splits {splits}", lambda: time_decode(*main_shape, splits=splits, with_sdpa=False))
         if row:
-            result["decode_attention_by_forced_splits"].append({key: row[key] for key in (
-                "splits", "us", "graph_us", "fraction_of_copy")})
+            result["decode_attention_by_forced_splits"].append(
+                {key: row[key] for key in ("splits", "us", "graph_us", "fraction_of_copy")}
+            )
     save()
 
     # Other shapes: short context and small batches (working sets of 30-130 MB: the L2 matters),
@@ -392,8 +455,10 @@ def run_bench(json_path: str | None = None) -> dict:
         (8, 32, 8, 16384, 128, torch.bfloat16, 4096, None),
         (64, 32, 8, 4096, 128, torch.bfloat16, None, None),
     ]:
-        row = attempt(f"decode attention {b}x{hq}/{hkv}x{length}x{d} {dt} window={window} max_rows={max_rows}",
-                      lambda: time_decode(b, hq, hkv, length, d, dt, window, max_rows))
+        row = attempt(
+            f"decode attention {b}x{hq}/{hkv}x{length}x{d} {dt} window={window} max_rows={max_rows}",
+            lambda: time_decode(b, hq, hkv, length, d, dt, window, max_rows),
+        )
         if row:
             result["decode_attention_sweep"].append(row)
             log(f"decode attention {row}")
@@ -405,8 +470,13 @@ def run_bench(json_path: str | None = None) -> dict:
         k_big = torch.zeros(B, H_kv, S, D, device=DEVICE, dtype=dtype)
         v_big = torch.zeros_like(k_big)
         new_bytes = 2 * B * H_kv * T * D * 2
-        sets = [(torch.randn(B, H_kv, T, D, device=DEVICE, dtype=dtype), torch.randn(B, H_kv, T, D, device=DEVICE,
-                 dtype=dtype)) for _ in range(timer.copies(2 * new_bytes))]
+        sets = [
+            (
+                torch.randn(B, H_kv, T, D, device=DEVICE, dtype=dtype),
+                torch.randn(B, H_kv, T, D, device=DEVICE, dtype=dtype),
+            )
+            for _ in range(timer.copies(2 * new_bytes))
+        ]
         start = torch.full((B,), S - T // 2, device=DEVICE, dtype=torch.long)  # wraps around the ring
         chunk = [lambda s=s: kvcache_ext.append_kv(k_big, v_big, s[0], s[1], start) for s in sets]
         us, graph = timer.eager_us(chunk), timer.graph_us(chunk)
@@ -415,14 +485,17 @@ def run_bench(json_path: str | None = None) -> dict:
         token = [lambda s=s: kvcache_ext.append_kv(k_big, v_big, s[0], s[1], start) for s in one]
         result["append_kv"] = {
             "shape": {"batch": B, "kv_heads": H_kv, "num_new": T, "head_dim": D, "slots": S, "dtype": "bfloat16"},
-            "bytes_moved": moved, "us": round(us, 1), "graph_us": round(graph, 1),
+            "bytes_moved": moved,
+            "us": round(us, 1),
+            "graph_us": round(graph, 1),
             "gb_per_s": round(moved / (graph * 1e-6) / 1e9, 1),
             "one_token_us": round(timer.eager_us(token, iters=50), 2),
             "one_token_graph_us": round(timer.graph_us(token), 2),
         }
         result["append_kv"]["fraction_of_copy"] = fraction(result["append_kv"]["gb_per_s"])
-        result["append_kv"]["target_met"] = bool(result["append_kv"]["fraction_of_copy"]
-                                                 and result["append_kv"]["fraction_of_copy"] >= 0.7)
+        result["append_kv"]["target_met"] = bool(
+            result["append_kv"]["fraction_of_copy"] and result["append_kv"]["fraction_of_copy"] >= 0.7
+        )
         log(f"append: {result['append_kv']}")
 
     attempt("append", measure_append)
@@ -458,8 +531,13 @@ def junit_summary(path: Path):
         for outcome in ("failure", "error"):
             node = case.find(outcome)
             if node is not None:
-                failures.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                                 "message": (node.get("message") or "")[:400]})
+                failures.append(
+                    {
+                        "test": f"{case.get('classname')}::{case.get('name')}",
+                        "outcome": outcome,
+                        "message": (node.get("message") or "")[:400],
+                    }
+                )
     counts["failed_tests"] = failures
     return counts
 
@@ -470,8 +548,11 @@ def sanitizer_summary(path: Path):
         return None
     text = path.read_text(errors="replace")
     summaries = re.findall(r"ERROR SUMMARY: (\d+) error", text)
-    first = [line.strip() for line in text.splitlines() if line.startswith("========= ") and
-             re.search(r"(Invalid|Race|Barrier|error|Error|hazard|Uninitialized)", line)][:8]
+    first = [
+        line.strip()
+        for line in text.splitlines()
+        if line.startswith("========= ") and re.search(r"(Invalid|Race|Barrier|error|Error|hazard|Uninitialized)", line)
+    ][:8]
     return {"errors": int(summaries[-1]) if summaries else None, "first_lines": first}
 
 
@@ -521,9 +602,10 @@ def write_archive(logs: Path, out: Path, limit: int = MAX_MEMBER_BYTES) -> None:
 
 def write_report(logs: Path, out: Path, status: str) -> dict:
     steps = step_records(logs)
-    sanitizers = {p.stem.removeprefix("sanitize_"): {**(sanitizer_summary(p) or {}),
-                                                     "cases": load_json(logs / f"{p.stem}.json")}
-                  for p in sorted(logs.glob("sanitize_*.log"))}
+    sanitizers = {
+        p.stem.removeprefix("sanitize_"): {**(sanitizer_summary(p) or {}), "cases": load_json(logs / f"{p.stem}.json")}
+        for p in sorted(logs.glob("sanitize_*.log"))
+    }
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "status": status,
@@ -548,41 +630,62 @@ def write_report(logs: Path, out: Path, status: str) -> dict:
     os.replace(tmp, out / "report.json")
 
     env, toolkit = report["environment"] or {}, report["toolkit"] or {}
-    lines = [f"# kvcache_ext GPU check, {report['date']}", "", f"**status: {status}**", "",
-             f"- GPU: {env.get('gpu') or 'none'} (sm {env.get('capability')}, {env.get('sm_count')} SMs, L2 "
-             f"{(env.get('l2_bytes') or 0) >> 20} MiB); torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), "
-             f"Python {env.get('python')}",
-             f"- toolkit: {toolkit.get('cuda_home') or 'none'} ({toolkit.get('nvcc') or '-'}); compute-sanitizer: "
-             f"{toolkit.get('compute_sanitizer') or 'none'}",
-             f"- everything else: {ARCHIVE} (all logs, JSON, junit XML)", "",
-             "| step | outcome | seconds | limit |", "| --- | --- | --- | --- |"]
-    lines += [f"| {s['name']} | {s.get('status')} | {'' if s.get('seconds') is None else s['seconds']} | "
-              f"{'' if s.get('limit') is None else s['limit']} |" for s in steps]
+    lines = [
+        f"# kvcache_ext GPU check, {report['date']}",
+        "",
+        f"**status: {status}**",
+        "",
+        f"- GPU: {env.get('gpu') or 'none'} (sm {env.get('capability')}, {env.get('sm_count')} SMs, L2 "
+        f"{(env.get('l2_bytes') or 0) >> 20} MiB); torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), "
+        f"Python {env.get('python')}",
+        f"- toolkit: {toolkit.get('cuda_home') or 'none'} ({toolkit.get('nvcc') or '-'}); compute-sanitizer: "
+        f"{toolkit.get('compute_sanitizer') or 'none'}",
+        f"- everything else: {ARCHIVE} (all logs, JSON, junit XML)",
+        "",
+        "| step | outcome | seconds | limit |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {s['name']} | {s.get('status')} | {'' if s.get('seconds') is None else s['seconds']} | "
+        f"{'' if s.get('limit') is None else s['limit']} |"
+        for s in steps
+    ]
     if report["build_info"]:
         lines += ["", f"build_info: `{json.dumps(report['build_info'])}`"]
     kernels = report["kernels"]
     if kernels:
-        lines += ["", f"## Kernel smoke cases: {kernels.get('ran')} of {kernels.get('cases')} ran, "
-                      f"{kernels.get('failed')} failed"]
+        lines += [
+            "",
+            f"## Kernel smoke cases: {kernels.get('ran')} of {kernels.get('cases')} ran, "
+            f"{kernels.get('failed')} failed",
+        ]
         lines += [f"- FAIL {c}" for c in (kernels.get("failed_cases") or [])[:20]]
     for tool, summary in sanitizers.items():
         cases = summary.get("cases") or {}
-        lines += ["", f"## compute-sanitizer {tool}: {summary.get('errors')} errors; "
-                      f"{cases.get('ran')} of {cases.get('cases')} cases ran, {cases.get('failed')} failed"]
+        lines += [
+            "",
+            f"## compute-sanitizer {tool}: {summary.get('errors')} errors; "
+            f"{cases.get('ran')} of {cases.get('cases')} cases ran, {cases.get('failed')} failed",
+        ]
         lines += [f"    {line}" for line in summary.get("first_lines") or []]
     tests = report["tests"]
     if tests:
         if "error" in tests:
             lines += ["", f"## tests/test_cuda.py: {tests['error']}"]
         else:
-            lines += ["", f"## tests/test_cuda.py: {tests['tests']} tests, {tests['failures']} failed, "
-                          f"{tests['errors']} errors, {tests['skipped']} skipped ({tests['time_s']} s)"]
+            lines += [
+                "",
+                f"## tests/test_cuda.py: {tests['tests']} tests, {tests['failures']} failed, "
+                f"{tests['errors']} errors, {tests['skipped']} skipped ({tests['time_s']} s)",
+            ]
             lines += [f"- {f['outcome']} `{f['test']}`: {f['message'][:200]}" for f in tests["failed_tests"][:30]]
     if report["checks"]:
         checks = report["checks"]
         lines += ["", f"## Self-contained checks: {checks['passed']} passed, {checks['failed']} failed"]
-        lines += [f"- {'ok' if c['ok'] else 'FAIL'} {c['name']}" + ("" if c["ok"] else f": {c['detail']}")
-                  for c in checks["checks"]]
+        lines += [
+            f"- {'ok' if c['ok'] else 'FAIL'} {c['name']}" + ("" if c["ok"] else f": {c['detail']}")
+            for c in checks["checks"]
+        ]
     lines += bench_markdown(report["bench"])
     for step in steps:  # the end of every log of a step that did not pass
         if step.get("status") not in ("ok", "skipped") and not str(step.get("status", "")).startswith("skipped"):
@@ -603,46 +706,65 @@ def bench_markdown(bench) -> list[str]:
     if not bench:
         return []
     copy_row = bench.get("copy") or {}
-    lines = ["", f"## Benchmarks on {bench.get('device')} ({bench.get('sm_count')} SMs, L2 "
-                 f"{(bench.get('l2_bytes') or 0) >> 20} MiB); cold L2, us per call", "",
-             f"Device copy 1 GiB: {copy_row.get('us')} us eager, {copy_row.get('graph_us')} us graph, "
-             f"{copy_row.get('gb_per_s')} GB/s (the yardstick)."]
+    lines = [
+        "",
+        f"## Benchmarks on {bench.get('device')} ({bench.get('sm_count')} SMs, L2 "
+        f"{(bench.get('l2_bytes') or 0) >> 20} MiB); cold L2, us per call",
+        "",
+        f"Device copy 1 GiB: {copy_row.get('us')} us eager, {copy_row.get('graph_us')} us graph, "
+        f"{copy_row.get('gb_per_s')} GB/s (the yardstick).",
+    ]
     for error in bench.get("errors") or []:
         lines.append(f"- ERROR {error}")
 
     def decode_rows(rows):
-        out = ["", "| B | Hq | Hkv | L | D | dtype | window | max rows | ours eager | ours graph | GB/s | x copy "
-                   "| SDPA eager | SDPA graph | SDPA/ours |",
-               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        out = [
+            "",
+            "| B | Hq | Hkv | L | D | dtype | window | max rows | ours eager | ours graph | GB/s | x copy "
+            "| SDPA eager | SDPA graph | SDPA/ours |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in rows:
-            out.append(f"| {r['batch']} | {r['q_heads']} | {r['kv_heads']} | {r['length']} | {r['head_dim']} | "
-                       f"{r['dtype']} | {r['window']} | {r['max_rows'] or 'auto'} | {r['us']} | {r['graph_us']} | "
-                       f"{r['gb_per_s']} | {r['fraction_of_copy']} | {r.get('sdpa_us', '-')} | "
-                       f"{r.get('sdpa_graph_us', r.get('sdpa_error', '-'))} | {r.get('speedup_vs_sdpa', '-')} |")
+            out.append(
+                f"| {r['batch']} | {r['q_heads']} | {r['kv_heads']} | {r['length']} | {r['head_dim']} | "
+                f"{r['dtype']} | {r['window']} | {r['max_rows'] or 'auto'} | {r['us']} | {r['graph_us']} | "
+                f"{r['gb_per_s']} | {r['fraction_of_copy']} | {r.get('sdpa_us', '-')} | "
+                f"{r.get('sdpa_graph_us', r.get('sdpa_error', '-'))} | {r.get('speedup_vs_sdpa', '-')} |"
+            )
         return out
 
     main = bench.get("decode_attention")
     if main:
-        lines += ["", f"Decode attention, main problem: target (>= 0.85 x copy and not slower than SDPA) "
-                      f"{'met' if main.get('target_met') else 'NOT met'}; max |ours - SDPA| "
-                      f"{main.get('max_abs_diff_vs_sdpa')}"]
+        lines += [
+            "",
+            f"Decode attention, main problem: target (>= 0.85 x copy and not slower than SDPA) "
+            f"{'met' if main.get('target_met') else 'NOT met'}; max |ours - SDPA| "
+            f"{main.get('max_abs_diff_vs_sdpa')}",
+        ]
         lines += decode_rows([main])
     forced = bench.get("decode_attention_by_forced_splits") or []
     if forced:
-        lines += ["", "Main problem with the split count forced (KVCACHE_EXT_CUDA_SPLITS), graph us / x copy:", "",
-                  "| splits | " + " | ".join(str(r["splits"]) for r in forced) + " |",
-                  "| --- |" + " --- |" * len(forced),
-                  "| us | " + " | ".join(str(r["graph_us"]) for r in forced) + " |",
-                  "| x copy | " + " | ".join(str(r["fraction_of_copy"]) for r in forced) + " |"]
+        lines += [
+            "",
+            "Main problem with the split count forced (KVCACHE_EXT_CUDA_SPLITS), graph us / x copy:",
+            "",
+            "| splits | " + " | ".join(str(r["splits"]) for r in forced) + " |",
+            "| --- |" + " --- |" * len(forced),
+            "| us | " + " | ".join(str(r["graph_us"]) for r in forced) + " |",
+            "| x copy | " + " | ".join(str(r["fraction_of_copy"]) for r in forced) + " |",
+        ]
     if bench.get("decode_attention_sweep"):
         lines += ["", "Other shapes:"] + decode_rows(bench["decode_attention_sweep"])
     a = bench.get("append_kv")
     if a:
         shape = a["shape"]
-        lines += ["", f"append_kv {shape['num_new']} tokens x B={shape['batch']} Hkv={shape['kv_heads']} "
-                      f"bf16: {a['us']} us eager, {a['graph_us']} us graph, {a['gb_per_s']} GB/s = "
-                      f"{a['fraction_of_copy']} x copy (target >= 0.7: {'met' if a['target_met'] else 'NOT met'}); "
-                      f"one token: {a['one_token_us']} us eager, {a['one_token_graph_us']} us graph"]
+        lines += [
+            "",
+            f"append_kv {shape['num_new']} tokens x B={shape['batch']} Hkv={shape['kv_heads']} "
+            f"bf16: {a['us']} us eager, {a['graph_us']} us graph, {a['gb_per_s']} GB/s = "
+            f"{a['fraction_of_copy']} x copy (target >= 0.7: {'met' if a['target_met'] else 'NOT met'}); "
+            f"one token: {a['one_token_us']} us eager, {a['one_token_graph_us']} us graph",
+        ]
     return lines
 
 

@@ -83,11 +83,16 @@ def append_case(dtype, layout, head_dim, kvcache_ext, raw=False, lengths=(0, 14,
     B, H, S, T = 3, 2, 16, 5
     g = torch.Generator().manual_seed(head_dim + T)
     # The same view of the same values on both devices (the layout is what the kernel sees).
-    view = {"contiguous": lambda t: t,
-            "transposed": lambda t: t.transpose(1, 2),  # (B, T, H, D) storage, as a model's projections give
-            "strided": lambda t: t[..., ::2]}[layout]   # head_dim not contiguous: the element path
-    base_shape = {"contiguous": (B, H, T, head_dim), "transposed": (B, T, H, head_dim),
-                  "strided": (B, H, T, 2 * head_dim)}[layout]
+    view = {
+        "contiguous": lambda t: t,
+        "transposed": lambda t: t.transpose(1, 2),  # (B, T, H, D) storage, as a model's projections give
+        "strided": lambda t: t[..., ::2],
+    }[layout]  # head_dim not contiguous: the element path
+    base_shape = {
+        "contiguous": (B, H, T, head_dim),
+        "transposed": (B, T, H, head_dim),
+        "strided": (B, H, T, 2 * head_dim),
+    }[layout]
     bases = [torch.randn(base_shape, generator=g).to(dtype) for _ in range(2)]
     k_new, v_new = (view(b) for b in bases)
     k_new_gpu, v_new_gpu = (view(b.to(DEVICE)) for b in bases)
@@ -110,8 +115,22 @@ def append_case(dtype, layout, head_dim, kvcache_ext, raw=False, lengths=(0, 14,
 
 
 # ---- decode_attention -----------------------------------------------------------------------------
-def decode_case(dtype, head_dim, group, num_new, window, splits, kvcache_ext, reference, max_rows=None,
-                q_layout="contiguous", cache_layout="contiguous", lengths=None, raw=False, extra=None):
+def decode_case(
+    dtype,
+    head_dim,
+    group,
+    num_new,
+    window,
+    splits,
+    kvcache_ext,
+    reference,
+    max_rows=None,
+    q_layout="contiguous",
+    cache_layout="contiguous",
+    lengths=None,
+    raw=False,
+    extra=None,
+):
     B, H_kv = 3, 2
     H_q = H_kv * group
     slots = 40 if window is None else window + num_new - 1 + 3
@@ -136,8 +155,9 @@ def decode_case(dtype, head_dim, group, num_new, window, splits, kvcache_ext, re
     kwargs = dict(extra or {})
     with with_env("KVCACHE_EXT_CUDA_SPLITS", splits), with_env("KVCACHE_EXT_CUDA_MAX_ROWS", max_rows):
         if raw:  # past the public API's checks: the kernel's own bounds
-            out, lse = torch.ops.kvcache_ext.decode_attention(q_gpu, k_gpu, v_gpu, lengths_cpu.to(DEVICE), window, None,
-                                                              kwargs.get("softcap"), kwargs.get("sinks"))
+            out, lse = torch.ops.kvcache_ext.decode_attention(
+                q_gpu, k_gpu, v_gpu, lengths_cpu.to(DEVICE), window, None, kwargs.get("softcap"), kwargs.get("sinks")
+            )
         else:
             if "sinks" in kwargs:
                 kwargs["sinks"] = kwargs["sinks"].to(DEVICE)
@@ -148,8 +168,9 @@ def decode_case(dtype, head_dim, group, num_new, window, splits, kvcache_ext, re
         if out.shape != q.shape or lse.shape != q.shape[:3]:
             raise AssertionError(f"shapes {tuple(out.shape)}, {tuple(lse.shape)}")
         return "ran in bounds"
-    ref_kwargs = {key: (value.cpu().double() if torch.is_tensor(value) else value)
-                  for key, value in (extra or {}).items()}
+    ref_kwargs = {
+        key: (value.cpu().double() if torch.is_tensor(value) else value) for key, value in (extra or {}).items()
+    }
     exact, exact_lse = reference(q.double(), k.double(), v.double(), lengths_cpu, window, return_lse=True, **ref_kwargs)
     error = (out.double() - exact).abs().max().item()
     lse_error = (lse.double() - exact_lse).abs().max().item()
@@ -166,24 +187,52 @@ def build_cases(kvcache_ext, reference, quick: bool):
 
     for dtype_name, dtype in DTYPES.items():
         for layout in ("contiguous", "transposed", "strided"):
-            for head_dim in ((64,) if quick else (8, 64, 136)):
+            for head_dim in (64,) if quick else (8, 64, 136):
                 add(f"append {dtype_name} {layout} D={head_dim}", append_case, dtype, layout, head_dim, kvcache_ext)
-    add("append raw lengths -3/huge", append_case, torch.bfloat16, "contiguous", 64, kvcache_ext,
-        raw=True, lengths=(-3, 2**40 + 7, 15))
+    add(
+        "append raw lengths -3/huge",
+        append_case,
+        torch.bfloat16,
+        "contiguous",
+        64,
+        kvcache_ext,
+        raw=True,
+        lengths=(-3, 2**40 + 7, 15),
+    )
 
     # (group, num_new, window, splits, max_rows): rows per block 1, 4, 8 and row chunks > 1; one
     # split, forced splits (more than positions per split allows, too), the heuristic (None).
-    configs = [(1, 1, None, 1, None), (1, 1, None, 3, None), (4, 1, None, None, None), (2, 4, 5, 1, None),
-               (8, 4, 5, 4, None), (8, 1, None, 2, 4), (3, 3, None, 2, None), (8, 4, 100, 64, None),
-               (4, 4, None, 5, 1)]
+    configs = [
+        (1, 1, None, 1, None),
+        (1, 1, None, 3, None),
+        (4, 1, None, None, None),
+        (2, 4, 5, 1, None),
+        (8, 4, 5, 4, None),
+        (8, 1, None, 2, 4),
+        (3, 3, None, 2, None),
+        (8, 4, 100, 64, None),
+        (4, 4, None, 5, 1),
+    ]
     if quick:
         configs = configs[:3] + configs[4:5]
     for dtype_name, dtype in DTYPES.items():
         for head_dim in (64, 128):
             for group, num_new, window, splits, max_rows in configs:
-                add(f"decode {dtype_name} D={head_dim} group={group} T={num_new} window={window} splits={splits} "
-                    f"max_rows={max_rows}", decode_case, dtype, head_dim, group, num_new, window, splits,
-                    kvcache_ext, reference, max_rows=max_rows)
+                add(
+                    f"decode {dtype_name} D={head_dim} group={group} T={num_new} window={window} splits={splits} "
+                    f"max_rows={max_rows}",
+                    decode_case,
+                    dtype,
+                    head_dim,
+                    group,
+                    num_new,
+                    window,
+                    splits,
+                    kvcache_ext,
+                    reference,
+                    max_rows=max_rows,
+                )
+
     def supported(head_dim):  # the CUDA capability table decides (h-cuda: every multiple of 8)
         try:
             kvcache_ext.capabilities("cuda").check_head_dim(head_dim)
@@ -196,17 +245,74 @@ def build_cases(kvcache_ext, reference, quick: bool):
             continue
         for head_dim in [d for d in (8, 16, 32, 80, 96, 136, 256) if supported(d)]:
             for window, splits in ((None, 1), (7, 3)):
-                add(f"decode {dtype_name} D={head_dim} group=2 T=2 window={window} splits={splits}", decode_case,
-                    dtype, head_dim, 2, 2, window, splits, kvcache_ext, reference)
-    add("decode bf16 transposed q, sliced cache, splits=3", decode_case, torch.bfloat16, 128, 4, 2, None, 3,
-        kvcache_ext, reference, q_layout="transposed", cache_layout="slice")
-    add("decode f32 softcap=30 + sinks", decode_case, torch.float32, 64, 2, 2, None, 2, kvcache_ext, reference,
-        extra={"softcap": 30.0, "sinks": torch.randn(4)})
+                add(
+                    f"decode {dtype_name} D={head_dim} group=2 T=2 window={window} splits={splits}",
+                    decode_case,
+                    dtype,
+                    head_dim,
+                    2,
+                    2,
+                    window,
+                    splits,
+                    kvcache_ext,
+                    reference,
+                )
+    add(
+        "decode bf16 transposed q, sliced cache, splits=3",
+        decode_case,
+        torch.bfloat16,
+        128,
+        4,
+        2,
+        None,
+        3,
+        kvcache_ext,
+        reference,
+        q_layout="transposed",
+        cache_layout="slice",
+    )
+    add(
+        "decode f32 softcap=30 + sinks",
+        decode_case,
+        torch.float32,
+        64,
+        2,
+        2,
+        None,
+        2,
+        kvcache_ext,
+        reference,
+        extra={"softcap": 30.0, "sinks": torch.randn(4)},
+    )
     for splits in (1, 4):
-        add(f"decode raw lengths 0/-4/2^40, splits={splits}", decode_case, torch.float16, 64, 2, 1, None, splits,
-            kvcache_ext, reference, lengths=[0, -4, 2**40 + 3], raw=True)
-        add(f"decode raw lengths < num_new, window, splits={splits}", decode_case, torch.bfloat16, 128, 4, 4, 5,
-            splits, kvcache_ext, reference, lengths=[1, 2, 3], raw=True)
+        add(
+            f"decode raw lengths 0/-4/2^40, splits={splits}",
+            decode_case,
+            torch.float16,
+            64,
+            2,
+            1,
+            None,
+            splits,
+            kvcache_ext,
+            reference,
+            lengths=[0, -4, 2**40 + 3],
+            raw=True,
+        )
+        add(
+            f"decode raw lengths < num_new, window, splits={splits}",
+            decode_case,
+            torch.bfloat16,
+            128,
+            4,
+            4,
+            5,
+            splits,
+            kvcache_ext,
+            reference,
+            lengths=[1, 2, 3],
+            raw=True,
+        )
     return cases
 
 
@@ -233,8 +339,10 @@ def main() -> int:
             detail, ok = thunk(), True
         except ContextLost as error:
             results.append({"case": name, "ok": False, "detail": f"CUDA context lost: {error}"})
-            log(f"[{index + 1}/{len(cases)}] CONTEXT LOST {name}: {error}; the remaining {len(cases) - index - 1} "
-                "cases cannot run")
+            log(
+                f"[{index + 1}/{len(cases)}] CONTEXT LOST {name}: {error}; the remaining {len(cases) - index - 1} "
+                "cases cannot run"
+            )
             status = 2
             break
         except Exception as error:
@@ -244,8 +352,14 @@ def main() -> int:
         results.append({"case": name, "ok": ok, "detail": detail, "seconds": round(time.perf_counter() - t0, 3)})
         log(f"[{index + 1}/{len(cases)}] {'ok  ' if ok else 'FAIL'} {name}: {detail}")
     failed = [r["case"] for r in results if not r["ok"]]
-    summary = {"cases": len(cases), "ran": len(results), "failed": len(failed), "failed_cases": failed,
-               "status": status, "results": results}
+    summary = {
+        "cases": len(cases),
+        "ran": len(results),
+        "failed": len(failed),
+        "failed_cases": failed,
+        "status": status,
+        "results": results,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     log(f"done: {len(results)} of {len(cases)} cases ran, {len(failed)} failed (exit {status})")

@@ -72,8 +72,11 @@ def train(args) -> None:
     train_bytes, heldout = corpus()
     data = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()
     model = GPTModel(CONFIG).train()
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(data) / 1e6:.1f} MB of "
-          f"training text (Python {sys.version.split()[0]} standard library)", flush=True)
+    print(
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(data) / 1e6:.1f} MB of "
+        f"training text (Python {sys.version.split()[0]} standard library)",
+        flush=True,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(1)
     T, cache = CONFIG.context_length, CausalTraining()
@@ -83,7 +86,7 @@ def train(args) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         offsets = torch.randint(0, len(data) - T - 1, (args.batch,), generator=generator)
-        batch = torch.stack([data[o:o + T + 1] for o in offsets.tolist()])
+        batch = torch.stack([data[o : o + T + 1] for o in offsets.tolist()])
         logits = model(batch[:, :-1], cache)
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
@@ -94,7 +97,7 @@ def train(args) -> None:
             print(f"step {step}: loss {loss.item():.3f} nats/byte, {time.perf_counter() - start:.0f}s", flush=True)
     HERE.mkdir(exist_ok=True)
     save_file({k: v.half().contiguous() for k, v in model.state_dict().items()}, WEIGHTS)
-    HELDOUT.write_bytes(heldout[:args.heldout_bytes])
+    HELDOUT.write_bytes(heldout[: args.heldout_bytes])
     print(f"wrote {WEIGHTS} and {HELDOUT}")
 
 
@@ -107,17 +110,23 @@ def load_model(dtype: torch.dtype) -> GPTModel:
 def perplexity(model, text: torch.Tensor, kv_dtype, dtype, step: int) -> tuple[float, torch.Tensor]:
     """Per-byte perplexity of ``text`` (rows of context_length bytes) through the cache, and the
     predicted (argmax) bytes."""
-    cache = KVCache(**model.kv_shape, batch_size=text.shape[0], max_cache_len=text.shape[1], dtype=dtype,
-                    kv_dtype=kv_dtype)
-    logits = torch.cat([model(text[:, i:i + step], cache) for i in range(0, text.shape[1] - 1, step)], dim=1)
-    logits = logits[:, :text.shape[1] - 1].float()
+    cache = KVCache(
+        **model.kv_shape, batch_size=text.shape[0], max_cache_len=text.shape[1], dtype=dtype, kv_dtype=kv_dtype
+    )
+    logits = torch.cat([model(text[:, i : i + step], cache) for i in range(0, text.shape[1] - 1, step)], dim=1)
+    logits = logits[:, : text.shape[1] - 1].float()
     nll = F.cross_entropy(logits.flatten(0, 1), text[:, 1:].flatten())
     return math.exp(nll.item()), logits.argmax(-1)
 
 
 def greedy(model, prompt: torch.Tensor, new: int, kv_dtype, dtype) -> torch.Tensor:
-    cache = KVCache(**model.kv_shape, batch_size=prompt.shape[0], max_cache_len=prompt.shape[1] + new, dtype=dtype,
-                    kv_dtype=kv_dtype)
+    cache = KVCache(
+        **model.kv_shape,
+        batch_size=prompt.shape[0],
+        max_cache_len=prompt.shape[1] + new,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
     token, out = model(prompt, cache)[:, -1].argmax(-1, keepdim=True), []
     for _ in range(new):
         out.append(token)
@@ -130,10 +139,14 @@ def evaluate(args) -> None:
     T = CONFIG.context_length
     rows = text[: len(text) // T * T].view(-1, T)[: args.rows]
     prompts = rows[:, : T - args.new]  # greedy continuation fills the rest of the context
-    print(f"held-out text: {rows.numel()} bytes in {rows.shape[0]} rows of {T}; greedy: {prompts.shape[0]} prompts "
-          f"of {prompts.shape[1]} bytes + {args.new} generated\n")
-    print("| dtype | kv_dtype | perplexity (per byte) | vs unquantized | top-1 agreement | greedy: identical "
-          "before first divergence (mean) | greedy: identical bytes |")
+    print(
+        f"held-out text: {rows.numel()} bytes in {rows.shape[0]} rows of {T}; greedy: {prompts.shape[0]} prompts "
+        f"of {prompts.shape[1]} bytes + {args.new} generated\n"
+    )
+    print(
+        "| dtype | kv_dtype | perplexity (per byte) | vs unquantized | top-1 agreement | greedy: identical "
+        "before first divergence (mean) | greedy: identical bytes |"
+    )
     print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
@@ -141,14 +154,18 @@ def evaluate(args) -> None:
             base_ppl, base_top1 = perplexity(model, rows, None, dtype, args.step)
             base_greedy = greedy(model, prompts, args.new, None, dtype)
             for kv_dtype in KV_DTYPES:
-                ppl, top1 = (base_ppl, base_top1) if kv_dtype is None else perplexity(model, rows, kv_dtype, dtype,
-                                                                                     args.step)
+                ppl, top1 = (
+                    (base_ppl, base_top1) if kv_dtype is None else perplexity(model, rows, kv_dtype, dtype, args.step)
+                )
                 out = base_greedy if kv_dtype is None else greedy(model, prompts, args.new, kv_dtype, dtype)
                 same = out == base_greedy
                 prefix = torch.where(same.all(1), args.new, (~same).int().argmax(1)).float().mean().item()
-                print(f"| {str(dtype).removeprefix('torch.')} | {kv_dtype or 'none'} | {ppl:.4f} | "
-                      f"{100 * (ppl / base_ppl - 1):+.2f} % | {100 * (top1 == base_top1).float().mean():.2f} % | "
-                      f"{prefix:.0f} / {args.new} | {100 * same.float().mean():.1f} % |", flush=True)
+                print(
+                    f"| {str(dtype).removeprefix('torch.')} | {kv_dtype or 'none'} | {ppl:.4f} | "
+                    f"{100 * (ppl / base_ppl - 1):+.2f} % | {100 * (top1 == base_top1).float().mean():.2f} % | "
+                    f"{prefix:.0f} / {args.new} | {100 * same.float().mean():.1f} % |",
+                    flush=True,
+                )
 
 
 def main() -> None:

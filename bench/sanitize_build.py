@@ -44,7 +44,9 @@ def main(out_dir: pathlib.Path) -> None:
     # -O1: fast enough to run the tests, few enough optimisations that reports point at the code.
     # -fno-wrapv: Python's own CFLAGS (which every extension build inherits) contain -fwrapv, which
     # defines signed overflow and so silently turns UBSan's signed-integer-overflow check off.
-    extension.extra_compile_args["cxx"] = [flag if flag != "-O3" else "-O1" for flag in cxx] + SANITIZE + ["-g", "-fno-wrapv"]
+    extension.extra_compile_args["cxx"] = (
+        [flag if flag != "-O3" else "-O1" for flag in cxx] + SANITIZE + ["-g", "-fno-wrapv"]
+    )
     extension.extra_link_args = list(extension.extra_link_args) + SANITIZE
     distribution = Distribution({"name": "kvcache_ext_sanitize", "ext_modules": [extension], "cmdclass": cmdclass})
     build_ext = distribution.get_command_obj("build_ext")

@@ -34,8 +34,7 @@ inline ElemType elem_type_of(const torch::stable::Tensor& t, const char* what) {
     case ScalarType::Float: return ElemType::kFloat32;
     case ScalarType::BFloat16: return ElemType::kBFloat16;
     case ScalarType::Half: return ElemType::kFloat16;
-    default:
-      STD_TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", dtype_name(t.scalar_type()));
+    default: STD_TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", dtype_name(t.scalar_type()));
   }
   return ElemType::kFloat32;
 }
@@ -70,25 +69,25 @@ inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch
   using torch::headeronly::ScalarType;
   STD_TORCH_CHECK(k_cache.dim() == 4, "k_cache must be (batch, kv_heads, slots, head_dim), got shape ",
                   shape_of(k_cache));
-  STD_TORCH_CHECK(v_cache.dim() == 4 && v_cache.sizes().equals(k_cache.sizes()),
-                  "v_cache must have k_cache's shape ", shape_of(k_cache), ", got ", shape_of(v_cache));
-  STD_TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must be ",
-                  dtype_name(k_cache.scalar_type()), " like k_cache, got ", dtype_name(v_cache.scalar_type()));
+  STD_TORCH_CHECK(v_cache.dim() == 4 && v_cache.sizes().equals(k_cache.sizes()), "v_cache must have k_cache's shape ",
+                  shape_of(k_cache), ", got ", shape_of(v_cache));
+  STD_TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must be ", dtype_name(k_cache.scalar_type()),
+                  " like k_cache, got ", dtype_name(v_cache.scalar_type()));
   elem_type_of(k_cache, "k_cache");
-  STD_TORCH_CHECK(head_dim_supported(k_cache.size(3)), "head_dim must be a multiple of ", kHeadDimMultiple,
-                  " between ", kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", k_cache.size(3));
+  STD_TORCH_CHECK(head_dim_supported(k_cache.size(3)), "head_dim must be a multiple of ", kHeadDimMultiple, " between ",
+                  kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", k_cache.size(3));
   // The ops write the caches in place: an element must not be two places at once.
   STD_TORCH_CHECK(elements_distinct(k_cache) && elements_distinct(v_cache),
                   "k_cache and v_cache must not be expanded or self-overlapping views (writes would collide)");
   const auto* k_begin = static_cast<const char*>(k_cache.const_data_ptr());
   const auto* v_begin = static_cast<const char*>(v_cache.const_data_ptr());
-  STD_TORCH_CHECK(k_cache.numel() == 0 || k_begin + span_bytes(k_cache) <= v_begin ||
-                      v_begin + span_bytes(v_cache) <= k_begin,
-                  "k_cache and v_cache must not share memory");
+  STD_TORCH_CHECK(
+      k_cache.numel() == 0 || k_begin + span_bytes(k_cache) <= v_begin || v_begin + span_bytes(v_cache) <= k_begin,
+      "k_cache and v_cache must not share memory");
   STD_TORCH_CHECK(k_cache.size(2) >= 1, "k_cache must have at least one slot, got shape ", shape_of(k_cache));
   STD_TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-                  "k_cache and v_cache need a contiguous last (head_dim) dimension, got strides ",
-                  k_cache.stride(3), " and ", v_cache.stride(3));
+                  "k_cache and v_cache need a contiguous last (head_dim) dimension, got strides ", k_cache.stride(3),
+                  " and ", v_cache.stride(3));
   STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == k_cache.size(0), "lengths must have shape (",
                   k_cache.size(0), ",), got ", shape_of(lengths));
   STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",

@@ -28,10 +28,8 @@ inline bool head_dim_supported(int64_t head_dim) {
 inline std::string capabilities_json(bool cuda) {
   return std::string("{\"dtypes\": [\"float32\", \"bfloat16\", \"float16\"], ") +
          "\"head_dim_multiple\": " + std::to_string(kHeadDimMultiple) +
-         ", \"max_head_dim\": " + std::to_string(kMaxHeadDim) +
-         ", \"max_length\": " + std::to_string(kMaxLength) +
-         ", \"max_slots\": " + std::to_string(cuda ? kMaxSlotsCuda : kMaxSlotsCpu) +
-         ", \"max_group\": null" +
+         ", \"max_head_dim\": " + std::to_string(kMaxHeadDim) + ", \"max_length\": " + std::to_string(kMaxLength) +
+         ", \"max_slots\": " + std::to_string(cuda ? kMaxSlotsCuda : kMaxSlotsCpu) + ", \"max_group\": null" +
          // Quantized cache formats (python_ref/quantize.py) the kernels store and attend over.
          ", \"kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\", \"int4\"]") + "}";
 }

@@ -12,6 +12,16 @@ from .cache import KVCache
 from .capabilities import Capabilities, capabilities, kernels_used, native_available
 from .ops import append_kv, append_kv_quantized, decode_attention, decode_attention_quantized, gather_rows
 
-__all__ = ["KVCache", "append_kv", "decode_attention", "gather_rows", "append_kv_quantized", "decode_attention_quantized",
-           "build_info", "capabilities", "Capabilities",
-           "native_available", "kernels_used"]
+__all__ = [
+    "KVCache",
+    "append_kv",
+    "decode_attention",
+    "gather_rows",
+    "append_kv_quantized",
+    "decode_attention_quantized",
+    "build_info",
+    "capabilities",
+    "Capabilities",
+    "native_available",
+    "kernels_used",
+]

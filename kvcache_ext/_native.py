@@ -40,15 +40,19 @@ if os.environ.get(LIBRARY_ENV):
     try:
         torch.ops.load_library(os.environ[LIBRARY_ENV])
     except (OSError, RuntimeError) as error:
-        raise ImportError(f"kvcache_ext: {LIBRARY_ENV}={os.environ[LIBRARY_ENV]} failed to load under "
-                          f"torch {torch.__version__}: {error}") from error
+        raise ImportError(
+            f"kvcache_ext: {LIBRARY_ENV}={os.environ[LIBRARY_ENV]} failed to load under "
+            f"torch {torch.__version__}: {error}"
+        ) from error
     available, unavailable_reason = True, ""
 else:
     available, unavailable_reason = _load("_C.*.so")
 if not available:
     if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
         raise ImportError(f"kvcache_ext: {REQUIRE_NATIVE_ENV}=1 but {unavailable_reason}")
-    warnings.warn(f"kvcache_ext falls back to the pure-PyTorch path: {unavailable_reason}", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"kvcache_ext falls back to the pure-PyTorch path: {unavailable_reason}", RuntimeWarning, stacklevel=3
+    )
 
 # The CUDA kernels register implementations for the schemas _C defines, so they load after it.
 if not available:
@@ -59,7 +63,9 @@ else:
     cuda_available, cuda_unavailable_reason = _load("_C_cuda.*.so")
     if not cuda_available:
         if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
-            raise ImportError(f"kvcache_ext: {REQUIRE_NATIVE_ENV}=1 and CUDA is available but {cuda_unavailable_reason}")
+            raise ImportError(
+                f"kvcache_ext: {REQUIRE_NATIVE_ENV}=1 and CUDA is available but {cuda_unavailable_reason}"
+            )
         warnings.warn(f"kvcache_ext has no CUDA kernels: {cuda_unavailable_reason}", RuntimeWarning, stacklevel=3)
 
 

@@ -35,19 +35,42 @@ class KVCache(PreallocatedCache):
         # kv_dtype="int8" / "fp8_e4m3" / "int4" stores quantized keys/values: a QuantizedKVCache.
         if cls is KVCache and kv_dtype is not None:
             from .quantized import QuantizedKVCache
+
             cls = QuantizedKVCache
         return super().__new__(cls)
 
-    def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_cache_len=None, window=None,
-                 chunk_size=128, dtype=torch.float32, device=None, sink_tokens=0, kv_dtype=None):
+    def __init__(
+        self,
+        num_layers,
+        batch_size,
+        kv_heads,
+        head_dim,
+        max_cache_len=None,
+        window=None,
+        chunk_size=128,
+        dtype=torch.float32,
+        device=None,
+        sink_tokens=0,
+        kv_dtype=None,
+    ):
         if kv_dtype is not None:  # only KVCache itself maps kv_dtype to the quantized cache
             raise TypeError(f"{type(self).__name__} does not take kv_dtype")
         table = capabilities(device)
         table.check_dtype(dtype, "KVCache dtype")
         if isinstance(head_dim, int):
             table.check_head_dim(head_dim)
-        super().__init__(num_layers, batch_size, kv_heads, head_dim, max_cache_len=max_cache_len, window=window,
-                         chunk_size=chunk_size, dtype=dtype, device=device, sink_tokens=sink_tokens)
+        super().__init__(
+            num_layers,
+            batch_size,
+            kv_heads,
+            head_dim,
+            max_cache_len=max_cache_len,
+            window=window,
+            chunk_size=chunk_size,
+            dtype=dtype,
+            device=device,
+            sink_tokens=sink_tokens,
+        )
         table.check_slots(self.slots)
 
     def _check_step(self, layer, q, k, v, scale):

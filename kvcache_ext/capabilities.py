@@ -71,8 +71,10 @@ def capabilities(device: torch.device | str | None = "cpu") -> Capabilities:
 
 
 def _read_table(device_type: str) -> Capabilities:
-    kernels = {"cpu": CPU_LIBRARY if _native.available else PYTHON_FALLBACK,
-               "cuda": CUDA_LIBRARY if _native.cuda_available else PYTHON_FALLBACK}.get(device_type, PYTHON_FALLBACK)
+    kernels = {
+        "cpu": CPU_LIBRARY if _native.available else PYTHON_FALLBACK,
+        "cuda": CUDA_LIBRARY if _native.cuda_available else PYTHON_FALLBACK,
+    }.get(device_type, PYTHON_FALLBACK)
     if kernels == PYTHON_FALLBACK:
         return python_fallback_table(device_type)
     return kernel_table(device_type)
@@ -84,18 +86,32 @@ def kernel_table(device_type: str) -> Capabilities:
     if not _native.available:
         raise RuntimeError(f"the native library is not loaded: {_native.unavailable_reason}")
     table = json.loads(torch.ops.kvcache_ext.capabilities(device_type))
-    return Capabilities(device_type=device_type, kernels={"cpu": CPU_LIBRARY, "cuda": CUDA_LIBRARY}[device_type],
-                        dtypes=tuple(getattr(torch, name) for name in table["dtypes"]),
-                        head_dim_multiple=table["head_dim_multiple"], max_head_dim=table["max_head_dim"],
-                        max_length=table["max_length"], max_slots=table["max_slots"], max_group=table["max_group"],
-                        kv_formats=tuple(table["kv_formats"]))
+    return Capabilities(
+        device_type=device_type,
+        kernels={"cpu": CPU_LIBRARY, "cuda": CUDA_LIBRARY}[device_type],
+        dtypes=tuple(getattr(torch, name) for name in table["dtypes"]),
+        head_dim_multiple=table["head_dim_multiple"],
+        max_head_dim=table["max_head_dim"],
+        max_length=table["max_length"],
+        max_slots=table["max_slots"],
+        max_group=table["max_group"],
+        kv_formats=tuple(table["kv_formats"]),
+    )
 
 
 def python_fallback_table(device_type: str) -> Capabilities:
     """The pure-PyTorch path: no kernel limits but the bound on lengths both paths share."""
-    return Capabilities(device_type=device_type, kernels=PYTHON_FALLBACK, dtypes=SUPPORTED_DTYPES, head_dim_multiple=1,
-                        max_head_dim=2**31 - 1, max_length=MAX_LENGTH, max_slots=MAX_LENGTH, max_group=None,
-                        kv_formats=FORMATS)
+    return Capabilities(
+        device_type=device_type,
+        kernels=PYTHON_FALLBACK,
+        dtypes=SUPPORTED_DTYPES,
+        head_dim_multiple=1,
+        max_head_dim=2**31 - 1,
+        max_length=MAX_LENGTH,
+        max_slots=MAX_LENGTH,
+        max_group=None,
+        kv_formats=FORMATS,
+    )
 
 
 def _power_of_two(n: int) -> str:
@@ -104,16 +120,23 @@ def _power_of_two(n: int) -> str:
 
 def limits_markdown() -> str:
     """README's limits table, rendered from the kernels' own tables (a test compares the two)."""
-    rows = ["| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots "
-            "| quantized `kv_dtype` |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots "
+        "| quantized `kv_dtype` |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for table in (kernel_table("cpu"), kernel_table("cuda"), python_fallback_table("cpu")):
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in table.dtypes)
-        head_dim = (f"multiples of {table.head_dim_multiple} from {table.head_dim_multiple} to {table.max_head_dim}"
-                    if table.head_dim_multiple > 1 else "any")
+        head_dim = (
+            f"multiples of {table.head_dim_multiple} from {table.head_dim_multiple} to {table.max_head_dim}"
+            if table.head_dim_multiple > 1
+            else "any"
+        )
         group = "any" if table.max_group is None else f"at most {table.max_group}"
-        rows.append(f"| {table.kernels} | {dtypes} | {head_dim} | {group} | 0 to {_power_of_two(table.max_length)} "
-                    f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} |")
+        rows.append(
+            f"| {table.kernels} | {dtypes} | {head_dim} | {group} | 0 to {_power_of_two(table.max_length)} "
+            f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} |"
+        )
     return "\n".join(rows)
 
 

@@ -22,7 +22,9 @@ def main(argv=None) -> int:
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.run)
 
-    info_parser = commands.add_parser("info", help="what the native extension was built with, what runs, what it supports")
+    info_parser = commands.add_parser(
+        "info", help="what the native extension was built with, what runs, what it supports"
+    )
     info_parser.set_defaults(run=_info)
 
     args = parser.parse_args(argv)

@@ -29,24 +29,42 @@ CACHE_NAMES = ("none", "concat", "prealloc", "native")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="Hello, I am")
     parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
-                        help="GPT-2, or the Llama/Qwen-style model (GPT-2 tokenizer ids as its input)")
-    parser.add_argument("--model", help="random-weight size: GPT-2 124M (default), 355M, 774M, 1558M, tiny; "
-                        f"with --arch llama: {', '.join(LLAMA_CONFIGS)} (default llama-tiny)")
-    parser.add_argument("--weights", help="a GPT-2 .safetensors file in Hugging Face layout (real text instead of random weights)")
+    parser.add_argument(
+        "--arch",
+        choices=("gpt2", "llama"),
+        default="gpt2",
+        help="GPT-2, or the Llama/Qwen-style model (GPT-2 tokenizer ids as its input)",
+    )
+    parser.add_argument(
+        "--model",
+        help="random-weight size: GPT-2 124M (default), 355M, 774M, 1558M, tiny; "
+        f"with --arch llama: {', '.join(LLAMA_CONFIGS)} (default llama-tiny)",
+    )
+    parser.add_argument(
+        "--weights", help="a GPT-2 .safetensors file in Hugging Face layout (real text instead of random weights)"
+    )
     parser.add_argument("--seed", type=int, default=123, help="seed for the random weights")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: under torchrun, GPU LOCAL_RANK of each machine")
-    parser.add_argument("--tp", type=int, default=1, metavar="N",
-                        help="tensor-parallel over N ranks (heads split, each rank's cache holds its heads); "
-                        "run under `torchrun --nproc-per-node N`: gloo on cpu, NCCL on cuda")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel over N ranks (heads split, each rank's cache holds its heads); "
+        "run under `torchrun --nproc-per-node N`: gloo on cpu, NCCL on cuda",
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="the prompt repeated in each row")
     parser.add_argument("--window", type=int, help="sliding window in tokens (every cache applies it)")
-    parser.add_argument("--caches", default=",".join(CACHE_NAMES),
-                        help=f"comma-separated subset of {','.join(CACHE_NAMES)}")
-    parser.add_argument("--kv-dtype", choices=("int8", "fp8_e4m3", "int4"),
-                        help="the native cache stores keys/values quantized (python_ref/quantize.py); its tokens "
-                             "are then compared with the others' for agreement, not required identical")
+    parser.add_argument(
+        "--caches", default=",".join(CACHE_NAMES), help=f"comma-separated subset of {','.join(CACHE_NAMES)}"
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=("int8", "fp8_e4m3", "int4"),
+        help="the native cache stores keys/values quantized (python_ref/quantize.py); its tokens "
+        "are then compared with the others' for agreement, not required identical",
+    )
 
 
 def make_cache(name, model, batch_size, max_cache_len, window, dtype, device, kv_dtype=None):
@@ -54,7 +72,9 @@ def make_cache(name, model, batch_size, max_cache_len, window, dtype, device, kv
         return NoCache(window=window)
     if name == "concat":
         return ConcatCache(window=window)
-    shape = dict(model.kv_shape, batch_size=batch_size, max_cache_len=max_cache_len, window=window, dtype=dtype, device=device)
+    shape = dict(
+        model.kv_shape, batch_size=batch_size, max_cache_len=max_cache_len, window=window, dtype=dtype, device=device
+    )
     if name == "prealloc":
         return PreallocatedCache(**shape)
     if name == "native":
@@ -93,15 +113,20 @@ def _run(args, caches, tp) -> int:
     prompt = torch.tensor([tokenizer.encode(args.prompt)] * args.batch_size, device=device)
     total = prompt.shape[1] + args.max_new_tokens
     if total > model.cfg.context_length:
-        raise SystemExit(f"prompt ({prompt.shape[1]} tokens) + {args.max_new_tokens} new tokens exceed "
-                         f"the model's {model.cfg.context_length} positions")
+        raise SystemExit(
+            f"prompt ({prompt.shape[1]} tokens) + {args.max_new_tokens} new tokens exceed "
+            f"the model's {model.cfg.context_length} positions"
+        )
     title = args.model if args.arch == "llama" else f"GPT-2 {args.weights or args.model}"
     parameters = f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
     if tp.size > 1:
         parameters += f" per rank, tensor-parallel over {tp.size} ranks ({distributed.BACKENDS[device.type]})"
-    print(f"{title} ({parameters}), "
-          f"{args.dtype} on {device}, batch {args.batch_size}, {args.max_new_tokens} new tokens"
-          + (f", window {args.window}" if args.window else ""), flush=True)
+    print(
+        f"{title} ({parameters}), "
+        f"{args.dtype} on {device}, batch {args.batch_size}, {args.max_new_tokens} new tokens"
+        + (f", window {args.window}" if args.window else ""),
+        flush=True,
+    )
 
     results = {}
     for name in caches:
@@ -123,8 +148,10 @@ def _run(args, caches, tp) -> int:
     exact = {name: result for name, result in results.items() if name != quantized}
     first_out = next(iter(exact.values() or results.values()))[0]
     # A Llama-style vocabulary is larger than GPT-2's: ids the GPT-2 tokenizer lacks show as <id>.
-    text = "".join(tokenizer.decode(list(ids)) if known else "".join(f"<{t}>" for t in ids)
-                   for known, ids in groupby(first_out[0].tolist(), key=lambda t: t < tokenizer.n_vocab))
+    text = "".join(
+        tokenizer.decode(list(ids)) if known else "".join(f"<{t}>" for t in ids)
+        for known, ids in groupby(first_out[0].tolist(), key=lambda t: t < tokenizer.n_vocab)
+    )
     print("\nOutput text:", text)
     print()
     base = results.get("none")
@@ -163,8 +190,17 @@ class _Progress:
         self.count += 1
         if self.tty and (self.count % 10 == 0 or self.count == self.total):
             elapsed = time.perf_counter() - self.start
-            print(f"\r  {self.label}: {self.count}/{self.total} tokens, {elapsed:.1f}s", end="", file=sys.stderr, flush=True)
+            print(
+                f"\r  {self.label}: {self.count}/{self.total} tokens, {elapsed:.1f}s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def done(self, seconds):
         end = "\r" if self.tty else ""
-        print(f"{end}  {self.label}: {self.count}/{self.total} tokens in {seconds:.1f}s" + " " * 10, file=sys.stderr, flush=True)
+        print(
+            f"{end}  {self.label}: {self.count}/{self.total} tokens in {seconds:.1f}s" + " " * 10,
+            file=sys.stderr,
+            flush=True,
+        )

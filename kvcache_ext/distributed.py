@@ -47,15 +47,19 @@ def init_tensor_parallel(size: int, device: str | torch.device, timeout_s: float
         raise RuntimeError(
             f"--tp {size} needs {size} processes, one per rank, but WORLD_SIZE is {world_size}"
             + ("" if "WORLD_SIZE" in os.environ else " (not started by torchrun)")
-            + f": run it as `torchrun --nproc-per-node {size} -m kvcache_ext.cli demo --tp {size} ...`")
+            + f": run it as `torchrun --nproc-per-node {size} -m kvcache_ext.cli demo --tp {size} ...`"
+        )
     device = process_device(device)
     if device.type not in BACKENDS:
         raise ValueError(f"tensor parallelism runs on {' or '.join(BACKENDS)}, got device {device}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(BACKENDS[device.type], timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            BACKENDS[device.type],
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     return TensorParallel.from_process_group()
 
 

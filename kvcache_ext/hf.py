@@ -88,7 +88,8 @@ def check_transformers_version(version: str | None = None) -> None:
     if not Version(low) <= Version(version) < Version(high):
         raise ImportError(
             f"kvcache_ext.hf supports transformers >={low},<{high}; transformers {version} is installed. "
-            f'Install a supported version: pip install "transformers>={low},<{high}"')
+            f'Install a supported version: pip install "transformers>={low},<{high}"'
+        )
 
 
 try:
@@ -128,13 +129,13 @@ class NativeCacheLayer(CacheLayerMixin):
         # as the ring holds beyond the window - 1 keys the earliest of them needs.
         self.tokens_per_call = self.slots if self.slots == max_cache_len else chunk_size
         self.lengths: torch.Tensor | None = None  # real tokens per row, on the device
-        self.seen_tokens = 0      # columns of input processed, padding included (transformers' length)
+        self.seen_tokens = 0  # columns of input processed, padding included (transformers' length)
         # Host-side, for crop on a ring: the longest row's real tokens now, and the most it ever held
         # (what was written last overwrote everything more than `slots` positions before it).
         self._longest = 0
         self._high_water = 0
-        self._prompt = None       # (keys, values) of the prompt, stored once its padding is known
-        self._new = None          # (keys, values) of a later step, stored by the attention function
+        self._prompt = None  # (keys, values) of the prompt, stored once its padding is known
+        self._new = None  # (keys, values) of a later step, stored by the attention function
         self._awaiting_attention = False
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -155,13 +156,15 @@ class NativeCacheLayer(CacheLayerMixin):
             raise RuntimeError(
                 "NativeCache was used without kvcache_ext's attention: call "
                 f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}") (after importing kvcache_ext.hf), '
-                f'or load the model with attn_implementation="{ATTN_IMPLEMENTATION}"')
+                f'or load the model with attn_implementation="{ATTN_IMPLEMENTATION}"'
+            )
         num_new = key_states.shape[2]
         if self.seen_tokens + num_new > self.max_cache_len:
             raise CacheOverflowError(
                 f"NativeCache overflow: {self.seen_tokens} tokens cached and {num_new} more offered, but "
                 f"max_cache_len is {self.max_cache_len}. Create it with max_cache_len >= prompt length + "
-                "max_new_tokens.")
+                "max_new_tokens."
+            )
         is_prompt = self.seen_tokens == 0
         self._awaiting_attention = True
         self.seen_tokens += num_new
@@ -183,8 +186,9 @@ class NativeCacheLayer(CacheLayerMixin):
         if real is None:  # no padding: one append of the tokens the buffer keeps (a ring: the last `slots`)
             kept = min(length, self.slots)
             self.lengths.fill_(length - kept)
-            ops.append_kv(self.keys, self.values, keys[:, :, length - kept:], values[:, :, length - kept:],
-                          self.lengths)
+            ops.append_kv(
+                self.keys, self.values, keys[:, :, length - kept :], values[:, :, length - kept :], self.lengths
+            )
             self.lengths.fill_(length)
             longest = length
         else:
@@ -210,8 +214,9 @@ class NativeCacheLayer(CacheLayerMixin):
         first = slice(0, self.tokens_per_call)
         # Both ops' arguments are checked before anything is written: a refused step changes nothing.
         ops.check_append_kv(self.keys, self.values, keys[:, :, first], values[:, :, first], self.lengths)
-        ops.check_decode_attention(query[:, :, first], self.keys, self.values, self.lengths, self.window, scaling,
-                                   softcap, sinks)
+        ops.check_decode_attention(
+            query[:, :, first], self.keys, self.values, self.lengths, self.window, scaling, softcap, sinks
+        )
         self._new = None
         outs = []
         for start in range(0, keys.shape[2], self.tokens_per_call):
@@ -219,8 +224,11 @@ class NativeCacheLayer(CacheLayerMixin):
             ops.append_kv(self.keys, self.values, keys[:, :, piece], values[:, :, piece], self.lengths)
             self.lengths += keys[:, :, piece].shape[2]
             # Bottom-right causal attention of the new queries over each row's real tokens.
-            outs.append(ops.decode_attention(query[:, :, piece], self.keys, self.values, self.lengths, self.window,
-                                             scaling, softcap, sinks)[0])
+            outs.append(
+                ops.decode_attention(
+                    query[:, :, piece], self.keys, self.values, self.lengths, self.window, scaling, softcap, sinks
+                )[0]
+            )
         self._longest += keys.shape[2]
         self._high_water = max(self._high_water, self._longest)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -255,8 +263,10 @@ class NativeCacheLayer(CacheLayerMixin):
         (at least ``chunk_size`` tokens right after a step); beyond that crop refuses, changing nothing.
         """
         if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool) or tokens_to_remove > 0:
-            raise ValueError(f"NativeCache.crop takes -n to remove the last n tokens, got {tokens_to_remove!r}; "
-                             "to keep the first n tokens, pass n - cache.get_seq_length()")
+            raise ValueError(
+                f"NativeCache.crop takes -n to remove the last n tokens, got {tokens_to_remove!r}; "
+                "to keep the first n tokens, pass n - cache.get_seq_length()"
+            )
         removed = -tokens_to_remove
         if removed > self.seen_tokens:
             raise ValueError(f"cannot remove {removed} tokens: the cache holds {self.seen_tokens}")
@@ -274,7 +284,8 @@ class NativeCacheLayer(CacheLayerMixin):
                 f"window {self.window}) has overwritten older tokens, and the longest row must keep the "
                 f"{self.window - 1} before its new end, so at most {removable} can be removed now. Create the "
                 "NativeCache with a larger chunk_size (ring slots = window + chunk_size - 1), or use "
-                "transformers' DynamicCache.")
+                "transformers' DynamicCache."
+            )
         self.seen_tokens -= removed
         self._longest = longest
         self.lengths.sub_(removed).clamp_(min=0)
@@ -336,14 +347,20 @@ class NativeCache(Cache):
             layer_types = ["sliding_attention" if sliding else "full_attention"] * text_config.num_hidden_layers
         unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unsupported:
-            raise ValueError(f"NativeCache supports full_attention and sliding_attention layers, but the config has "
-                             f"{unsupported} layers; use transformers' DynamicCache for this model")
+            raise ValueError(
+                f"NativeCache supports full_attention and sliding_attention layers, but the config has "
+                f"{unsupported} layers; use transformers' DynamicCache for this model"
+            )
         if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"the config has sliding_attention layers but sliding_window={window!r}; expected a "
-                             "positive int")
-        super().__init__(layers=[
-            NativeCacheLayer(max_cache_len, window if kind == "sliding_attention" else None, chunk_size)
-            for kind in layer_types[:text_config.num_hidden_layers]])
+            raise ValueError(
+                f"the config has sliding_attention layers but sliding_window={window!r}; expected a positive int"
+            )
+        super().__init__(
+            layers=[
+                NativeCacheLayer(max_cache_len, window if kind == "sliding_attention" else None, chunk_size)
+                for kind in layer_types[: text_config.num_hidden_layers]
+            ]
+        )
         self.max_cache_len = max_cache_len
         self.chunk_size = chunk_size
 
@@ -370,21 +387,37 @@ class NativeCache(Cache):
         for i, layer in enumerate(self.layers):
             if layer._prompt is not None or layer._new is not None or layer._awaiting_attention:
                 raise RuntimeError("NativeCache.save() inside a forward pass: save between generate() calls")
-            entry = {"window": layer.window, "slots": layer.slots, "max_cache_len": layer.max_cache_len,
-                     "seen_tokens": layer.seen_tokens, "longest": layer._longest, "high_water": layer._high_water,
-                     "initialized": bool(layer.is_initialized)}
+            entry = {
+                "window": layer.window,
+                "slots": layer.slots,
+                "max_cache_len": layer.max_cache_len,
+                "seen_tokens": layer.seen_tokens,
+                "longest": layer._longest,
+                "high_water": layer._high_water,
+                "initialized": bool(layer.is_initialized),
+            }
             if layer.is_initialized:
                 used = min(layer._high_water, layer.slots)  # slots never written hold nothing
                 tensors[f"keys.{i}"] = layer.keys[:, :, :used].contiguous().cpu()
                 tensors[f"values.{i}"] = layer.values[:, :, :used].contiguous().cpu()
                 tensors[f"lengths.{i}"] = layer.lengths.cpu()
-                entry.update(batch_size=layer.batch_size, kv_heads=layer.num_heads, head_dim=layer.head_dim,
-                             used=used, dtype=str(layer.keys.dtype).removeprefix("torch."),
-                             lengths=tensors[f"lengths.{i}"].tolist())
+                entry.update(
+                    batch_size=layer.batch_size,
+                    kv_heads=layer.num_heads,
+                    head_dim=layer.head_dim,
+                    used=used,
+                    dtype=str(layer.keys.dtype).removeprefix("torch."),
+                    lengths=tensors[f"lengths.{i}"].tolist(),
+                )
             layers.append(entry)
-        meta = {"format_version": self.FORMAT_VERSION, "max_cache_len": self.max_cache_len,
-                "chunk_size": self.chunk_size, "num_layers": len(self.layers), "layers": layers,
-                "fingerprint": fingerprint}
+        meta = {
+            "format_version": self.FORMAT_VERSION,
+            "max_cache_len": self.max_cache_len,
+            "chunk_size": self.chunk_size,
+            "num_layers": len(self.layers),
+            "layers": layers,
+            "fingerprint": fingerprint,
+        }
         meta["sha256"] = _checksum(tensors, meta)
         partial = f"{os.fspath(path)}.partial"
         save_file(tensors, partial, metadata={SAVED_NATIVE_CACHE_KEY: json.dumps(meta)})
@@ -404,23 +437,28 @@ class NativeCache(Cache):
         whose layers (count, full/sliding and window, key/value heads, head size) do not match
         what ``config`` builds.
         """
-        def names_ok(names):
-            return all(n.split(".")[0] in ("keys", "values", "lengths") and n.split(".")[-1].isdigit()
-                       for n in names)
 
-        meta, tensors = _read_saved_cache(path, key=SAVED_NATIVE_CACHE_KEY, names_ok=names_ok,
-                                          expected="tensors keys.<i>, values.<i>, lengths.<i>")
+        def names_ok(names):
+            return all(n.split(".")[0] in ("keys", "values", "lengths") and n.split(".")[-1].isdigit() for n in names)
+
+        meta, tensors = _read_saved_cache(
+            path, key=SAVED_NATIVE_CACHE_KEY, names_ok=names_ok, expected="tensors keys.<i>, values.<i>, lengths.<i>"
+        )
         if meta.get("format_version") != cls.FORMAT_VERSION:
-            raise ValueError(f"{path} has NativeCache format version {meta.get('format_version')!r}; this version "
-                             f"reads version {cls.FORMAT_VERSION}. Re-create the cache and save it again.")
+            raise ValueError(
+                f"{path} has NativeCache format version {meta.get('format_version')!r}; this version "
+                f"reads version {cls.FORMAT_VERSION}. Re-create the cache and save it again."
+            )
         required = {"sha256", "fingerprint", "max_cache_len", "chunk_size", "num_layers", "layers"}
         if not required <= set(meta):
             raise ValueError(f"{path} is corrupt: its metadata lacks {sorted(required - set(meta))}")
         if _checksum(tensors, {k: v for k, v in meta.items() if k != "sha256"}) != meta["sha256"]:
             raise ValueError(f"{path} is corrupt: its contents do not match the sha256 checksum saved with them")
         if meta["fingerprint"] != fingerprint:
-            raise ValueError(f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
-                             "it holds another model's keys and values")
+            raise ValueError(
+                f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
+                "it holds another model's keys and values"
+            )
         saved = meta["layers"]
         if not isinstance(saved, list) or len(saved) != meta["num_layers"]:
             raise ValueError(f"{path} is corrupt: {meta['num_layers']} layers but {len(saved)} layer entries")
@@ -438,21 +476,32 @@ class NativeCache(Cache):
         for i, (layer, entry) in enumerate(zip(cache.layers, saved)):
             kind = lambda window: "full attention" if window is None else f"sliding window {window}"  # noqa: E731
             if entry["window"] != layer.window:
-                raise ValueError(f"{path}: layer {i} was saved with {kind(entry['window'])}; this config's layer "
-                                 f"{i} has {kind(layer.window)}")
+                raise ValueError(
+                    f"{path}: layer {i} was saved with {kind(entry['window'])}; this config's layer "
+                    f"{i} has {kind(layer.window)}"
+                )
             if entry["seen_tokens"] > capacity:
-                raise ValueError(f"max_cache_len must hold the {entry['seen_tokens']} saved tokens (padding "
-                                 f"included), got {capacity}")
+                raise ValueError(
+                    f"max_cache_len must hold the {entry['seen_tokens']} saved tokens (padding "
+                    f"included), got {capacity}"
+                )
             if layer.window is not None and layer.slots != entry["slots"] and entry["high_water"] > 0:
-                raise ValueError(f"{path}: layer {i}'s ring has {entry['slots']} slots, but max_cache_len="
-                                 f"{capacity} gives {layer.slots}; load with max_cache_len >= {entry['slots']} or "
-                                 f"the saved {meta['max_cache_len']}")
+                raise ValueError(
+                    f"{path}: layer {i}'s ring has {entry['slots']} slots, but max_cache_len="
+                    f"{capacity} gives {layer.slots}; load with max_cache_len >= {entry['slots']} or "
+                    f"the saved {meta['max_cache_len']}"
+                )
             if not entry["initialized"]:
                 continue
-            if (kv_heads, head_dim) != (entry["kv_heads"], entry["head_dim"]) and kv_heads is not None \
-                    and head_dim is not None:
-                raise ValueError(f"{path}: layer {i} holds {entry['kv_heads']} key/value heads of size "
-                                 f"{entry['head_dim']}; this config has {kv_heads} of size {head_dim}")
+            if (
+                (kv_heads, head_dim) != (entry["kv_heads"], entry["head_dim"])
+                and kv_heads is not None
+                and head_dim is not None
+            ):
+                raise ValueError(
+                    f"{path}: layer {i} holds {entry['kv_heads']} key/value heads of size "
+                    f"{entry['head_dim']}; this config has {kv_heads} of size {head_dim}"
+                )
             dtype = _SAVED_DTYPES.get(entry["dtype"])
             if dtype is None:
                 raise ValueError(f"{path}: dtype must be one of {sorted(_SAVED_DTYPES)}, got {entry['dtype']!r}")
@@ -462,28 +511,41 @@ class NativeCache(Cache):
             for name in (f"keys.{i}", f"values.{i}"):
                 t = tensors.get(name)
                 if t is None or tuple(t.shape) != shape or t.dtype != dtype:
-                    raise ValueError(f"{path}: {name} must be {entry['dtype']} of shape {shape}, got "
-                                     f"{None if t is None else (t.dtype, tuple(t.shape))}")
+                    raise ValueError(
+                        f"{path}: {name} must be {entry['dtype']} of shape {shape}, got "
+                        f"{None if t is None else (t.dtype, tuple(t.shape))}"
+                    )
             lengths = tensors.get(f"lengths.{i}")
-            if lengths is None or lengths.dtype != torch.long or lengths.tolist() != entry["lengths"] \
-                    or len(entry["lengths"]) != entry["batch_size"] or min(entry["lengths"]) < 0 \
-                    or max(entry["lengths"]) != entry["longest"]:
-                raise ValueError(f"{path}: lengths.{i} must be the {entry['batch_size']} non-negative row "
-                                 f"lengths recorded in its metadata")
+            if (
+                lengths is None
+                or lengths.dtype != torch.long
+                or lengths.tolist() != entry["lengths"]
+                or len(entry["lengths"]) != entry["batch_size"]
+                or min(entry["lengths"]) < 0
+                or max(entry["lengths"]) != entry["longest"]
+            ):
+                raise ValueError(
+                    f"{path}: lengths.{i} must be the {entry['batch_size']} non-negative row "
+                    f"lengths recorded in its metadata"
+                )
             expected_names |= {f"keys.{i}", f"values.{i}", f"lengths.{i}"}
         if set(tensors) != expected_names:
             raise ValueError(f"{path}: expected tensors {sorted(expected_names)}, got {sorted(tensors)}")
         # Everything is checked: fill the new cache (a failure above left no cache behind).
         device = torch.device("cpu") if device is None else torch.device(device)
         for i, (layer, entry) in enumerate(zip(cache.layers, saved)):
-            layer.seen_tokens, layer._longest, layer._high_water = \
-                entry["seen_tokens"], entry["longest"], entry["high_water"]
+            layer.seen_tokens, layer._longest, layer._high_water = (
+                entry["seen_tokens"],
+                entry["longest"],
+                entry["high_water"],
+            )
             if not entry["initialized"]:
                 continue
             shape = (entry["batch_size"], entry["kv_heads"], 1, entry["head_dim"])
             dtype = _SAVED_DTYPES[entry["dtype"]]
-            layer.lazy_initialization(torch.empty(shape, dtype=dtype, device=device),
-                                      torch.empty(shape, dtype=dtype, device=device))
+            layer.lazy_initialization(
+                torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+            )
             used = entry["used"]
             layer.keys[:, :, :used] = tensors[f"keys.{i}"].to(device)
             layer.values[:, :, :used] = tensors[f"values.{i}"].to(device)
@@ -491,8 +553,9 @@ class NativeCache(Cache):
         return cache
 
 
-def native_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                             is_causal=None, **kwargs):
+def native_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers attention function: fused decode kernel on a :class:`NativeCache`, masked
     attention in PyTorch otherwise (SDPA, or plain matmuls where the model soft-caps scores or
     has sink logits, which SDPA cannot express)."""
@@ -505,8 +568,17 @@ def native_attention_forward(module, query, key, value, attention_mask, dropout=
     if layer is None or layer._prompt is not None:
         # Not our cache (or no cache), or the prompt step: transformers' mask says what each query sees.
         if softcap is None and sinks is None:
-            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                            scaling=scaling, is_causal=is_causal, **kwargs)
+            out, _ = sdpa_attention_forward(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=dropout,
+                scaling=scaling,
+                is_causal=is_causal,
+                **kwargs,
+            )
         else:
             out = _masked_attention(query, key, value, attention_mask, scaling, softcap, sinks)
         if layer is not None:
@@ -515,9 +587,11 @@ def native_attention_forward(module, query, key, value, attention_mask, dropout=
         return out, None
     layer._awaiting_attention = False
     if kwargs.get("sliding_window") != layer.window:
-        raise ValueError(f"the model attends with sliding_window={kwargs.get('sliding_window')} in a layer that "
-                         f"NativeCache built with window={layer.window} from the config: build the cache from the "
-                         "model's own config")
+        raise ValueError(
+            f"the model attends with sliding_window={kwargs.get('sliding_window')} in a layer that "
+            f"NativeCache built with window={layer.window} from the config: build the cache from the "
+            "model's own config"
+        )
     out = layer.attend(query, scaling, softcap, sinks)
     return out.transpose(1, 2).contiguous(), None  # transformers expects (batch, tokens, heads, head_dim)
 
@@ -561,8 +635,9 @@ def _real_tokens(attention_mask, batch: int, length: int) -> torch.Tensor | None
     if attention_mask is None:
         return None
     if attention_mask.dim() != 4 or attention_mask.shape[-1] != length or attention_mask.shape[-2] != length:
-        raise ValueError(f"expected a 4D attention mask over the {length} prompt tokens, got shape "
-                         f"{tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"expected a 4D attention mask over the {length} prompt tokens, got shape {tuple(attention_mask.shape)}"
+        )
     diagonal = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
     real = diagonal if diagonal.dtype == torch.bool else diagonal > torch.finfo(diagonal.dtype).min / 2
     real = real.expand(batch, length)
@@ -573,5 +648,13 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, native_attention_forward)
 # The prompt step reuses SDPA, so it needs SDPA's boolean masks.
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
-__all__ = ["NativeCache", "NativeCacheLayer", "native_attention_forward", "check_transformers_version",
-           "SUPPORTED_TRANSFORMERS", "ATTN_IMPLEMENTATION", "DEFAULT_CHUNK_SIZE", "SAVED_NATIVE_CACHE_KEY"]
+__all__ = [
+    "NativeCache",
+    "NativeCacheLayer",
+    "native_attention_forward",
+    "check_transformers_version",
+    "SUPPORTED_TRANSFORMERS",
+    "ATTN_IMPLEMENTATION",
+    "DEFAULT_CHUNK_SIZE",
+    "SAVED_NATIVE_CACHE_KEY",
+]

@@ -48,7 +48,9 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"k_cache and v_cache must be on one device, got {k_cache.device} and {v_cache.device}")
     table = capabilities(k_cache.device)
     if k_cache.dtype not in table.dtypes or v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"k_cache and v_cache must share one of {table.dtypes}, got {k_cache.dtype} and {v_cache.dtype}")
+        raise TypeError(
+            f"k_cache and v_cache must share one of {table.dtypes}, got {k_cache.dtype} and {v_cache.dtype}"
+        )
     table.check_head_dim(k_cache.shape[3])
     table.check_slots(k_cache.shape[2])
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
@@ -60,7 +62,9 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def check_lengths(lengths: torch.Tensor, batch: int, device: torch.device) -> None:
     if lengths.dtype != torch.long or lengths.shape != (batch,):
-        raise ValueError(f"lengths must be int64 of shape ({batch},), got {lengths.dtype} of shape {tuple(lengths.shape)}")
+        raise ValueError(
+            f"lengths must be int64 of shape ({batch},), got {lengths.dtype} of shape {tuple(lengths.shape)}"
+        )
     if lengths.device != device:
         raise ValueError(f"lengths must be on the cache's device {device}, got {lengths.device}")
 
@@ -75,11 +79,14 @@ def check_length_values(lengths: torch.Tensor, lowest: int, what: str) -> None:
         bad = ((lengths < lowest) | (lengths > MAX_LENGTH)).nonzero()
         if len(bad):
             row = int(bad[0, 0])
-            raise ValueError(f"lengths must count {what}: between {lowest} and 2^62, got {int(lengths[row])} "
-                             f"for row {row}")
+            raise ValueError(
+                f"lengths must count {what}: between {lowest} and 2^62, got {int(lengths[row])} for row {row}"
+            )
     elif os.environ.get(DEBUG_ENV) == "1":
-        torch._assert_async(((lengths >= lowest) & (lengths <= MAX_LENGTH)).all(),
-                            f"kvcache_ext: lengths must count {what}: between {lowest} and 2^62")
+        torch._assert_async(
+            ((lengths >= lowest) & (lengths <= MAX_LENGTH)).all(),
+            f"kvcache_ext: lengths must count {what}: between {lowest} and 2^62",
+        )
 
 
 def check_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
@@ -94,7 +101,9 @@ def check_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
         if t.device != k_cache.device:
             raise ValueError(f"{name} must be on the cache's device {k_cache.device}, got {t.device}")
     if k_new.shape[2] != v_new.shape[2]:
-        raise ValueError(f"k_new and v_new must hold the same number of tokens, got {k_new.shape[2]} and {v_new.shape[2]}")
+        raise ValueError(
+            f"k_new and v_new must hold the same number of tokens, got {k_new.shape[2]} and {v_new.shape[2]}"
+        )
     if k_new.shape[2] > S:
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_cache.device)
@@ -122,16 +131,20 @@ def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> No
         raise ValueError(f"q must hold between 1 and {S} (the cache's slots) new tokens, got {q.shape[2]}")
     if window is not None and (not isinstance(window, int) or not 1 <= window <= _INT64_MAX):
         raise ValueError(f"window must be a positive number of tokens (at most 2^63 - 1) or None, got {window!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
-                                  and abs(scale) <= _MAX_ABS_SCALE):
-        raise ValueError(f"scale must be a finite float of magnitude at most 1.7e38 (float32 arithmetic) or None, "
-                         f"got {scale!r}")
+    if scale is not None and not (
+        isinstance(scale, (int, float)) and math.isfinite(scale) and abs(scale) <= _MAX_ABS_SCALE
+    ):
+        raise ValueError(
+            f"scale must be a finite float of magnitude at most 1.7e38 (float32 arithmetic) or None, got {scale!r}"
+        )
     if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
     if sinks is not None:
         if sinks.shape != (q.shape[1],) or not sinks.is_floating_point():
-            raise ValueError(f"sinks must be one float logit per query head, shape ({q.shape[1]},), got "
-                             f"{sinks.dtype} of shape {tuple(sinks.shape)}")
+            raise ValueError(
+                f"sinks must be one float logit per query head, shape ({q.shape[1]},), got "
+                f"{sinks.dtype} of shape {tuple(sinks.shape)}"
+            )
         if sinks.device != q.device:
             raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
@@ -167,12 +180,20 @@ def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, soft
 def run_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
     """``decode_attention`` on arguments the caller has checked (``check_decode_attention``)."""
     if not capabilities(k_cache.device).native:
-        out, lse = reference_attention(q, k_cache, v_cache, lengths, window, scale, return_lse=True,
-                                       softcap=softcap, sinks=sinks)
+        out, lse = reference_attention(
+            q, k_cache, v_cache, lengths, window, scale, return_lse=True, softcap=softcap, sinks=sinks
+        )
         return out, lse.float()
     return torch.ops.kvcache_ext.decode_attention(
-        q, k_cache, v_cache, lengths, window, None if scale is None else float(scale),
-        None if softcap is None else float(softcap), None if sinks is None else sinks.float())
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        window,
+        None if scale is None else float(scale),
+        None if softcap is None else float(softcap),
+        None if sinks is None else sinks.float(),
+    )
 
 
 def _check_one_device(*tensors) -> None:
@@ -188,8 +209,10 @@ def check_gather_rows(k_cache, v_cache, src_rows) -> None:
     check_cache_pair(k_cache, v_cache)
     B = k_cache.shape[0]
     if src_rows.dtype != torch.long or src_rows.shape != (B,):
-        raise ValueError(f"src_rows must be int64 of shape ({B},), one source row per row, got {src_rows.dtype} of "
-                         f"shape {tuple(src_rows.shape)}")
+        raise ValueError(
+            f"src_rows must be int64 of shape ({B},), one source row per row, got {src_rows.dtype} of "
+            f"shape {tuple(src_rows.shape)}"
+        )
     if src_rows.device != k_cache.device:
         raise ValueError(f"src_rows must be on the cache's device {k_cache.device}, got {src_rows.device}")
 
@@ -259,11 +282,14 @@ def check_quantized_cache(k_data, k_scales, v_data, v_scales) -> tuple[str, int]
     if k_data.dim() != 4:
         raise ValueError(f"k_data must be (batch, kv_heads, slots, head_dim bytes), got shape {tuple(k_data.shape)}")
     if v_data.shape != k_data.shape or v_data.dtype != k_data.dtype:
-        raise ValueError(f"v_data must match k_data {k_data.dtype} {tuple(k_data.shape)}, got "
-                         f"{v_data.dtype} {tuple(v_data.shape)}")
+        raise ValueError(
+            f"v_data must match k_data {k_data.dtype} {tuple(k_data.shape)}, got {v_data.dtype} {tuple(v_data.shape)}"
+        )
     table = capabilities(k_data.device)
     if fmt not in table.kv_formats:
-        raise TypeError(f"the {table.kernels} on {k_data.device.type} stores kv formats {table.kv_formats}, not {fmt!r}")
+        raise TypeError(
+            f"the {table.kernels} on {k_data.device.type} stores kv formats {table.kv_formats}, not {fmt!r}"
+        )
     B, H, S, row = k_data.shape
     head_dim = 2 * row if fmt == "int4" else row
     table.check_head_dim(head_dim)
@@ -272,8 +298,10 @@ def check_quantized_cache(k_data, k_scales, v_data, v_scales) -> tuple[str, int]
     expected_scales = quant.scale_shape(fmt, (B, H, S, head_dim))
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
         if tuple(t.shape) != expected_scales or t.dtype != quant.scale_dtype(fmt):
-            raise ValueError(f"{name} must be {quant.scale_dtype(fmt)} of shape {expected_scales} for {fmt}, got "
-                             f"{t.dtype} of shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be {quant.scale_dtype(fmt)} of shape {expected_scales} for {fmt}, got "
+                f"{t.dtype} of shape {tuple(t.shape)}"
+            )
         if fmt == "int4" and t.shape[3] > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} needs contiguous groups (last dimension)")
     if k_data.stride(3) != 1 or v_data.stride(3) != 1:
@@ -294,24 +322,28 @@ def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, 
         if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != D:
             raise ValueError(f"{name} must be (batch={B}, kv_heads={H}, num_new, head_dim={D}), got {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES or t.dtype != k_new.dtype:
-            raise TypeError(f"k_new and v_new must share one of {SUPPORTED_DTYPES}, got {k_new.dtype} and {v_new.dtype}")
+            raise TypeError(
+                f"k_new and v_new must share one of {SUPPORTED_DTYPES}, got {k_new.dtype} and {v_new.dtype}"
+            )
         if t.device != k_data.device:
             raise ValueError(f"{name} must be on the cache's device {k_data.device}, got {t.device}")
     if k_new.shape[2] != v_new.shape[2]:
-        raise ValueError(f"k_new and v_new must hold the same number of tokens, got {k_new.shape[2]} and {v_new.shape[2]}")
+        raise ValueError(
+            f"k_new and v_new must hold the same number of tokens, got {k_new.shape[2]} and {v_new.shape[2]}"
+        )
     if k_new.shape[2] > S:
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_data.device)
 
 
-def check_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None,
-                                     softcap=None, sinks=None) -> None:
+def check_decode_attention_quantized(
+    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
+) -> None:
     """Everything ``decode_attention_quantized`` needs of its arguments, values of ``lengths`` excepted."""
     _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
-    check_queries(q, k_data.shape[0], k_data.shape[1], k_data.shape[2], D, k_data.device, window, scale, softcap,
-                  sinks)
+    check_queries(q, k_data.shape[0], k_data.shape[1], k_data.shape[2], D, k_data.device, window, scale, softcap, sinks)
     check_lengths(lengths, k_data.shape[0], k_data.device)
 
 
@@ -332,21 +364,42 @@ def append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, length
     torch.ops.kvcache_ext.append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths)
 
 
-def decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None,
-                               sinks=None):
+def decode_attention_quantized(
+    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
+):
     """``decode_attention`` over a quantized cache, dequantized in the kernel's registers:
     ``python_ref.quantize.reference_quantized_attention``. Returns ``(out, lse)`` like
     ``decode_attention`` (``out`` in q's dtype)."""
     check_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window, scale, softcap, sinks)
     check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
     if not capabilities(k_data.device).native:
-        out, lse = quant.reference_quantized_attention(q, k_data, k_scales, v_data, v_scales, lengths,
-                                                       kv_format_of(k_data), window, scale, return_lse=True,
-                                                       softcap=softcap, sinks=sinks)
+        out, lse = quant.reference_quantized_attention(
+            q,
+            k_data,
+            k_scales,
+            v_data,
+            v_scales,
+            lengths,
+            kv_format_of(k_data),
+            window,
+            scale,
+            return_lse=True,
+            softcap=softcap,
+            sinks=sinks,
+        )
         return out, lse.float()
     return torch.ops.kvcache_ext.decode_attention_quantized(
-        q, k_data, k_scales, v_data, v_scales, lengths, window, None if scale is None else float(scale),
-        None if softcap is None else float(softcap), None if sinks is None else sinks.float())
+        q,
+        k_data,
+        k_scales,
+        v_data,
+        v_scales,
+        lengths,
+        window,
+        None if scale is None else float(scale),
+        None if softcap is None else float(softcap),
+        None if sinks is None else sinks.float(),
+    )
 
 
 if _native.available:
@@ -357,8 +410,9 @@ if _native.available:
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention_quantized")
-    def _decode_attention_quantized_fake(q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None,
-                                         softcap=None, sinks=None):
+    def _decode_attention_quantized_fake(
+        q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
+    ):
         _check_one_device(q, k_data, k_scales, v_data, v_scales, lengths, sinks)
         B, H_q, T, _ = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)

@@ -17,8 +17,15 @@ from .cache import KVCache
 from .capabilities import capabilities
 
 # The names the constructor accepts: the formats and, for fp8, torch's dtype name too.
-KV_DTYPES = {"int8": "int8", "fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "int4": "int4",
-             torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
+KV_DTYPES = {
+    "int8": "int8",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "int4": "int4",
+    torch.int8: "int8",
+    torch.float8_e4m3fn: "fp8_e4m3",
+}
 
 
 def kv_format(kv_dtype) -> str:
@@ -39,27 +46,51 @@ class QuantizedKVCache(KVCache):
     ``KVCache(..., kv_dtype=...)``.
     """
 
-    def __init__(self, num_layers, batch_size, kv_heads, head_dim, max_cache_len=None, window=None,
-                 chunk_size=128, dtype=torch.float32, device=None, kv_dtype="int8"):
+    def __init__(
+        self,
+        num_layers,
+        batch_size,
+        kv_heads,
+        head_dim,
+        max_cache_len=None,
+        window=None,
+        chunk_size=128,
+        dtype=torch.float32,
+        device=None,
+        kv_dtype="int8",
+    ):
         fmt = kv_format(kv_dtype)
         table = capabilities(device)
         table.check_dtype(dtype, "KVCache dtype")
         if fmt not in table.kv_formats:
-            raise TypeError(f"kv_dtype {fmt!r} is not stored by the {table.kernels} on {torch.device(device or 'cpu')}"
-                            f" (formats: {table.kv_formats or 'none'})")
+            raise TypeError(
+                f"kv_dtype {fmt!r} is not stored by the {table.kernels} on {torch.device(device or 'cpu')}"
+                f" (formats: {table.kv_formats or 'none'})"
+            )
         if isinstance(head_dim, int):
             table.check_head_dim(head_dim)
             quant.check_head_dim(fmt, head_dim)
         # The base class allocates k and v as the code buffers: its head_dim is bytes per vector.
         code_bytes = quant.data_shape(fmt, (head_dim,))[0] if isinstance(head_dim, int) else head_dim
-        PreallocatedCache.__init__(self, num_layers, batch_size, kv_heads, code_bytes, max_cache_len=max_cache_len,
-                                   window=window, chunk_size=chunk_size, dtype=quant.storage_dtype(fmt), device=device)
+        PreallocatedCache.__init__(
+            self,
+            num_layers,
+            batch_size,
+            kv_heads,
+            code_bytes,
+            max_cache_len=max_cache_len,
+            window=window,
+            chunk_size=chunk_size,
+            dtype=quant.storage_dtype(fmt),
+            device=device,
+        )
         table.check_slots(self.slots)
         self.head_dim, self.kv_dtype, self.dtype = head_dim, fmt, dtype
         scale_shape = quant.scale_shape(fmt, (num_layers, batch_size, kv_heads, self.slots, head_dim))
         for name in ("k_scale", "v_scale"):
-            self.register_buffer(name, torch.zeros(scale_shape, dtype=quant.scale_dtype(fmt), device=device),
-                                 persistent=False)
+            self.register_buffer(
+                name, torch.zeros(scale_shape, dtype=quant.scale_dtype(fmt), device=device), persistent=False
+            )
 
     def _check_step(self, layer, q, k, v, scale):
         if self._num_new is None:
@@ -73,11 +104,17 @@ class QuantizedKVCache(KVCache):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dtype != self.dtype:
                 raise TypeError(f"{name} must be {self.dtype} like the cache's dtype, got {t.dtype}")
-        if q.dim() != 4 or q.shape[0] != self.batch_size or q.shape[2] != self._num_new \
-                or q.shape[3] != self.head_dim or q.shape[1] % self.kv_heads != 0:
+        if (
+            q.dim() != 4
+            or q.shape[0] != self.batch_size
+            or q.shape[2] != self._num_new
+            or q.shape[3] != self.head_dim
+            or q.shape[1] % self.kv_heads != 0
+        ):
             raise ValueError(
                 f"q must have shape (B={self.batch_size}, H_q (a multiple of {self.kv_heads}), "
-                f"T={self._num_new}, D={self.head_dim}), got {tuple(q.shape)}")
+                f"T={self._num_new}, D={self.head_dim}), got {tuple(q.shape)}"
+            )
         # The attention of a step runs after its keys/values are stored: check it first. A ring
         # buffer takes a long step in pieces of chunk_size tokens; the first is the largest.
         piece = slice(0, self.chunk_size)
@@ -89,8 +126,9 @@ class QuantizedKVCache(KVCache):
         ops.append_kv_quantized(self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer], k, v, lengths)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
-        return ops.decode_attention_quantized(q, self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer],
-                                              lengths_after, self.window, scale)
+        return ops.decode_attention_quantized(
+            q, self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer], lengths_after, self.window, scale
+        )
 
     # Row operations (reorder, fork, select, repeat_interleave, crop, rewind; python_ref's) move
     # the scales with the codes. The float8 codes are copied as bytes.

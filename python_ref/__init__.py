@@ -9,7 +9,20 @@ from .llama import LLAMA_CONFIGS, Llama3RopeScaling, LlamaConfig, LlamaModel, bu
 from .llama_weights import load_llama
 
 __all__ = [
-    "reference_attention", "CacheOverflowError", "ConcatCache", "NoCache", "PreallocatedCache",
-    "generate", "GPT2_CONFIGS", "GPT2Config", "GPTModel", "build_gpt2",
-    "LLAMA_CONFIGS", "Llama3RopeScaling", "LlamaConfig", "LlamaModel", "build_llama", "load_llama",
+    "reference_attention",
+    "CacheOverflowError",
+    "ConcatCache",
+    "NoCache",
+    "PreallocatedCache",
+    "generate",
+    "GPT2_CONFIGS",
+    "GPT2Config",
+    "GPTModel",
+    "build_gpt2",
+    "LLAMA_CONFIGS",
+    "Llama3RopeScaling",
+    "LlamaConfig",
+    "LlamaModel",
+    "build_llama",
+    "load_llama",
 ]

@@ -106,16 +106,14 @@ def _check_shapes(q, k_cache, v_cache, lengths, window):
         raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     B, H_q, T, D = q.shape
     if k_cache.shape[0] != B or k_cache.shape[3] != D:
-        raise ValueError(
-            f"k_cache must be (B={B}, H_kv, S, D={D}), got {tuple(k_cache.shape)}"
-        )
+        raise ValueError(f"k_cache must be (B={B}, H_kv, S, D={D}), got {tuple(k_cache.shape)}")
     if H_q % k_cache.shape[1] != 0:
-        raise ValueError(
-            f"query heads ({H_q}) must be a multiple of KV heads ({k_cache.shape[1]})"
-        )
+        raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({k_cache.shape[1]})")
     if T > k_cache.shape[2]:
-        raise ValueError(f"q holds {T} new tokens but the cache has {k_cache.shape[2]} slots: at most as many new "
-                         "tokens as slots (the earliest would see nothing)")
+        raise ValueError(
+            f"q holds {T} new tokens but the cache has {k_cache.shape[2]} slots: at most as many new "
+            "tokens as slots (the earliest would see nothing)"
+        )
     if lengths.shape != (B,):
         raise ValueError(f"lengths must have shape ({B},), got {tuple(lengths.shape)}")
     if window is not None and window < 1:

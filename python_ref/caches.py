@@ -96,12 +96,15 @@ def start_forward(cache, idx: torch.Tensor, context_length: int) -> torch.Tensor
     if cache.seq_length + T > context_length:
         raise ValueError(
             f"the model has {context_length} positions: {cache.seq_length} cached + {T} new tokens = "
-            f"{cache.seq_length + T} do not fit. Shorten the prompt or max_new_tokens.")
+            f"{cache.seq_length + T} do not fit. Shorten the prompt or max_new_tokens."
+        )
     return cache.start_step(T).to(idx.device)
 
 
 SAVED_CACHE_KEY = "kvcache"  # the safetensors metadata entry that holds a saved cache's description
-_SAVED_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+_SAVED_DTYPES = {
+    str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+}
 
 
 def _checksum(tensors: dict, meta: dict) -> str:
@@ -114,8 +117,12 @@ def _checksum(tensors: dict, meta: dict) -> str:
     return digest.hexdigest()
 
 
-def _read_saved_cache(path, key: str = SAVED_CACHE_KEY, names_ok=None,
-                      expected: str = "tensors k, v, lengths (and sink_k, sink_v with sink tokens)"):
+def _read_saved_cache(
+    path,
+    key: str = SAVED_CACHE_KEY,
+    names_ok=None,
+    expected: str = "tensors k, v, lengths (and sink_k, sink_v with sink tokens)",
+):
     """The metadata and tensors of a file written by ``PreallocatedCache.save``, read completely
     into memory before anything is built from them.
 
@@ -125,18 +132,23 @@ def _read_saved_cache(path, key: str = SAVED_CACHE_KEY, names_ok=None,
     from safetensors import SafetensorError, safe_open
 
     if names_ok is None:
+
         def names_ok(names):
             return names - {"sink_k", "sink_v"} == {"k", "v", "lengths"}
+
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
             header = (f.metadata() or {}).get(key)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, SafetensorError) as error:
-        raise ValueError(f"{path} is not a readable saved cache (missing, truncated or not safetensors): {error}") \
-            from error
+        raise ValueError(
+            f"{path} is not a readable saved cache (missing, truncated or not safetensors): {error}"
+        ) from error
     if header is None or not names_ok(set(tensors)):
-        raise ValueError(f"{path} is a safetensors file but not a saved cache of this kind: expected {expected} "
-                         f"and '{key}' metadata, got tensors {sorted(tensors)}")
+        raise ValueError(
+            f"{path} is a safetensors file but not a saved cache of this kind: expected {expected} "
+            f"and '{key}' metadata, got tensors {sorted(tensors)}"
+        )
     try:
         meta = json.loads(header)
     except json.JSONDecodeError as error:
@@ -288,8 +300,13 @@ class PreallocatedCache(nn.Module):
         sink_tokens: int = 0,
     ):
         super().__init__()
-        for name, value in [("num_layers", num_layers), ("batch_size", batch_size),
-                            ("kv_heads", kv_heads), ("head_dim", head_dim), ("chunk_size", chunk_size)]:
+        for name, value in [
+            ("num_layers", num_layers),
+            ("batch_size", batch_size),
+            ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
+            ("chunk_size", chunk_size),
+        ]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
@@ -299,8 +316,10 @@ class PreallocatedCache(nn.Module):
         if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
         if sink_tokens and window is None:
-            raise ValueError(f"sink_tokens={sink_tokens} needs a window: without one the cache keeps every token "
-                             "already. Pass window=... as well, or leave sink_tokens at 0.")
+            raise ValueError(
+                f"sink_tokens={sink_tokens} needs a window: without one the cache keeps every token "
+                "already. Pass window=... as well, or leave sink_tokens at 0."
+            )
         self.num_layers, self.batch_size = num_layers, batch_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.window = window
@@ -310,8 +329,7 @@ class PreallocatedCache(nn.Module):
         shape = (num_layers, batch_size, kv_heads, self.slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device),
-                             persistent=False)
+        self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
         self.sink_tokens = sink_tokens
         if sink_tokens:
             # One more slot than sink tokens: writes of later positions go to that scratch slot, so
@@ -359,21 +377,22 @@ class PreallocatedCache(nn.Module):
         outs = []
         for start in range(0, T, self.chunk_size):
             piece = slice(start, start + self.chunk_size)
-            outs.append(self._append_and_attend(
-                layer, q[:, :, piece], k[:, :, piece], v[:, :, piece], start, scale))
+            outs.append(self._append_and_attend(layer, q[:, :, piece], k[:, :, piece], v[:, :, piece], start, scale))
         return torch.cat(outs, dim=2)
 
     def finish_step(self) -> None:
         if self._num_new is None:
             raise RuntimeError("finish_step() without start_step()")
         self.lengths += self._num_new
-        if self.window is not None and (self._ring_rewindable is not None
-                                        or self._host_length + self._num_new > self.slots):
+        if self.window is not None and (
+            self._ring_rewindable is not None or self._host_length + self._num_new > self.slots
+        ):
             # A wrapped row holds `slots` tokens at most and needs its last window - 1: it can
             # drop slots - (window - 1) = chunk_size tokens, or what it regained since a rewind.
             spare = self.slots - (self.window - 1)
-            self._ring_rewindable = spare if self._ring_rewindable is None \
-                else min(self._ring_rewindable + self._num_new, spare)
+            self._ring_rewindable = (
+                spare if self._ring_rewindable is None else min(self._ring_rewindable + self._num_new, spare)
+            )
         self._host_length = self._host_length + self._num_new
         self._num_new = None
 
@@ -437,8 +456,10 @@ class PreallocatedCache(nn.Module):
                 over = (host_counts > self.lengths).nonzero()
                 if len(over):
                     row = int(over[0, 0])
-                    raise ValueError(f"cannot remove {int(host_counts[row])} tokens from row {row}: it holds "
-                                     f"{int(self.lengths[row])}")
+                    raise ValueError(
+                        f"cannot remove {int(host_counts[row])} tokens from row {row}: it holds "
+                        f"{int(self.lengths[row])}"
+                    )
             self._check_ring_rewind(longest_removed, "rewind")
         self.lengths -= counts
         if host_counts is not None:
@@ -468,17 +489,30 @@ class PreallocatedCache(nn.Module):
         if not isinstance(fingerprint, str):
             raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
         used = min(self._host_length, self.slots)
-        tensors = {"k": self.k[..., :used, :].contiguous().cpu(), "v": self.v[..., :used, :].contiguous().cpu(),
-                   "lengths": self.lengths.cpu()}
+        tensors = {
+            "k": self.k[..., :used, :].contiguous().cpu(),
+            "v": self.v[..., :used, :].contiguous().cpu(),
+            "lengths": self.lengths.cpu(),
+        }
         if self.sink_tokens:
-            tensors["sink_k"] = self.sink_k[..., :self.sink_tokens, :].contiguous().cpu()
-            tensors["sink_v"] = self.sink_v[..., :self.sink_tokens, :].contiguous().cpu()
-        meta = {"format_version": self.FORMAT_VERSION, "num_layers": self.num_layers,
-                "batch_size": self.batch_size, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "slots": self.slots, "max_cache_len": self.max_cache_len, "window": self.window,
-                "chunk_size": self.chunk_size, "dtype": str(self.k.dtype).removeprefix("torch."),
-                "lengths": tensors["lengths"].tolist(), "ring_rewindable": self._ring_rewindable,
-                "sink_tokens": self.sink_tokens, "fingerprint": fingerprint}
+            tensors["sink_k"] = self.sink_k[..., : self.sink_tokens, :].contiguous().cpu()
+            tensors["sink_v"] = self.sink_v[..., : self.sink_tokens, :].contiguous().cpu()
+        meta = {
+            "format_version": self.FORMAT_VERSION,
+            "num_layers": self.num_layers,
+            "batch_size": self.batch_size,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "slots": self.slots,
+            "max_cache_len": self.max_cache_len,
+            "window": self.window,
+            "chunk_size": self.chunk_size,
+            "dtype": str(self.k.dtype).removeprefix("torch."),
+            "lengths": tensors["lengths"].tolist(),
+            "ring_rewindable": self._ring_rewindable,
+            "sink_tokens": self.sink_tokens,
+            "fingerprint": fingerprint,
+        }
         meta["sha256"] = _checksum(tensors, meta)
         partial = f"{os.fspath(path)}.partial"
         save_file(tensors, partial, metadata={SAVED_CACHE_KEY: json.dumps(meta)})
@@ -495,17 +529,34 @@ class PreallocatedCache(nn.Module):
         """
         meta, tensors = _read_saved_cache(path)
         if meta.get("format_version") != cls.FORMAT_VERSION:
-            raise ValueError(f"{path} has saved-cache format version {meta.get('format_version')!r}; this version "
-                             f"reads version {cls.FORMAT_VERSION}. Re-create the cache and save it again.")
-        required = {"sha256", "fingerprint", "num_layers", "batch_size", "kv_heads", "head_dim", "slots",
-                    "max_cache_len", "window", "chunk_size", "dtype", "lengths", "ring_rewindable"}
+            raise ValueError(
+                f"{path} has saved-cache format version {meta.get('format_version')!r}; this version "
+                f"reads version {cls.FORMAT_VERSION}. Re-create the cache and save it again."
+            )
+        required = {
+            "sha256",
+            "fingerprint",
+            "num_layers",
+            "batch_size",
+            "kv_heads",
+            "head_dim",
+            "slots",
+            "max_cache_len",
+            "window",
+            "chunk_size",
+            "dtype",
+            "lengths",
+            "ring_rewindable",
+        }
         if not required <= set(meta):
             raise ValueError(f"{path} is corrupt: its metadata lacks {sorted(required - set(meta))}")
         if _checksum(tensors, {k: v for k, v in meta.items() if k != "sha256"}) != meta["sha256"]:
             raise ValueError(f"{path} is corrupt: its contents do not match the sha256 checksum saved with them")
         if meta["fingerprint"] != fingerprint:
-            raise ValueError(f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
-                             "it holds another model's keys and values")
+            raise ValueError(
+                f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
+                "it holds another model's keys and values"
+            )
         dtype = _SAVED_DTYPES.get(meta["dtype"])
         if dtype is None:
             raise ValueError(f"{path}: dtype must be one of {sorted(_SAVED_DTYPES)}, got {meta['dtype']!r}")
@@ -517,30 +568,51 @@ class PreallocatedCache(nn.Module):
             if not isinstance(capacity, int) or capacity < longest:
                 raise ValueError(f"max_cache_len must hold the longest saved row ({longest} tokens), got {capacity!r}")
         elif max_cache_len is not None:
-            raise ValueError("max_cache_len applies to caches without a window; this one has window="
-                             f"{window} and chunk_size={meta['chunk_size']}")
+            raise ValueError(
+                "max_cache_len applies to caches without a window; this one has window="
+                f"{window} and chunk_size={meta['chunk_size']}"
+            )
         used = min(longest, meta["slots"])
         sink_tokens = meta.get("sink_tokens", 0)  # files from before sink tokens have none
         rows = (meta["num_layers"], meta["batch_size"], meta["kv_heads"])
         expected = {"k": (*rows, used, meta["head_dim"]), "v": (*rows, used, meta["head_dim"])}
         if sink_tokens:
-            expected.update(sink_k=(*rows, sink_tokens, meta["head_dim"]), sink_v=(*rows, sink_tokens, meta["head_dim"]))
+            expected.update(
+                sink_k=(*rows, sink_tokens, meta["head_dim"]), sink_v=(*rows, sink_tokens, meta["head_dim"])
+            )
         if set(tensors) != {"lengths", *expected}:
-            raise ValueError(f"{path}: a cache with sink_tokens={sink_tokens} holds tensors "
-                             f"{sorted({'lengths', *expected})}, got {sorted(tensors)}")
+            raise ValueError(
+                f"{path}: a cache with sink_tokens={sink_tokens} holds tensors "
+                f"{sorted({'lengths', *expected})}, got {sorted(tensors)}"
+            )
         for name, shape in expected.items():
             if tuple(tensors[name].shape) != shape or tensors[name].dtype != dtype:
-                raise ValueError(f"{path}: {name} must be {meta['dtype']} of shape {shape}, got "
-                                 f"{tensors[name].dtype} of shape {tuple(tensors[name].shape)}")
+                raise ValueError(
+                    f"{path}: {name} must be {meta['dtype']} of shape {shape}, got "
+                    f"{tensors[name].dtype} of shape {tuple(tensors[name].shape)}"
+                )
         if lengths.dtype != torch.long or lengths.tolist() != meta["lengths"] or min(meta["lengths"], default=0) < 0:
-            raise ValueError(f"{path}: lengths must be the {meta['batch_size']} non-negative row lengths recorded "
-                             f"in its metadata, got {lengths.tolist()}")
-        cache = cls(meta["num_layers"], meta["batch_size"], meta["kv_heads"], meta["head_dim"],
-                    max_cache_len=capacity if window is None else None, window=window,
-                    chunk_size=meta["chunk_size"] or 128, dtype=dtype, device=device, sink_tokens=sink_tokens)
+            raise ValueError(
+                f"{path}: lengths must be the {meta['batch_size']} non-negative row lengths recorded "
+                f"in its metadata, got {lengths.tolist()}"
+            )
+        cache = cls(
+            meta["num_layers"],
+            meta["batch_size"],
+            meta["kv_heads"],
+            meta["head_dim"],
+            max_cache_len=capacity if window is None else None,
+            window=window,
+            chunk_size=meta["chunk_size"] or 128,
+            dtype=dtype,
+            device=device,
+            sink_tokens=sink_tokens,
+        )
         if window is not None and cache.slots != meta["slots"]:
-            raise ValueError(f"{path}: a window of {window} with chunk_size {meta['chunk_size']} has "
-                             f"{cache.slots} slots, but the file says {meta['slots']}")
+            raise ValueError(
+                f"{path}: a window of {window} with chunk_size {meta['chunk_size']} has "
+                f"{cache.slots} slots, but the file says {meta['slots']}"
+            )
         cache.k[..., :used, :] = tensors["k"]
         cache.v[..., :used, :] = tensors["v"]
         if sink_tokens:
@@ -562,8 +634,9 @@ class PreallocatedCache(nn.Module):
         self._check_between_steps("a row operation")
         if isinstance(rows, torch.Tensor):
             if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
-                raise TypeError(f"{what} must be a 1-D integer tensor of row indices, got {rows.dtype} of shape "
-                                f"{tuple(rows.shape)}")
+                raise TypeError(
+                    f"{what} must be a 1-D integer tensor of row indices, got {rows.dtype} of shape {tuple(rows.shape)}"
+                )
             host = rows if rows.device.type == "cpu" else None
         elif isinstance(rows, Sequence) and all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
             host = rows = torch.tensor(list(rows), dtype=torch.long)
@@ -577,8 +650,10 @@ class PreallocatedCache(nn.Module):
             bad = ((host < 0) | (host >= self.batch_size)).nonzero()
             if len(bad):
                 position = int(bad[0, 0])
-                raise IndexError(f"{what} must be row indices in [0, {self.batch_size}), got {int(host[position])} "
-                                 f"at position {position}")
+                raise IndexError(
+                    f"{what} must be row indices in [0, {self.batch_size}), got {int(host[position])} "
+                    f"at position {position}"
+                )
         return rows.to(device=self.lengths.device, dtype=torch.long)
 
     def _row_counts(self, counts):
@@ -595,7 +670,9 @@ class PreallocatedCache(nn.Module):
         else:
             raise TypeError(f"counts must be an int, a sequence of ints or an integer tensor, got {counts!r}")
         if tuple(counts.shape) != (self.batch_size,):
-            raise ValueError(f"counts must hold one count per row, shape ({self.batch_size},), got {tuple(counts.shape)}")
+            raise ValueError(
+                f"counts must hold one count per row, shape ({self.batch_size},), got {tuple(counts.shape)}"
+            )
         host = counts.cpu() if counts.device.type == "cpu" or self.window is not None else None
         return counts.to(device=self.lengths.device, dtype=torch.long), None if host is None else host.long()
 
@@ -605,7 +682,8 @@ class PreallocatedCache(nn.Module):
                 f"{operation} would remove {removed} tokens from a row, but this ring buffer ({self.slots} slots, "
                 f"window {self.window}) has overwritten older ones: a row can lose at most {self._ring_rewindable} "
                 f"tokens now and still hold the {self.window - 1} before its new end. Use a larger chunk_size "
-                "(slots = window + chunk_size - 1) to be able to go back further.")
+                "(slots = window + chunk_size - 1) to be able to go back further."
+            )
 
     def _spend_ring_rewind(self, removed: int) -> None:
         if self._ring_rewindable is not None:
@@ -643,8 +721,15 @@ class PreallocatedCache(nn.Module):
         """The attention over what the layer's buffer holds, and its log-sum-exp."""
         # Before the ring wraps, the layout is linear: attend only over the filled prefix.
         used = min(longest_after, self.slots)
-        return reference_attention(q, self.k[layer, :, :, :used], self.v[layer, :, :, :used],
-                                   lengths_after, window=self.window, scale=scale, return_lse=True)
+        return reference_attention(
+            q,
+            self.k[layer, :, :, :used],
+            self.v[layer, :, :, :used],
+            lengths_after,
+            window=self.window,
+            scale=scale,
+            return_lse=True,
+        )
 
     # -------------------------------------------------------------------------------------
     def _append_and_attend(self, layer, q, k, v, offset, scale):
@@ -656,9 +741,14 @@ class PreallocatedCache(nn.Module):
         if not self.sink_tokens:
             return out
         self._store_sink_tokens(layer, k, v, lengths_before)
-        sink_out, sink_lse = sink_token_attention(q, self.sink_k[layer, :, :, :self.sink_tokens],
-                                                  self.sink_v[layer, :, :, :self.sink_tokens],
-                                                  lengths_before + T, self.window, scale)
+        sink_out, sink_lse = sink_token_attention(
+            q,
+            self.sink_k[layer, :, :, : self.sink_tokens],
+            self.sink_v[layer, :, :, : self.sink_tokens],
+            lengths_before + T,
+            self.window,
+            scale,
+        )
         return merge_attention(out, lse, sink_out, sink_lse, q.dtype)
 
     def _store_sink_tokens(self, layer, k, v, lengths_before):
@@ -683,11 +773,17 @@ class PreallocatedCache(nn.Module):
                 raise TypeError(f"{name} must be {self.k.dtype} like the cache, got {t.dtype}")
             if t.device != self.k.device:
                 raise ValueError(f"{name} must be on {self.k.device} like the cache, got {t.device}")
-        if q.dim() != 4 or q.shape[0] != self.batch_size or q.shape[2] != self._num_new \
-                or q.shape[3] != self.head_dim or q.shape[1] % self.kv_heads != 0:
+        if (
+            q.dim() != 4
+            or q.shape[0] != self.batch_size
+            or q.shape[2] != self._num_new
+            or q.shape[3] != self.head_dim
+            or q.shape[1] % self.kv_heads != 0
+        ):
             raise ValueError(
                 f"q must have shape (B={self.batch_size}, H_q (a multiple of {self.kv_heads}), "
-                f"T={self._num_new}, D={self.head_dim}), got {tuple(q.shape)}")
+                f"T={self._num_new}, D={self.head_dim}), got {tuple(q.shape)}"
+            )
 
     def bytes_allocated(self) -> int:
         sinks = 2 * self.sink_k.numel() * self.sink_k.element_size() if self.sink_tokens else 0
@@ -701,5 +797,7 @@ class PreallocatedCache(nn.Module):
         mode = f"window={self.window}, slots={self.slots}" if self.window else f"max_cache_len={self.slots}"
         if self.sink_tokens:
             mode += f", sink_tokens={self.sink_tokens}"
-        return (f"layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.kv_heads}, "
-                f"head_dim={self.head_dim}, {mode}, dtype={self.k.dtype}")
+        return (
+            f"layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim}, {mode}, dtype={self.k.dtype}"
+        )

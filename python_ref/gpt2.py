@@ -18,8 +18,14 @@ import torch
 from torch import nn
 
 from .caches import NoCache, start_forward
-from .tensor_parallel import (SINGLE_PROCESS, ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                              VocabParallelEmbedding, VocabParallelLinear)
+from .tensor_parallel import (
+    SINGLE_PROCESS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    VocabParallelLinear,
+)
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,10 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: GPT2Config, tp: TensorParallel):
         super().__init__()
         self.layers = nn.Sequential(
-            ColumnParallelLinear(cfg.emb_dim, 4 * cfg.emb_dim, tp, what="feed-forward width"), GELU(),
-            RowParallelLinear(4 * cfg.emb_dim, cfg.emb_dim, tp, what="feed-forward width"))
+            ColumnParallelLinear(cfg.emb_dim, 4 * cfg.emb_dim, tp, what="feed-forward width"),
+            GELU(),
+            RowParallelLinear(4 * cfg.emb_dim, cfg.emb_dim, tp, what="feed-forward width"),
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -128,8 +136,9 @@ class GPTModel(nn.Module):
         return dict(num_layers=self.cfg.n_layers, kv_heads=self.trf_blocks[0].att.n_heads, head_dim=self.cfg.head_dim)
 
     @classmethod
-    def from_state_dict(cls, cfg: GPT2Config, state: dict[str, torch.Tensor],
-                        tp: TensorParallel = SINGLE_PROCESS) -> GPTModel:
+    def from_state_dict(
+        cls, cfg: GPT2Config, state: dict[str, torch.Tensor], tp: TensorParallel = SINGLE_PROCESS
+    ) -> GPTModel:
         """The model holding ``state``'s weights (our names, whole tensors); with ``tp``, this
         rank's slices of them (the parallel layers slice each weight as it loads)."""
         with torch.device("meta"):
@@ -156,8 +165,9 @@ class GPTModel(nn.Module):
         return self.out_head(self.final_norm(x))
 
 
-def build_gpt2(size: str = "124M", seed: int | None = 123, tp: TensorParallel = SINGLE_PROCESS,
-               **overrides) -> GPTModel:
+def build_gpt2(
+    size: str = "124M", seed: int | None = 123, tp: TensorParallel = SINGLE_PROCESS, **overrides
+) -> GPTModel:
     """A GPT-2 of a named size with random weights (the article seeds with 123).
 
     With ``tp``, every rank builds the whole seeded model and keeps its slice, so the ranks

@@ -28,8 +28,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from .caches import NoCache, start_forward
-from .tensor_parallel import (SINGLE_PROCESS, ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                              VocabParallelEmbedding, VocabParallelLinear)
+from .tensor_parallel import (
+    SINGLE_PROCESS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    VocabParallelLinear,
+)
 
 
 @dataclass(frozen=True)
@@ -50,18 +56,18 @@ class Llama3RopeScaling:
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
-    context_length: int          # positions the model was trained for (max_position_embeddings)
-    emb_dim: int                 # hidden_size
-    n_heads: int                 # query heads
-    n_kv_heads: int              # key/value heads (grouped-query attention when < n_heads)
+    context_length: int  # positions the model was trained for (max_position_embeddings)
+    emb_dim: int  # hidden_size
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (grouped-query attention when < n_heads)
     n_layers: int
-    hidden_dim: int              # feed-forward width (intermediate_size)
-    head_dim: int                # per-head width (Qwen3's is not emb_dim // n_heads)
+    hidden_dim: int  # feed-forward width (intermediate_size)
+    head_dim: int  # per-head width (Qwen3's is not emb_dim // n_heads)
     rope_base: float = 10_000.0  # rope_theta
     rope_scaling: Llama3RopeScaling | None = None
-    norm_eps: float = 1e-5       # rms_norm_eps
+    norm_eps: float = 1e-5  # rms_norm_eps
     tie_embeddings: bool = False
-    qk_norm: bool = False        # Qwen3: RMSNorm on each query/key head
+    qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -73,24 +79,62 @@ class LlamaConfig:
 LLAMA_CONFIGS = {
     # meta-llama/Llama-3.2-1B (config.json as published)
     "llama-3.2-1b": LlamaConfig(
-        vocab_size=128_256, context_length=131_072, emb_dim=2048, n_heads=32, n_kv_heads=8, n_layers=16,
-        hidden_dim=8192, head_dim=64, rope_base=500_000.0, rope_scaling=Llama3RopeScaling(),
-        norm_eps=1e-5, tie_embeddings=True),
+        vocab_size=128_256,
+        context_length=131_072,
+        emb_dim=2048,
+        n_heads=32,
+        n_kv_heads=8,
+        n_layers=16,
+        hidden_dim=8192,
+        head_dim=64,
+        rope_base=500_000.0,
+        rope_scaling=Llama3RopeScaling(),
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
     # Qwen/Qwen3-0.6B (config.json as published)
     "qwen3-0.6b": LlamaConfig(
-        vocab_size=151_936, context_length=40_960, emb_dim=1024, n_heads=16, n_kv_heads=8, n_layers=28,
-        hidden_dim=3072, head_dim=128, rope_base=1_000_000.0, norm_eps=1e-6, tie_embeddings=True,
-        qk_norm=True),
+        vocab_size=151_936,
+        context_length=40_960,
+        emb_dim=1024,
+        n_heads=16,
+        n_kv_heads=8,
+        n_layers=28,
+        hidden_dim=3072,
+        head_dim=128,
+        rope_base=1_000_000.0,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        qk_norm=True,
+    ),
     # Test sizes. GPT-2's vocabulary, so the GPT-2 tokenizer's ids are valid inputs; a short
     # original context so that Llama 3 scaling changes some frequencies.
     "llama-tiny": LlamaConfig(
-        vocab_size=50_257, context_length=256, emb_dim=64, n_heads=4, n_kv_heads=2, n_layers=2,
-        hidden_dim=128, head_dim=16, rope_base=500_000.0,
-        rope_scaling=Llama3RopeScaling(factor=8.0, original_context_length=64)),
+        vocab_size=50_257,
+        context_length=256,
+        emb_dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        hidden_dim=128,
+        head_dim=16,
+        rope_base=500_000.0,
+        rope_scaling=Llama3RopeScaling(factor=8.0, original_context_length=64),
+    ),
     "qwen3-tiny": LlamaConfig(
-        vocab_size=50_257, context_length=256, emb_dim=64, n_heads=4, n_kv_heads=2, n_layers=2,
-        hidden_dim=128, head_dim=32, rope_base=1_000_000.0, norm_eps=1e-6, tie_embeddings=True,
-        qk_norm=True),
+        vocab_size=50_257,
+        context_length=256,
+        emb_dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        hidden_dim=128,
+        head_dim=32,
+        rope_base=1_000_000.0,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        qk_norm=True,
+    ),
 }
 
 
@@ -108,8 +152,11 @@ def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
         # 0 at the long end of the band, 1 at the short end
         smooth = (s.original_context_length / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
         interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-        inv_freq = torch.where(wavelength > long_wavelength, inv_freq / s.factor,
-                               torch.where(wavelength < short_wavelength, inv_freq, interpolated))
+        inv_freq = torch.where(
+            wavelength > long_wavelength,
+            inv_freq / s.factor,
+            torch.where(wavelength < short_wavelength, inv_freq, interpolated),
+        )
     return inv_freq.float()
 
 
@@ -234,12 +281,14 @@ class LlamaModel(nn.Module):
     @property
     def kv_shape(self) -> dict:
         """What a cache for this model (this rank's part of it) must hold: layers, KV heads, head size."""
-        return dict(num_layers=self.cfg.n_layers, kv_heads=self.trf_blocks[0].att.n_kv_heads,
-                    head_dim=self.cfg.head_dim)
+        return dict(
+            num_layers=self.cfg.n_layers, kv_heads=self.trf_blocks[0].att.n_kv_heads, head_dim=self.cfg.head_dim
+        )
 
     @classmethod
-    def from_state_dict(cls, cfg: LlamaConfig, state: dict[str, torch.Tensor],
-                        tp: TensorParallel = SINGLE_PROCESS) -> LlamaModel:
+    def from_state_dict(
+        cls, cfg: LlamaConfig, state: dict[str, torch.Tensor], tp: TensorParallel = SINGLE_PROCESS
+    ) -> LlamaModel:
         """The model holding ``state``'s weights (our names, whole tensors; no ``out_head.weight``
         when the head is tied); with ``tp``, this rank's slices of them (the parallel layers
         slice each weight as it loads)."""
@@ -272,8 +321,9 @@ class LlamaModel(nn.Module):
         return self.out_head(self.final_norm(x))
 
 
-def build_llama(name: str = "llama-tiny", seed: int | None = 123, tp: TensorParallel = SINGLE_PROCESS,
-                **overrides) -> LlamaModel:
+def build_llama(
+    name: str = "llama-tiny", seed: int | None = 123, tp: TensorParallel = SINGLE_PROCESS, **overrides
+) -> LlamaModel:
     """A Llama/Qwen-style model of a named configuration with random weights.
 
     ``overrides`` replace config fields, e.g. ``build_llama("llama-3.2-1b", n_layers=2)``. With
@@ -303,4 +353,4 @@ def _init_weights(model: LlamaModel) -> None:
     nn.init.normal_(model.tok_emb.weight, std=0.02)
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.weight is not model.tok_emb.weight:
-            nn.init.normal_(module.weight, std=module.in_features ** -0.5)
+            nn.init.normal_(module.weight, std=module.in_features**-0.5)

@@ -46,9 +46,11 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "llama3":
         scaling = Llama3RopeScaling(
-            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
-            original_context_length=int(rope["original_max_position_embeddings"]))
+            original_context_length=int(rope["original_max_position_embeddings"]),
+        )
     elif rope_type == "default":
         scaling = None
     else:
@@ -72,8 +74,11 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
     )
 
 
-def load_llama(source: str | os.PathLike | Mapping[str, torch.Tensor],
-               config: LlamaConfig | Mapping | str | os.PathLike, tp: TensorParallel = SINGLE_PROCESS) -> LlamaModel:
+def load_llama(
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    config: LlamaConfig | Mapping | str | os.PathLike,
+    tp: TensorParallel = SINGLE_PROCESS,
+) -> LlamaModel:
     """A model built from a ``.safetensors`` path or a state dict in HF layout.
 
     ``config`` is a :class:`LlamaConfig` or anything :func:`config_from_hf` reads (the
@@ -95,10 +100,15 @@ def _to_ours(hf: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torc
             raise KeyError("the config says the output head is not tied, but 'lm_head.weight' is missing")
         ours["out_head.weight"] = hf["lm_head.weight"]
     names = {
-        "self_attn.q_proj": "att.W_query", "self_attn.k_proj": "att.W_key",
-        "self_attn.v_proj": "att.W_value", "self_attn.o_proj": "att.out_proj",
-        "mlp.gate_proj": "ff.gate", "mlp.up_proj": "ff.up", "mlp.down_proj": "ff.down",
-        "input_layernorm": "norm1", "post_attention_layernorm": "norm2",
+        "self_attn.q_proj": "att.W_query",
+        "self_attn.k_proj": "att.W_key",
+        "self_attn.v_proj": "att.W_value",
+        "self_attn.o_proj": "att.out_proj",
+        "mlp.gate_proj": "ff.gate",
+        "mlp.up_proj": "ff.up",
+        "mlp.down_proj": "ff.down",
+        "input_layernorm": "norm1",
+        "post_attention_layernorm": "norm2",
     }
     if cfg.qk_norm:
         names.update({"self_attn.q_norm": "att.q_norm", "self_attn.k_norm": "att.k_norm"})

@@ -113,11 +113,32 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.
     return (data.to(wide) * scales.to(wide).unsqueeze(-1)).to(dtype)
 
 
-def reference_quantized_attention(q, k_data, k_scales, v_data, v_scales, lengths, fmt, window=None, scale=None,
-                                  return_lse=False, softcap=None, sinks=None):
+def reference_quantized_attention(
+    q,
+    k_data,
+    k_scales,
+    v_data,
+    v_scales,
+    lengths,
+    fmt,
+    window=None,
+    scale=None,
+    return_lse=False,
+    softcap=None,
+    sinks=None,
+):
     """``reference_attention`` of ``q`` over the values a quantized cache stands for (float32)."""
-    return reference_attention(q, dequantize(k_data, k_scales, fmt), dequantize(v_data, v_scales, fmt), lengths,
-                               window=window, scale=scale, return_lse=return_lse, softcap=softcap, sinks=sinks)
+    return reference_attention(
+        q,
+        dequantize(k_data, k_scales, fmt),
+        dequantize(v_data, v_scales, fmt),
+        lengths,
+        window=window,
+        scale=scale,
+        return_lse=return_lse,
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
 def _checked(fmt: str) -> str:

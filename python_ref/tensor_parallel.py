@@ -46,8 +46,10 @@ class TensorParallel:
     def from_process_group(cls, group: dist.ProcessGroup | None = None) -> TensorParallel:
         """This process's place in ``group`` (``torch.distributed`` must be initialised)."""
         if not dist.is_initialized():
-            raise RuntimeError("tensor parallelism needs torch.distributed: call dist.init_process_group() first "
-                               "(kvcache_ext.distributed.init_tensor_parallel does it under torchrun)")
+            raise RuntimeError(
+                "tensor parallelism needs torch.distributed: call dist.init_process_group() first "
+                "(kvcache_ext.distributed.init_tensor_parallel does it under torchrun)"
+            )
         return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group)
 
     def split(self, units: int, what: str, replicate: bool = False) -> tuple[int, int]:
@@ -88,7 +90,9 @@ class ColumnParallelLinear(nn.Linear):
     ``unit`` features (a head's ``head_dim``): rank r holds blocks ``split(out_features / unit)``.
     ``replicate`` allows fewer blocks than ranks (key/value heads, see ``TensorParallel.split``)."""
 
-    def __init__(self, in_features, out_features, tp: TensorParallel, bias=True, unit=1, replicate=False, what="outputs"):
+    def __init__(
+        self, in_features, out_features, tp: TensorParallel, bias=True, unit=1, replicate=False, what="outputs"
+    ):
         first, count = tp.split(out_features // unit, what, replicate)
         super().__init__(in_features, count * unit, bias=bias)
         self.full_out_features = out_features
@@ -138,8 +142,10 @@ class _VocabRows:
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         full = state_dict.get(prefix + "weight")
         if full is not None and full.shape[0] == self.full_vocab_size != self.local_vocab:
-            rows = full[self.first_id:self.first_id + self.local_vocab]
-            state_dict[prefix + "weight"] = torch.cat([rows, rows.new_zeros(self.local_vocab - len(rows), full.shape[1])])
+            rows = full[self.first_id : self.first_id + self.local_vocab]
+            state_dict[prefix + "weight"] = torch.cat(
+                [rows, rows.new_zeros(self.local_vocab - len(rows), full.shape[1])]
+            )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
@@ -171,4 +177,4 @@ class VocabParallelLinear(_VocabRows, nn.Linear):
     def forward(self, x):
         if self.tp.size == 1:
             return super().forward(x)
-        return self.tp.all_gather_last_dim(super().forward(x))[..., :self.full_vocab_size]
+        return self.tp.all_gather_last_dim(super().forward(x))[..., : self.full_vocab_size]

@@ -18,8 +18,11 @@ from .tensor_parallel import SINGLE_PROCESS, TensorParallel
 _HEADS_BY_WIDTH = {768: 12, 1024: 16, 1280: 20, 1600: 25}
 
 
-def load_gpt2(source: str | os.PathLike | Mapping[str, torch.Tensor], n_heads: int | None = None,
-              tp: TensorParallel = SINGLE_PROCESS) -> GPTModel:
+def load_gpt2(
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    n_heads: int | None = None,
+    tp: TensorParallel = SINGLE_PROCESS,
+) -> GPTModel:
     """A GPT-2 built from a ``.safetensors`` file path or a state dict in HF layout.
 
     With ``tp``, each rank reads the whole file and keeps its slices (see gpt2.py).
@@ -35,8 +38,14 @@ def load_gpt2(source: str | os.PathLike | Mapping[str, torch.Tensor], n_heads: i
         if emb not in _HEADS_BY_WIDTH:
             raise ValueError(f"embedding width {emb} is not a published GPT-2 size; pass n_heads=")
         n_heads = _HEADS_BY_WIDTH[emb]
-    cfg = GPT2Config(vocab_size=vocab, context_length=state["wpe.weight"].shape[0], emb_dim=emb,
-                     n_heads=n_heads, n_layers=n_layers, qkv_bias=True)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        context_length=state["wpe.weight"].shape[0],
+        emb_dim=emb,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        qkv_bias=True,
+    )
     return GPTModel.from_state_dict(cfg, _to_ours(state, cfg), tp)
 
 
@@ -61,17 +70,24 @@ def _to_ours(hf: dict[str, torch.Tensor], cfg: GPT2Config) -> dict[str, torch.Te
         h, b = f"h.{i}.", f"trf_blocks.{i}."
         q_w, k_w, v_w = hf[h + "attn.c_attn.weight"].t().chunk(3, dim=0)
         q_b, k_b, v_b = hf[h + "attn.c_attn.bias"].chunk(3, dim=0)
-        ours.update({
-            b + "att.W_query.weight": q_w, b + "att.W_query.bias": q_b,
-            b + "att.W_key.weight": k_w, b + "att.W_key.bias": k_b,
-            b + "att.W_value.weight": v_w, b + "att.W_value.bias": v_b,
-            b + "att.out_proj.weight": hf[h + "attn.c_proj.weight"].t(),
-            b + "att.out_proj.bias": hf[h + "attn.c_proj.bias"],
-            b + "ff.layers.0.weight": hf[h + "mlp.c_fc.weight"].t(),
-            b + "ff.layers.0.bias": hf[h + "mlp.c_fc.bias"],
-            b + "ff.layers.2.weight": hf[h + "mlp.c_proj.weight"].t(),
-            b + "ff.layers.2.bias": hf[h + "mlp.c_proj.bias"],
-            b + "norm1.scale": hf[h + "ln_1.weight"], b + "norm1.shift": hf[h + "ln_1.bias"],
-            b + "norm2.scale": hf[h + "ln_2.weight"], b + "norm2.shift": hf[h + "ln_2.bias"],
-        })
+        ours.update(
+            {
+                b + "att.W_query.weight": q_w,
+                b + "att.W_query.bias": q_b,
+                b + "att.W_key.weight": k_w,
+                b + "att.W_key.bias": k_b,
+                b + "att.W_value.weight": v_w,
+                b + "att.W_value.bias": v_b,
+                b + "att.out_proj.weight": hf[h + "attn.c_proj.weight"].t(),
+                b + "att.out_proj.bias": hf[h + "attn.c_proj.bias"],
+                b + "ff.layers.0.weight": hf[h + "mlp.c_fc.weight"].t(),
+                b + "ff.layers.0.bias": hf[h + "mlp.c_fc.bias"],
+                b + "ff.layers.2.weight": hf[h + "mlp.c_proj.weight"].t(),
+                b + "ff.layers.2.bias": hf[h + "mlp.c_proj.bias"],
+                b + "norm1.scale": hf[h + "ln_1.weight"],
+                b + "norm1.shift": hf[h + "ln_1.bias"],
+                b + "norm2.scale": hf[h + "ln_2.weight"],
+                b + "norm2.shift": hf[h + "ln_2.bias"],
+            }
+        )
     return {k: v.contiguous() for k, v in ours.items()}

@@ -12,13 +12,18 @@ DEFAULT_FUZZ_EXAMPLES = 100
 def pytest_addoption(parser):
     group = parser.getgroup("kvcache_ext fuzzing (tests/test_fuzz.py)")
     group.addoption(
-        "--fuzz-examples", type=int, default=int(os.environ.get(FUZZ_EXAMPLES_ENV, DEFAULT_FUZZ_EXAMPLES)),
+        "--fuzz-examples",
+        type=int,
+        default=int(os.environ.get(FUZZ_EXAMPLES_ENV, DEFAULT_FUZZ_EXAMPLES)),
         help=f"hypothesis examples per fuzz test, one op call each (default {DEFAULT_FUZZ_EXAMPLES}, or "
-             f"${FUZZ_EXAMPLES_ENV}). A long run: --fuzz-examples 6000 --fuzz-keep-going")
+        f"${FUZZ_EXAMPLES_ENV}). A long run: --fuzz-examples 6000 --fuzz-keep-going",
+    )
     group.addoption(
-        "--fuzz-keep-going", action="store_true",
+        "--fuzz-keep-going",
+        action="store_true",
         help="record contract violations and keep fuzzing instead of stopping at the first one; each fuzz "
-             "test fails at its end listing every kind of violation seen, with a count and its first example")
+        "test fails at its end listing every kind of violation seen, with a count and its first example",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -47,9 +52,11 @@ class FuzzTally:
         seen[0] += 1
 
     def violation_report(self, entry_points) -> str:
-        return "\n".join(f"[{count}x] {entry_point}: {first}"
-                         for (entry_point, _), (count, first) in sorted(self.violations.items())
-                         if entry_point.split("[")[0] in entry_points)
+        return "\n".join(
+            f"[{count}x] {entry_point}: {first}"
+            for (entry_point, _), (count, first) in sorted(self.violations.items())
+            if entry_point.split("[")[0] in entry_points
+        )
 
 
 _FUZZ_TALLY = pytest.StashKey[FuzzTally]()
@@ -69,6 +76,7 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"{entry_point}: {counts['calls']} calls, {counts['refused']} refused with an exception, "
             f"{counts['checked']} results checked, {counts['violation']} contract violations "
-            f"({counts['isolated in a child']} calls isolated in a forked child)")
+            f"({counts['isolated in a child']} calls isolated in a forked child)"
+        )
     distinct = len(tally.violations)
     terminalreporter.write_line(f"distinct kinds of violation: {distinct}")

@@ -96,7 +96,7 @@ void check_decisions() {
 
   // Unrelated bits and state are ignored.
   CpuidValues extra = avx2_cpu;
-  extra.leaf1_ecx |= 1u << 0;  // SSE3
+  extra.leaf1_ecx |= 1u << 0;      // SSE3
   extra.xcr0 |= uint64_t{1} << 9;  // PKRU
   expect("AVX2 CPU with unrelated extras", extra, Isa::kAvx2);
 

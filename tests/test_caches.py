@@ -63,7 +63,9 @@ def test_overflow_raises_and_leaves_the_cache_unchanged():
     cache = PreallocatedCache(**SHAPE, max_cache_len=8)
     step(cache, 6)
     k_before, v_before, lengths_before = cache.k.clone(), cache.v.clone(), cache.lengths.clone()
-    with pytest.raises(CacheOverflowError, match=r"holds 6 tokens and 3 more.*max_cache_len is 8.*max_cache_len >= 9.*window"):
+    with pytest.raises(
+        CacheOverflowError, match=r"holds 6 tokens and 3 more.*max_cache_len is 8.*max_cache_len >= 9.*window"
+    ):
         cache.start_step(3)
     assert torch.equal(cache.k, k_before) and torch.equal(cache.v, v_before)
     assert torch.equal(cache.lengths, lengths_before) and cache.seq_length == 6

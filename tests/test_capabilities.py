@@ -20,16 +20,32 @@ def test_cpu_table_is_what_the_kernels_accept():
     table = kvcache_ext.capabilities("cpu")
     assert table.kernels == "cpu library" and table.native
     for head_dim in (table.head_dim_multiple, table.max_head_dim, 3 * table.head_dim_multiple):
-        out, _ = kvcache_ext.decode_attention(torch.randn(1, 2, 1, head_dim), torch.randn(1, 1, 4, head_dim),
-                                              torch.randn(1, 1, 4, head_dim), torch.tensor([3]))
+        out, _ = kvcache_ext.decode_attention(
+            torch.randn(1, 2, 1, head_dim),
+            torch.randn(1, 1, 4, head_dim),
+            torch.randn(1, 1, 4, head_dim),
+            torch.tensor([3]),
+        )
         assert out.shape == (1, 2, 1, head_dim)
     for head_dim in (table.head_dim_multiple - 1, table.max_head_dim + table.head_dim_multiple):
         with pytest.raises(RuntimeError, match="head_dim must be a multiple of"):
-            torch.ops.kvcache_ext.decode_attention(torch.randn(1, 2, 1, head_dim), torch.randn(1, 1, 4, head_dim),
-                                                   torch.randn(1, 1, 4, head_dim), torch.tensor([3]), None, None)
+            torch.ops.kvcache_ext.decode_attention(
+                torch.randn(1, 2, 1, head_dim),
+                torch.randn(1, 1, 4, head_dim),
+                torch.randn(1, 1, 4, head_dim),
+                torch.tensor([3]),
+                None,
+                None,
+            )
     with pytest.raises(RuntimeError, match="between 1 and 2\\^62"):
-        torch.ops.kvcache_ext.decode_attention(torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8),
-                                               torch.randn(1, 1, 4, 8), torch.tensor([table.max_length + 1]), None, None)
+        torch.ops.kvcache_ext.decode_attention(
+            torch.randn(1, 2, 1, 8),
+            torch.randn(1, 1, 4, 8),
+            torch.randn(1, 1, 4, 8),
+            torch.tensor([table.max_length + 1]),
+            None,
+            None,
+        )
 
 
 def test_kvcache_checks_the_table_at_construction():

@@ -21,8 +21,9 @@ MODELS = {"gpt2": lambda: build_gpt2("tiny"), "llama": lambda: build_llama("llam
 
 def _decode_compiled_and_eager(model, compile_kwargs, device="cpu"):
     model = model.to(device)
-    idx = torch.randint(0, model.cfg.vocab_size, (BATCH, PROMPT_LEN + STEPS),
-                        generator=torch.Generator().manual_seed(0)).to(device)
+    idx = torch.randint(
+        0, model.cfg.vocab_size, (BATCH, PROMPT_LEN + STEPS), generator=torch.Generator().manual_seed(0)
+    ).to(device)
     shape = dict(model.kv_shape, batch_size=BATCH, max_cache_len=PROMPT_LEN + STEPS, device=device)
     compiled_cache, eager_cache = KVCache(**shape), KVCache(**shape)
     if device == "cuda":
@@ -41,8 +42,8 @@ def _decode_compiled_and_eager(model, compile_kwargs, device="cpu"):
         model(idx[:, :PROMPT_LEN], compiled_cache)  # prefill stays eager
         model(idx[:, :PROMPT_LEN], eager_cache)
         for t in range(PROMPT_LEN, PROMPT_LEN + STEPS):
-            compiled.append(compiled_step(idx[:, t:t + 1], compiled_cache).clone())
-            eager.append(model(idx[:, t:t + 1], eager_cache))
+            compiled.append(compiled_step(idx[:, t : t + 1], compiled_cache).clone())
+            eager.append(model(idx[:, t : t + 1], eager_cache))
     assert compiled_cache.seq_length == eager_cache.seq_length == PROMPT_LEN + STEPS
     assert torch.equal(compiled_cache.lengths, eager_cache.lengths)
     return torch.cat(compiled, dim=1), torch.cat(eager, dim=1)

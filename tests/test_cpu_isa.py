@@ -23,9 +23,21 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ t
 @pytest.fixture(scope="module")
 def decision_program(tmp_path_factory):
     program = tmp_path_factory.mktemp("cpu_isa") / "cpu_isa_decision"
-    build = subprocess.run(["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{HEADER.parent}",
-                            str(ROOT / "tests" / "cpu_isa_decision.cpp"), "-o", str(program)],
-                           capture_output=True, text=True)
+    build = subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{HEADER.parent}",
+            str(ROOT / "tests" / "cpu_isa_decision.cpp"),
+            "-o",
+            str(program),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert build.returncode == 0, build.stderr
     return program
 

@@ -22,7 +22,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture(autouse=True)
 def cuda_kernels_loaded():
     if not kvcache_ext.native_available("cuda"):
-        message = f"kvcache_ext's CUDA kernels are not loaded: {kvcache_ext.build_info().get('cuda_unavailable_reason')}"
+        message = (
+            f"kvcache_ext's CUDA kernels are not loaded: {kvcache_ext.build_info().get('cuda_unavailable_reason')}"
+        )
         if os.environ.get("KVCACHE_EXT_REQUIRE_NATIVE") == "1":
             pytest.fail(message)
         pytest.skip(message)
@@ -46,27 +48,42 @@ def random_problem(B, H_q, H_kv, T, D, S, lengths, dtype, non_contiguous, seed):
 
 
 # ---- parity grid (the CPU grid of the extension, on CUDA) -----------------------------------------
-GRID = list(itertools.product(
-    DTYPES,
-    [64, 80, 128],            # head_dim
-    [1, 2, 4, 8],             # GQA group
-    [1, 4],                   # new tokens
-    [None, 5, 100],           # window; with one, the ring has window + num_new - 1 slots (or 300)
-))
+GRID = list(
+    itertools.product(
+        DTYPES,
+        [64, 80, 128],  # head_dim
+        [1, 2, 4, 8],  # GQA group
+        [1, 4],  # new tokens
+        [None, 5, 100],  # window; with one, the ring has window + num_new - 1 slots (or 300)
+    )
+)
 
 
-@pytest.mark.parametrize("dtype,head_dim,group,num_new,window", GRID,
-                         ids=[f"{str(d).split('.')[-1]}-D{h}-g{g}-T{t}-w{w}" for d, h, g, t, w in GRID])
+@pytest.mark.parametrize(
+    "dtype,head_dim,group,num_new,window",
+    GRID,
+    ids=[f"{str(d).split('.')[-1]}-D{h}-g{g}-T{t}-w{w}" for d, h, g, t, w in GRID],
+)
 def test_decode_attention_parity(dtype, head_dim, group, num_new, window):
     H_kv = 2
     # Rows of unequal lengths: the shortest possible, 7, and 1000 (past the ring's wrap).
     slots = {None: 1000, 5: 5 + num_new - 1, 100: 300}[window]
-    q, k_cache, v_cache, lengths = random_problem(3, H_kv * group, H_kv, num_new, head_dim, slots,
-                                                  [num_new, 7, 1000], dtype, non_contiguous=group % 2 == 0,
-                                                  seed=head_dim * 31 + group)
+    q, k_cache, v_cache, lengths = random_problem(
+        3,
+        H_kv * group,
+        H_kv,
+        num_new,
+        head_dim,
+        slots,
+        [num_new, 7, 1000],
+        dtype,
+        non_contiguous=group % 2 == 0,
+        seed=head_dim * 31 + group,
+    )
     out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window)
-    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, window,
-                                           return_lse=True)
+    exact, exact_lse = reference_attention(
+        q.double(), k_cache.double(), v_cache.double(), lengths, window, return_lse=True
+    )
     plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window)
     bound = 2 * max_error(plain.cpu(), exact) + 1e-5
     assert max_error(out.cpu(), exact) <= bound
@@ -90,8 +107,9 @@ def test_long_prefill_chunk_and_scale():
     # Many query rows per KV head (row chunks) and an explicit scale.
     q, k_cache, v_cache, lengths = random_problem(2, 12, 4, 37, 64, 512, [37, 500], torch.float32, True, 5)
     out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), scale=0.2)
-    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, scale=0.2,
-                                           return_lse=True)
+    exact, exact_lse = reference_attention(
+        q.double(), k_cache.double(), v_cache.double(), lengths, scale=0.2, return_lse=True
+    )
     torch.testing.assert_close(out.cpu().double(), exact, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-5, rtol=1e-5)
 
@@ -136,8 +154,9 @@ def test_cuda_graph_replay_equals_eager(dtype):
     k0 = torch.randn(B, H_kv, S, D, device=device, dtype=dtype)
     v0 = torch.randn(B, H_kv, S, D, device=device, dtype=dtype)
     lengths0 = torch.tensor([10, 3000], device=device)
-    inputs = [tuple(torch.randn(B, h, 1, D, device=device, dtype=dtype) for h in (H_q, H_kv, H_kv))
-              for _ in range(steps)]
+    inputs = [
+        tuple(torch.randn(B, h, 1, D, device=device, dtype=dtype) for h in (H_q, H_kv, H_kv)) for _ in range(steps)
+    ]
     k_cache, v_cache, lengths = k0.clone(), v0.clone(), lengths0.clone()
     q, k_new, v_new = (t.clone() for t in inputs[0])
 
@@ -207,8 +226,9 @@ def check_decode_contract(q, k_cache, v_cache, lengths, window=None, gpu_caches=
     valid = torch.tensor([T <= int(n) <= MAX_LENGTH for n in lengths])
     rows = valid.nonzero().flatten()
     args = (k_cache[rows], v_cache[rows], lengths[rows], window)
-    exact, exact_lse = reference_attention(q[rows].double(), args[0].double(), args[1].double(), *args[2:],
-                                           return_lse=True)
+    exact, exact_lse = reference_attention(
+        q[rows].double(), args[0].double(), args[1].double(), *args[2:], return_lse=True
+    )
     plain = reference_attention(q[rows], *args)
     assert max_error(out[rows], exact) <= 2 * max_error(plain, exact) + 1e-5
     torch.testing.assert_close(lse[rows].double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
@@ -236,15 +256,15 @@ def test_append_edge_lengths(dtype):
     buffer = torch.randn(2 * B * H * S * D + 64).to(dtype)
     k_new, v_new = torch.randn(B, H, T, D).to(dtype), torch.randn(B, H, T, D).to(dtype)
     expected = buffer.clone()
-    expected_k = expected[16:16 + B * H * S * D].view(B, H, S, D)
-    expected_v = expected[-16 - B * H * S * D:-16].view(B, H, S, D)
+    expected_k = expected[16 : 16 + B * H * S * D].view(B, H, S, D)
+    expected_v = expected[-16 - B * H * S * D : -16].view(B, H, S, D)
     for b, n in enumerate(EDGE_LENGTHS):
         if 0 <= n <= MAX_LENGTH:
             for t in range(T):
                 expected_k[b, :, (n + t) % S], expected_v[b, :, (n + t) % S] = k_new[b, :, t], v_new[b, :, t]
     gpu_buffer = buffer.cuda()
-    k_gpu = gpu_buffer[16:16 + B * H * S * D].view(B, H, S, D)
-    v_gpu = gpu_buffer[-16 - B * H * S * D:-16].view(B, H, S, D)
+    k_gpu = gpu_buffer[16 : 16 + B * H * S * D].view(B, H, S, D)
+    v_gpu = gpu_buffer[-16 - B * H * S * D : -16].view(B, H, S, D)
     torch.ops.kvcache_ext.append_kv(k_gpu, v_gpu, k_new.cuda(), v_new.cuda(), lengths.cuda())
     assert torch.equal(gpu_buffer.cpu(), expected)
 
@@ -264,8 +284,9 @@ def test_append_more_pairs_than_grid_rows():
 
 @pytest.mark.parametrize("q_heads,num_new", [(96, 1), (128, 5), (100, 3)])
 def test_large_gqa_groups(q_heads, num_new):
-    q, k_cache, v_cache, lengths = random_problem(2, q_heads, 1, num_new, 128, 700, [700, 1000], torch.bfloat16,
-                                                  True, q_heads)
+    q, k_cache, v_cache, lengths = random_problem(
+        2, q_heads, 1, num_new, 128, 700, [700, 1000], torch.bfloat16, True, q_heads
+    )
     check_decode_contract(q, k_cache, v_cache, lengths, 300)
 
 
@@ -279,10 +300,10 @@ def test_unaligned_cache_views(dtype, layout):
 
     def view(storage):
         if layout == "offset_pointer":
-            return storage.flatten()[1:1 + numel].view(B, H_kv, S, D)
+            return storage.flatten()[1 : 1 + numel].view(B, H_kv, S, D)
         if layout == "odd_slot_stride":
-            return storage.flatten()[:B * H_kv * S * (D + 1)].view(B, H_kv, S, D + 1)[..., :D]
-        return storage.flatten()[:B * H_kv * (S + 1) * (D + 1)].view(B, H_kv, S + 1, D + 1)[:, :, 1:, 1:]
+            return storage.flatten()[: B * H_kv * S * (D + 1)].view(B, H_kv, S, D + 1)[..., :D]
+        return storage.flatten()[: B * H_kv * (S + 1) * (D + 1)].view(B, H_kv, S + 1, D + 1)[:, :, 1:, 1:]
 
     g = torch.Generator().manual_seed(22)
     k_storage = torch.randn(2 * numel + 64, generator=g).to(dtype)
@@ -308,12 +329,25 @@ def test_softcap_and_sinks_parity(dtype, softcap, with_sinks, slots):
     q, k_cache, v_cache, lengths = random_problem(2, 8, 2, 2, 64, slots, [2, slots], dtype, True, 11)
     q = q * 4
     sinks = torch.randn(8) * 3 if with_sinks else None
-    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), softcap=softcap,
-                                            sinks=None if sinks is None else sinks.cuda())
-    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True,
-                                           softcap=softcap, sinks=sinks)
-    plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), softcap=softcap,
-                                sinks=None if sinks is None else sinks.cuda())
+    out, lse = kvcache_ext.decode_attention(
+        q.cuda(),
+        k_cache.cuda(),
+        v_cache.cuda(),
+        lengths.cuda(),
+        softcap=softcap,
+        sinks=None if sinks is None else sinks.cuda(),
+    )
+    exact, exact_lse = reference_attention(
+        q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True, softcap=softcap, sinks=sinks
+    )
+    plain = reference_attention(
+        q.cuda(),
+        k_cache.cuda(),
+        v_cache.cuda(),
+        lengths.cuda(),
+        softcap=softcap,
+        sinks=None if sinks is None else sinks.cuda(),
+    )
     assert max_error(out.cpu(), exact) <= 2 * max_error(plain.cpu(), exact) + 1e-5
     torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
 

@@ -44,9 +44,22 @@ def emulator():
     if not library.exists():
         partial = library.with_suffix(f".{digest}.tmp")
         subprocess.run(
-            [compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas", f"-I{EMULATION_DIR}",
-             str(EMULATION_DIR / "harness.cpp"), "-o", str(partial)],
-            check=True, capture_output=True, text=True)
+            [
+                compiler,
+                "-std=c++17",
+                "-O1",
+                "-shared",
+                "-fPIC",
+                "-Wno-unknown-pragmas",
+                f"-I{EMULATION_DIR}",
+                str(EMULATION_DIR / "harness.cpp"),
+                "-o",
+                str(partial),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         partial.replace(library)
     return ctypes.CDLL(str(library))
 
@@ -59,8 +72,19 @@ def ptr(t: torch.Tensor):
     return ctypes.c_void_p(t.data_ptr())
 
 
-def emulated_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=None, sm_count=132,
-                       max_blocks=MAX_GRID_X, softcap=None, sinks=None):
+def emulated_attention(
+    lib,
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    window=None,
+    scale=None,
+    sm_count=132,
+    max_blocks=MAX_GRID_X,
+    softcap=None,
+    sinks=None,
+):
     """Runs the CUDA binding's steps (window clamp, load path, plan, launches) under emulation."""
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
@@ -69,15 +93,31 @@ def emulated_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=Non
     plan = (ctypes.c_int64 * 4)()
     sinks32 = None if sinks is None else sinks.float().contiguous()  # alive until the call returns
     status = lib.emu_decode_attention(
-        ELEM[q.dtype], ptr(q), int64s(q.stride()), ptr(k_cache), ptr(v_cache),
-        int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])), ptr(lengths),
-        ctypes.c_int64(lengths.stride(0)), ptr(out), ptr(lse), int64s([B, H_q, H_kv, T, D, S]),
-        ctypes.c_int64(window or 0), ctypes.c_double(1.0 / math.sqrt(D) if scale is None else scale),
-        ctypes.c_double(softcap or 0.0), None if sinks32 is None else ptr(sinks32),
-        ctypes.c_int(sm_count), ctypes.c_int64(max_blocks), plan)
+        ELEM[q.dtype],
+        ptr(q),
+        int64s(q.stride()),
+        ptr(k_cache),
+        ptr(v_cache),
+        int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])),
+        ptr(lengths),
+        ctypes.c_int64(lengths.stride(0)),
+        ptr(out),
+        ptr(lse),
+        int64s([B, H_q, H_kv, T, D, S]),
+        ctypes.c_int64(window or 0),
+        ctypes.c_double(1.0 / math.sqrt(D) if scale is None else scale),
+        ctypes.c_double(softcap or 0.0),
+        None if sinks32 is None else ptr(sinks32),
+        ctypes.c_int(sm_count),
+        ctypes.c_int64(max_blocks),
+        plan,
+    )
     assert status == 0, f"emulated launch failed with status {status}"
-    return out, lse, {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2],
-                      "vector_loads": bool(plan[3])}
+    return (
+        out,
+        lse,
+        {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2], "vector_loads": bool(plan[3])},
+    )
 
 
 def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths, max_words_per_launch=MAX_GRID_X):
@@ -85,11 +125,20 @@ def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths, max_words_per_
     B, H, S, D = k_cache.shape
     word_bytes, launches = ctypes.c_int(), ctypes.c_int()
     status = lib.emu_append_kv(
-        ptr(k_cache), ptr(v_cache), int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])),
-        ptr(k_new), ptr(v_new), int64s(list(k_new.stride()) + list(v_new.stride())), ptr(lengths),
-        ctypes.c_int64(lengths.stride(0)), int64s([B, H, k_new.shape[2], S, D]),
-        ctypes.c_int64(k_cache.element_size()), ctypes.c_int64(max_words_per_launch),
-        ctypes.byref(word_bytes), ctypes.byref(launches))
+        ptr(k_cache),
+        ptr(v_cache),
+        int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])),
+        ptr(k_new),
+        ptr(v_new),
+        int64s(list(k_new.stride()) + list(v_new.stride())),
+        ptr(lengths),
+        ctypes.c_int64(lengths.stride(0)),
+        int64s([B, H, k_new.shape[2], S, D]),
+        ctypes.c_int64(k_cache.element_size()),
+        ctypes.c_int64(max_words_per_launch),
+        ctypes.byref(word_bytes),
+        ctypes.byref(launches),
+    )
     assert status == 0, f"emulated append failed with status {status}"
     return word_bytes.value, launches.value
 
@@ -107,10 +156,10 @@ def guarded(shape, dtype, generator, guard_value=float("nan"), offset_elems=0, s
     padded = (B, H, S, D + slot_padding)
     numel = B * H * S * (D + slot_padding)
     buffer = torch.full((guard + offset_elems + numel + guard,), guard_value, dtype=dtype)
-    view = buffer[guard + offset_elems:guard + offset_elems + numel].view(padded)[..., :D]
+    view = buffer[guard + offset_elems : guard + offset_elems + numel].view(padded)[..., :D]
     view.copy_(torch.randn(shape, generator=generator).to(dtype))
     inside = torch.zeros(buffer.shape, dtype=torch.bool)
-    inside[guard + offset_elems:guard + offset_elems + numel].view(padded)[..., :D] = True
+    inside[guard + offset_elems : guard + offset_elems + numel].view(padded)[..., :D] = True
     return view, buffer, inside
 
 
@@ -123,8 +172,7 @@ def valid_for_decode(n, T):
     return T <= n <= MAX_LENGTH
 
 
-def check_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=None, sm_count=132,
-                    max_blocks=MAX_GRID_X):
+def check_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=None, sm_count=132, max_blocks=MAX_GRID_X):
     """Emulated decode against the contract: rows with a valid length equal reference_attention
     (float64) within twice plain PyTorch's error in the inputs' dtype; other rows are zeros with
     a log-sum-exp of -inf."""
@@ -134,8 +182,9 @@ def check_attention(lib, q, k_cache, v_cache, lengths, window=None, scale=None, 
     if valid.any():
         rows = valid.nonzero().flatten()
         args = (k_cache[rows], v_cache[rows], lengths[rows], window, scale)
-        exact, exact_lse = reference_attention(q[rows].double(), args[0].double(), args[1].double(), *args[2:],
-                                               return_lse=True)
+        exact, exact_lse = reference_attention(
+            q[rows].double(), args[0].double(), args[1].double(), *args[2:], return_lse=True
+        )
         plain = reference_attention(q[rows], *args)
         bound = 2 * max_error(plain, exact) + 1e-5
         assert max_error(out[rows], exact) <= bound, (plan, max_error(out[rows], exact), bound)
@@ -159,17 +208,17 @@ def random_attention(B, H_q, H_kv, T, D, S, dtype, seed, non_contiguous_q=False)
 
 # (batch, q_heads, kv_heads, num_new, head_dim, slots, lengths, window)
 ATTENTION_CASES = [
-    (1, 4, 4, 1, 64, 1000, [1], None),               # a single visible position
-    (1, 8, 1, 1, 128, 1000, [1000], None),            # MQA, full cache
-    (3, 8, 2, 1, 80, 1000, [7, 1000, 333], None),     # GQA 4, unequal rows, 80-dim (idle lanes)
-    (3, 16, 2, 4, 128, 400, [7, 400, 4], None),       # GQA 8, T=4 (4 row chunks), T == length
-    (3, 4, 2, 4, 64, 300, [7, 700, 1000], 100),       # ring buffer wrapped, window
-    (2, 2, 1, 1, 96, 257, [300, 258], 257),           # window == slots, wrapped by a few
-    (1, 2, 2, 4, 256, 64, [1000], 61),                # window + T - 1 == slots
-    (2, 4, 4, 1, 16, 50, [1, 70], None),              # tiny head_dim, MHA (one row per block)
-    (1, 4, 1, 5, 32, 40, [5], 3),                     # T > window, first rows see few keys
-    (2, 6, 2, 2, 24, 30, [40, 2], None),              # head_dim 24: capacity 32, a masked lane
-    (1, 2, 1, 3, 200, 70, [90], 20),                  # head_dim 200: capacity 256
+    (1, 4, 4, 1, 64, 1000, [1], None),  # a single visible position
+    (1, 8, 1, 1, 128, 1000, [1000], None),  # MQA, full cache
+    (3, 8, 2, 1, 80, 1000, [7, 1000, 333], None),  # GQA 4, unequal rows, 80-dim (idle lanes)
+    (3, 16, 2, 4, 128, 400, [7, 400, 4], None),  # GQA 8, T=4 (4 row chunks), T == length
+    (3, 4, 2, 4, 64, 300, [7, 700, 1000], 100),  # ring buffer wrapped, window
+    (2, 2, 1, 1, 96, 257, [300, 258], 257),  # window == slots, wrapped by a few
+    (1, 2, 2, 4, 256, 64, [1000], 61),  # window + T - 1 == slots
+    (2, 4, 4, 1, 16, 50, [1, 70], None),  # tiny head_dim, MHA (one row per block)
+    (1, 4, 1, 5, 32, 40, [5], 3),  # T > window, first rows see few keys
+    (2, 6, 2, 2, 24, 30, [40, 2], None),  # head_dim 24: capacity 32, a masked lane
+    (1, 2, 1, 3, 200, 70, [90], 20),  # head_dim 200: capacity 256
 ]
 
 
@@ -220,8 +269,9 @@ def test_scale_and_non_contiguous_q(emulator):
     k_cache, v_cache = torch.randn(2, 2, 64, 64), torch.randn(2, 2, 64, 64)
     lengths = torch.tensor([5, 64])
     out, lse, _ = emulated_attention(emulator, q, k_cache, v_cache, lengths, scale=0.3)
-    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, scale=0.3,
-                                           return_lse=True)
+    exact, exact_lse = reference_attention(
+        q.double(), k_cache.double(), v_cache.double(), lengths, scale=0.3, return_lse=True
+    )
     torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-5, rtol=1e-5)
 
@@ -237,8 +287,9 @@ def test_softcap_and_sinks(emulator, dtype, softcap, with_sinks, slots, split):
     sinks = torch.randn(4, generator=g) * 3 if with_sinks else None
     out, lse, plan = emulated_attention(emulator, q, k_cache, v_cache, lengths, softcap=softcap, sinks=sinks)
     assert (plan["splits"] > 1) == split, plan
-    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True,
-                                           softcap=softcap, sinks=sinks)
+    exact, exact_lse = reference_attention(
+        q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True, softcap=softcap, sinks=sinks
+    )
     plain = reference_attention(q, k_cache, v_cache, lengths, softcap=softcap, sinks=sinks)
     assert max_error(out, exact) <= 2 * max_error(plain, exact) + 1e-5
     torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
@@ -364,14 +415,18 @@ def test_append_kv_edge_lengths(emulator, dtype, num_new):
     # Valid rows, the int64 edges included, land at (n + t) % S; invalid rows (< 0, > 2^62) are
     # not written; nothing outside the caches changes.
     S = 24
-    lengths = torch.tensor([0, num_new - 1, S, S + 1, MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, INT64_MIN, -1,
-                            MAX_LENGTH - 1])
+    lengths = torch.tensor(
+        [0, num_new - 1, S, S + 1, MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, INT64_MIN, -1, MAX_LENGTH - 1]
+    )
     B, H, D = len(lengths), 2, 16
     g = torch.Generator().manual_seed(16)
     guard = -7.0
     k_cache, k_buffer, k_inside = guarded((B, H, S, D), dtype, g, guard_value=guard)
     v_cache, v_buffer, v_inside = guarded((B, H, S, D), dtype, g, guard_value=guard, offset_elems=1)
-    k_new, v_new = torch.randn(B, H, num_new, D, generator=g).to(dtype), torch.randn(B, H, num_new, D, generator=g).to(dtype)
+    k_new, v_new = (
+        torch.randn(B, H, num_new, D, generator=g).to(dtype),
+        torch.randn(B, H, num_new, D, generator=g).to(dtype),
+    )
     expected_k, expected_v = expected_append(k_cache, v_cache, k_new, v_new, lengths)
     emulated_append(emulator, k_cache, v_cache, k_new, v_new, lengths)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
@@ -397,7 +452,8 @@ def test_append_kv_token_chunks(emulator):
     k_new, v_new = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
     lengths = torch.tensor([5, MAX_LENGTH])
     expected_k, expected_v = expected_append(k_cache, v_cache, k_new, v_new, lengths)
-    word_bytes, launches = emulated_append(emulator, k_cache, v_cache, k_new, v_new, lengths,
-                                           max_words_per_launch=3 * D * 4 // 16)
+    word_bytes, launches = emulated_append(
+        emulator, k_cache, v_cache, k_new, v_new, lengths, max_words_per_launch=3 * D * 4 // 16
+    )
     assert (word_bytes, launches) == (16, 4)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)

@@ -58,8 +58,12 @@ def build(scenario: str, files: dict, tp: TensorParallel):
 def make_cache(name, model, window=None, chunk_size=128):
     total = PROMPT_LEN + NEW_TOKENS
     shape = dict(model.kv_shape, batch_size=BATCH, max_cache_len=total, window=window, chunk_size=chunk_size)
-    return {"none": lambda: NoCache(window=window), "concat": lambda: ConcatCache(window=window),
-            "prealloc": lambda: PreallocatedCache(**shape), "native": lambda: KVCache(**shape)}[name]()
+    return {
+        "none": lambda: NoCache(window=window),
+        "concat": lambda: ConcatCache(window=window),
+        "prealloc": lambda: PreallocatedCache(**shape),
+        "native": lambda: KVCache(**shape),
+    }[name]()
 
 
 def cache_id(cache) -> str:
@@ -75,8 +79,12 @@ def run_scenario(scenario: str, files: dict, tp: TensorParallel) -> dict:
     model = build(scenario, files, tp)
     idx = prompt(model.cfg.vocab_size)
     # With autograd on, as a user calling the model directly would.
-    result = {"logits": model(idx).detach(), "kv_shape": model.kv_shape,
-              "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "caches": {}}
+    result = {
+        "logits": model(idx).detach(),
+        "kv_shape": model.kv_shape,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "caches": {},
+    }
     for cache_spec in SCENARIOS[scenario]:
         name, settings = (cache_spec, {}) if isinstance(cache_spec, str) else cache_spec
         cache = make_cache(name, model, **settings)
@@ -87,8 +95,9 @@ def run_scenario(scenario: str, files: dict, tp: TensorParallel) -> dict:
 
 def rank_main(rank: int, size: int, store: str, files: dict, out_dir: str) -> None:
     torch.set_num_threads(1)  # `size` processes share this machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=RUN_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=size, timeout=timedelta(seconds=RUN_TIMEOUT_S)
+    )
     try:
         tp = TensorParallel.from_process_group()
         results = {scenario: run_scenario(scenario, files, tp) for scenario in SCENARIOS}
@@ -99,8 +108,13 @@ def rank_main(rank: int, size: int, store: str, files: dict, out_dir: str) -> No
 
 def run_ranks(size: int, files: dict, tmp_dir) -> list[dict]:
     """Start ``size`` ranks, wait for them at most RUN_TIMEOUT_S, return each rank's results."""
-    context = mp.start_processes(rank_main, args=(size, str(tmp_dir / "store"), files, str(tmp_dir)),
-                                 nprocs=size, join=False, start_method="spawn")
+    context = mp.start_processes(
+        rank_main,
+        args=(size, str(tmp_dir / "store"), files, str(tmp_dir)),
+        nprocs=size,
+        join=False,
+        start_method="spawn",
+    )
     _wait(context, size)
     return [torch.load(tmp_dir / f"rank{rank}.pt") for rank in range(size)]
 
@@ -126,18 +140,32 @@ def checkpoint_files(tmp_path_factory) -> dict:
 
     folder = tmp_path_factory.mktemp("checkpoints")
     torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64,
-                                                                n_head=4, n_layer=2, initializer_range=0.3))
-    save_file({k: v.contiguous() for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}, folder / "gpt2.safetensors")
-    llama_config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                            initializer_range=0.3)
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_head=4, n_layer=2, initializer_range=0.3)
+    )
+    save_file(
+        {k: v.contiguous() for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}, folder / "gpt2.safetensors"
+    )
+    llama_config = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     llama = transformers.LlamaForCausalLM(llama_config)
     save_file({k: v.contiguous() for k, v in llama.state_dict().items()}, folder / "llama.safetensors")
     (folder / "config.json").write_text(json.dumps(llama_config.to_dict()))
     llama.save_pretrained(folder / "llama-hf")  # the same model, for transformers itself
-    return {"gpt2": str(folder / "gpt2.safetensors"), "llama": str(folder / "llama.safetensors"),
-            "llama_config": str(folder / "config.json"), "llama_hf_dir": str(folder / "llama-hf")}
+    return {
+        "gpt2": str(folder / "gpt2.safetensors"),
+        "llama": str(folder / "llama.safetensors"),
+        "llama_config": str(folder / "config.json"),
+        "llama_hf_dir": str(folder / "llama-hf"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +209,10 @@ def test_each_rank_caches_only_its_heads(ranks, single_process, scenario):
         got = result[scenario]["caches"]["native"]["kv_bytes"]
         assert got == single["caches"]["native"]["kv_bytes"] * per_rank_heads // kv_heads
     if kv_heads >= size:
-        assert sum(result[scenario]["caches"]["native"]["kv_bytes"] for result in ranks) \
+        assert (
+            sum(result[scenario]["caches"]["native"]["kv_bytes"] for result in ranks)
             == single["caches"]["native"]["kv_bytes"]
+        )
 
 
 @pytest.mark.parametrize("scenario", ["gpt2", "llama", "qwen3"])
@@ -196,9 +226,13 @@ def test_each_rank_holds_its_share_of_the_weights(ranks, single_process, scenari
 
 
 def test_heads_that_do_not_split_are_refused():
-    with pytest.raises(ValueError, match=r"attention heads \(4\) must be a multiple of the tensor-parallel size, got size 3"):
+    with pytest.raises(
+        ValueError, match=r"attention heads \(4\) must be a multiple of the tensor-parallel size, got size 3"
+    ):
         build_gpt2("tiny", tp=TensorParallel(rank=0, size=3))
-    with pytest.raises(ValueError, match=r"key/value heads \(2\) must be a multiple or a divisor of the tensor-parallel size"):
+    with pytest.raises(
+        ValueError, match=r"key/value heads \(2\) must be a multiple or a divisor of the tensor-parallel size"
+    ):
         build_llama("llama-tiny", n_heads=6, n_kv_heads=2, hidden_dim=132, tp=TensorParallel(rank=1, size=3))
 
 
@@ -232,17 +266,22 @@ def hf_rank_main(rank: int, size: int, store: str, model_dir: str, out_dir: str)
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=RUN_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=size, timeout=timedelta(seconds=RUN_TIMEOUT_S)
+    )
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
-                                                     attn_implementation="kvcache_ext")
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, distributed_config=DistributedConfig(tp_plan="auto"), attn_implementation="kvcache_ext"
+        )
         idx = prompt(model.config.vocab_size)
         cache = kvcache_ext.hf.NativeCache(model.config, max_cache_len=PROMPT_LEN + NEW_TOKENS)
-        tokens = model.generate(idx, attention_mask=torch.ones_like(idx), cache=cache, max_new_tokens=NEW_TOKENS,
-                                do_sample=False)
-        torch.save({"tokens": tokens, "keys_shape": tuple(cache.layers[0].keys.shape)},
-                   os.path.join(out_dir, f"hf-rank{rank}.pt"))
+        tokens = model.generate(
+            idx, attention_mask=torch.ones_like(idx), cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        torch.save(
+            {"tokens": tokens, "keys_shape": tuple(cache.layers[0].keys.shape)},
+            os.path.join(out_dir, f"hf-rank{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -259,8 +298,13 @@ def test_transformers_tp_plan_runs_on_native_cache(checkpoint_files, tmp_path):
     idx = prompt(single.config.vocab_size)
     expected = single.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=NEW_TOKENS, do_sample=False)
     size = 2
-    context = mp.start_processes(hf_rank_main, args=(size, str(tmp_path / "store"), model_dir, str(tmp_path)),
-                                 nprocs=size, join=False, start_method="spawn")
+    context = mp.start_processes(
+        hf_rank_main,
+        args=(size, str(tmp_path / "store"), model_dir, str(tmp_path)),
+        nprocs=size,
+        join=False,
+        start_method="spawn",
+    )
     _wait(context, size)
     for rank in range(size):
         got = torch.load(tmp_path / f"hf-rank{rank}.pt")

@@ -60,12 +60,14 @@ class ContractViolation(AssertionError):
 
 # --- tensors in guarded buffers -----------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Layout:
     """Where a 4-d tensor's elements sit in its buffer: ``order`` lists its dims outermost first,
     ``pads`` adds elements to each dim's stride, ``squash`` halves one dim's stride (overlapping
     rows; stride 0 when it was 1), ``lead``/``trail`` are guard elements around the view beyond
     the lead guard's minimum (the view's own span, so a slot index down to -S stays inside)."""
+
     order: tuple = (0, 1, 2, 3)
     pads: tuple = (0, 0, 0, 0)
     squash: int | None = None
@@ -97,7 +99,7 @@ def carve(shape, dtype, layout: Layout, generator):
     element = torch.empty((), dtype=dtype).element_size()
     buffer = sentinel_bytes(count * element)
     elements = buffer.view(dtype)
-    elements[offset:offset + span] = torch.randn(span, generator=generator).to(dtype)
+    elements[offset : offset + span] = torch.randn(span, generator=generator).to(dtype)
     return buffer, elements.as_strided(shape, strides, offset)
 
 
@@ -122,7 +124,7 @@ def make_lengths(values, layout: str, fault: str | None):
     if fault == "lengths_meta":
         return torch.empty(B, dtype=torch.int64, device="meta")
     if fault == "lengths_int32":
-        return torch.tensor([max(-2**31, min(2**31 - 1, v)) for v in values], dtype=torch.int32)
+        return torch.tensor([max(-(2**31), min(2**31 - 1, v)) for v in values], dtype=torch.int32)
     if fault == "lengths_shape":
         return torch.tensor([*values, 0])
     if layout == "strided":
@@ -131,8 +133,8 @@ def make_lengths(values, layout: str, fault: str | None):
         return base[::2]
     if layout == "offset":
         base = torch.zeros(B + 2, dtype=torch.int64)
-        base[1:B + 1] = torch.tensor(values)
-        return base[1:B + 1]
+        base[1 : B + 1] = torch.tensor(values)
+        return base[1 : B + 1]
     if layout == "expanded":  # one element of a zero-filled tensor, so a read past it finds zeros
         base = torch.zeros(B, dtype=torch.int64)
         base[0] = values[0]
@@ -141,6 +143,7 @@ def make_lengths(values, layout: str, fault: str | None):
 
 
 # --- strategies ---------------------------------------------------------------------------------
+
 
 def rarely(draw, one_in: int) -> bool:
     return draw(st.integers(0, one_in - 1)) == 0
@@ -153,8 +156,9 @@ def layouts(draw, head_dim_innermost: bool, allow_squash: bool):
     plain = draw(st.booleans())
     pads = (0, 0, 0, 0) if plain else tuple(draw(st.lists(st.integers(0, 5), min_size=4, max_size=4)))
     squash = draw(st.sampled_from([0, 1, 2, 3])) if allow_squash and rarely(draw, 8) else None
-    return Layout(order=tuple(order), pads=pads, squash=squash,
-                  lead=draw(st.integers(0, 9)), trail=draw(st.integers(1, 9)))
+    return Layout(
+        order=tuple(order), pads=pads, squash=squash, lead=draw(st.integers(0, 9)), trail=draw(st.integers(1, 9))
+    )
 
 
 @st.composite
@@ -169,9 +173,10 @@ def cache_layouts(draw):
 def length_values(draw, B, T, S, least):
     """Per-row lengths: mostly at least ``least`` (0 for append, T for decode) and a few slot
     counts past S (the ring wraps); now and then an extreme."""
-    special = [0, 1, T - 1, T, S, S + 1, S + T, MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, -1, -2**63]
-    return [draw(st.sampled_from(special)) if rarely(draw, 6) else draw(st.integers(least, 3 * S + T))
-            for _ in range(B)]
+    special = [0, 1, T - 1, T, S, S + 1, S + T, MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, -1, -(2**63)]
+    return [
+        draw(st.sampled_from(special)) if rarely(draw, 6) else draw(st.integers(least, 3 * S + T)) for _ in range(B)
+    ]
 
 
 @st.composite
@@ -207,8 +212,20 @@ class AppendCase:
     seed: int
 
 
-APPEND_FAULTS = ["k_new_dtype", "v_cache_dtype", "float64", "k_new_heads", "k_new_head_dim", "k_new_batch",
-                 "v_new_tokens", "v_cache_slots", "lengths_int32", "lengths_shape", "k_new_meta", "lengths_meta"]
+APPEND_FAULTS = [
+    "k_new_dtype",
+    "v_cache_dtype",
+    "float64",
+    "k_new_heads",
+    "k_new_head_dim",
+    "k_new_batch",
+    "v_new_tokens",
+    "v_cache_slots",
+    "lengths_int32",
+    "lengths_shape",
+    "k_new_meta",
+    "lengths_meta",
+]
 
 
 @st.composite
@@ -219,13 +236,22 @@ def append_cases(draw):
     if lengths_layout == "expanded":
         values = values[:1] * B
     return AppendCase(
-        api=draw(st.sampled_from(["wrapper", "raw op"])), dtype=dtype, B=B, H=H, S=S, T=T, D=D,
-        lengths=tuple(values), lengths_layout=lengths_layout,
-        k_cache_layout=draw(cache_layouts()), v_cache_layout=draw(cache_layouts()),
+        api=draw(st.sampled_from(["wrapper", "raw op"])),
+        dtype=dtype,
+        B=B,
+        H=H,
+        S=S,
+        T=T,
+        D=D,
+        lengths=tuple(values),
+        lengths_layout=lengths_layout,
+        k_cache_layout=draw(cache_layouts()),
+        v_cache_layout=draw(cache_layouts()),
         k_new_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
         v_new_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
         fault=draw(st.sampled_from(APPEND_FAULTS)) if rarely(draw, 6) else None,
-        seed=draw(st.integers(0, 2**31 - 1)))
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 @dataclass(frozen=True)
@@ -249,8 +275,19 @@ class DecodeCase:
     seed: int
 
 
-DECODE_FAULTS = ["q_dtype", "v_cache_dtype", "float64", "q_batch", "q_head_dim", "q_heads", "v_cache_slots",
-                 "lengths_int32", "lengths_shape", "q_meta", "lengths_meta"]
+DECODE_FAULTS = [
+    "q_dtype",
+    "v_cache_dtype",
+    "float64",
+    "q_batch",
+    "q_head_dim",
+    "q_heads",
+    "v_cache_slots",
+    "lengths_int32",
+    "lengths_shape",
+    "q_meta",
+    "lengths_meta",
+]
 
 
 @st.composite
@@ -267,7 +304,7 @@ def decode_cases(draw):
     elif window_kind < 8:
         window = draw(st.integers(1, S + T))
     else:
-        window = draw(st.sampled_from([1, S + 1, MAX_LENGTH, INT64_MAX, 0, -1, -2**63, 2**63]))
+        window = draw(st.sampled_from([1, S + 1, MAX_LENGTH, INT64_MAX, 0, -1, -(2**63), 2**63]))
     if scale_kind < 5:
         scale = None
     elif scale_kind < 8:  # scores stay of order one, so the float32 log-sum-exp stays comparable
@@ -275,12 +312,24 @@ def decode_cases(draw):
     else:
         scale = draw(st.sampled_from([0.0, math.inf, -math.inf, math.nan]))
     return DecodeCase(
-        api=draw(st.sampled_from(["wrapper", "raw op"])), dtype=dtype, B=B, H_kv=H_kv, group=group, S=S, T=T,
-        D=D, lengths=tuple(values), lengths_layout=lengths_layout, window=window, scale=scale,
+        api=draw(st.sampled_from(["wrapper", "raw op"])),
+        dtype=dtype,
+        B=B,
+        H_kv=H_kv,
+        group=group,
+        S=S,
+        T=T,
+        D=D,
+        lengths=tuple(values),
+        lengths_layout=lengths_layout,
+        window=window,
+        scale=scale,
         q_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
-        k_cache_layout=draw(cache_layouts()), v_cache_layout=draw(cache_layouts()),
+        k_cache_layout=draw(cache_layouts()),
+        v_cache_layout=draw(cache_layouts()),
         fault=draw(st.sampled_from(DECODE_FAULTS)) if rarely(draw, 6) else None,
-        seed=draw(st.integers(0, 2**31 - 1)))
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def other_dtype(dtype):
@@ -289,16 +338,46 @@ def other_dtype(dtype):
 
 # Cases that broke the contract once, run first on every run (small: B=2, S=4, D=8 unless said).
 def append_case(**changes):
-    defaults = dict(api="wrapper", dtype=torch.float32, B=2, H=1, S=4, T=1, D=8, lengths=(1, 2),
-                    lengths_layout="contiguous", k_cache_layout=Layout(), v_cache_layout=Layout(),
-                    k_new_layout=Layout(), v_new_layout=Layout(), fault=None, seed=0)
+    defaults = dict(
+        api="wrapper",
+        dtype=torch.float32,
+        B=2,
+        H=1,
+        S=4,
+        T=1,
+        D=8,
+        lengths=(1, 2),
+        lengths_layout="contiguous",
+        k_cache_layout=Layout(),
+        v_cache_layout=Layout(),
+        k_new_layout=Layout(),
+        v_new_layout=Layout(),
+        fault=None,
+        seed=0,
+    )
     return AppendCase(**{**defaults, **changes})
 
 
 def decode_case(**changes):
-    defaults = dict(api="wrapper", dtype=torch.float32, B=2, H_kv=1, group=2, S=4, T=1, D=8, lengths=(3, 2),
-                    lengths_layout="contiguous", window=None, scale=None, q_layout=Layout(),
-                    k_cache_layout=Layout(), v_cache_layout=Layout(), fault=None, seed=0)
+    defaults = dict(
+        api="wrapper",
+        dtype=torch.float32,
+        B=2,
+        H_kv=1,
+        group=2,
+        S=4,
+        T=1,
+        D=8,
+        lengths=(3, 2),
+        lengths_layout="contiguous",
+        window=None,
+        scale=None,
+        q_layout=Layout(),
+        k_cache_layout=Layout(),
+        v_cache_layout=Layout(),
+        fault=None,
+        seed=0,
+    )
     return DecodeCase(**{**defaults, **changes})
 
 
@@ -327,10 +406,12 @@ def pinned(cases):
         for case in reversed(cases):
             test = example(case=case)(test)
         return test
+
     return decorate
 
 
 # --- what the contract says about an input -------------------------------------------------------
+
 
 def cache_refusals(k_cache, v_cache, D):
     """(must refuse, may refuse) reasons shared by both ops; each reason is a word a helpful error
@@ -422,18 +503,21 @@ def expect_refusal_or_pass(case, call, must, may):
         if must and case.api == "wrapper":
             words = [w for reason in must + may for w in REASON_WORDS[reason]]
             if not any(w in str(error) for w in words):
-                raise ContractViolation(f"refusal message does not name the problem ({'/'.join(must)})",
-                                        f"{type(error).__name__}: {error}")
+                raise ContractViolation(
+                    f"refusal message does not name the problem ({'/'.join(must)})", f"{type(error).__name__}: {error}"
+                )
         return error, None
     except Exception as error:  # any other type is not a refusal the contract allows
-        raise ContractViolation(f"raised {type(error).__name__} (expected ValueError/TypeError/RuntimeError)",
-                                str(error)[:300])
+        raise ContractViolation(
+            f"raised {type(error).__name__} (expected ValueError/TypeError/RuntimeError)", str(error)[:300]
+        )
     if must:
         raise ContractViolation(f"accepted an input the contract refuses ({', '.join(sorted(set(must)))})")
     return None, result
 
 
 # --- the two properties ----------------------------------------------------------------------------
+
 
 def build_append(case: AppendCase):
     generator = torch.Generator().manual_seed(case.seed)
@@ -474,10 +558,12 @@ def check_append(case: AppendCase) -> str:
         return "refused"
     # The reference append, with lengths reduced modulo S in Python so that it cannot overflow.
     expected_k_buffer, expected_v_buffer = k_before, v_before
-    expected_k = expected_k_buffer.view(k_cache.dtype).as_strided(k_cache.shape, k_cache.stride(),
-                                                                  k_cache.storage_offset())
-    expected_v = expected_v_buffer.view(v_cache.dtype).as_strided(v_cache.shape, v_cache.stride(),
-                                                                  v_cache.storage_offset())
+    expected_k = expected_k_buffer.view(k_cache.dtype).as_strided(
+        k_cache.shape, k_cache.stride(), k_cache.storage_offset()
+    )
+    expected_v = expected_v_buffer.view(v_cache.dtype).as_strided(
+        v_cache.shape, v_cache.stride(), v_cache.storage_offset()
+    )
     append_to_slots(expected_k, expected_v, k_new, v_new, torch.tensor([n % case.S for n in case.lengths]))
     if not torch.equal(k_cache, expected_k) or not torch.equal(v_cache, expected_v):
         raise ContractViolation("appended values differ from append_to_slots")
@@ -512,23 +598,29 @@ def check_decode(case: DecodeCase) -> str:
     must, may = decode_contract(case, q, k_cache, v_cache, lengths)
     before = [t.clone() for t in (k_buffer, v_buffer, q, lengths) if t.device.type == "cpu"]
     if case.api == "wrapper":
+
         def call():
             return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, window=case.window, scale=case.scale)
     else:
+
         def call():
             return torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, case.window, case.scale)
+
     error, result = expect_refusal_or_pass(case, call, must, may)
     after = [t for t in (k_buffer, v_buffer, q, lengths) if t.device.type == "cpu"]
     if not all(torch.equal(a, b) for a, b in zip(after, before)):
-        raise ContractViolation("changed q, the caches, guard bytes or lengths"
-                                + (f" (while refusing: {error})" if error is not None else ""))
+        raise ContractViolation(
+            "changed q, the caches, guard bytes or lengths"
+            + (f" (while refusing: {error})" if error is not None else "")
+        )
     if error is not None:
         return "refused"
     out, lse = result
     B, H_q, T, D = q.shape
     if out.shape != q.shape or out.dtype != q.dtype or lse.shape != (B, H_q, T) or lse.dtype != torch.float32:
-        raise ContractViolation("wrong output shape or dtype",
-                                f"out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)} {lse.dtype}")
+        raise ContractViolation(
+            "wrong output shape or dtype", f"out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)} {lse.dtype}"
+        )
     check_attention_result(case, q, k_cache, v_cache, out, lse)
     return "checked"
 
@@ -537,8 +629,9 @@ def check_attention_result(case: DecodeCase, q, k_cache, v_cache, out, lse):
     """The parity criterion of tests/attention_oracle.py: the error against reference_attention in
     float64 at most twice plain PyTorch's in the same dtype plus 1e-5; lse close to the exact one."""
     lengths = torch.tensor(case.lengths)
-    exact, exact_lse = reference_attention(q.double(), k_cache.double(), v_cache.double(), lengths,
-                                           window=case.window, scale=case.scale, return_lse=True)
+    exact, exact_lse = reference_attention(
+        q.double(), k_cache.double(), v_cache.double(), lengths, window=case.window, scale=case.scale, return_lse=True
+    )
     # attention_plain scales by 1/sqrt(D): a custom scale goes into q (rounded to q's dtype).
     plain_q = q if case.scale is None else (q.double() * (case.scale * math.sqrt(case.D))).to(q.dtype)
     plain = attention_plain(plain_q, k_cache, v_cache, lengths, case.window)
@@ -553,14 +646,17 @@ def check_attention_result(case: DecodeCase, q, k_cache, v_cache, out, lse):
     error = (out.double() - exact)[seen].abs().max().item()
     plain_error = (plain.double() - exact)[seen].abs().max().item()
     if not error <= 2 * plain_error + 1e-5:
-        raise ContractViolation("out differs from reference_attention beyond the parity criterion",
-                                f"max error {error:.3g}, plain PyTorch's {plain_error:.3g}")
+        raise ContractViolation(
+            "out differs from reference_attention beyond the parity criterion",
+            f"max error {error:.3g}, plain PyTorch's {plain_error:.3g}",
+        )
     lse_error = (lse.double() - exact_lse)[seen].abs()
     if not bool((lse_error <= 1e-4 + 1e-5 * exact_lse[seen].abs()).all()):
         raise ContractViolation("lse differs from the exact log-sum-exp", f"max error {lse_error.max().item():.3g}")
 
 
 # --- running a case, in process or isolated ------------------------------------------------------
+
 
 def near_int64_overflow(case) -> bool:
     window = getattr(case, "window", None)
@@ -624,10 +720,14 @@ def run_case(tally, keep_going: bool, op_name: str, check, case) -> None:
 
 
 def fuzz_settings(config):
-    return settings(max_examples=config.getoption("--fuzz-examples"), deadline=None, derandomize=True,
-                    database=None, print_blob=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=config.getoption("--fuzz-examples"),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
 
 
 def test_append_kv_fuzz(request, fuzz_tally):

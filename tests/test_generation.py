@@ -43,8 +43,9 @@ def test_article_continuation_with_every_cache(gpt2_124m):
 def test_tiny_model_identical_tokens_with_every_cache(batch_size):
     model = build_gpt2("tiny", seed=0)
     prompt = torch.randint(0, 50257, (batch_size, 5))
-    outputs = {name: generate(model, prompt, 40, cache=cache)
-               for name, cache in all_caches(model, batch_size, 64).items()}
+    outputs = {
+        name: generate(model, prompt, 40, cache=cache) for name, cache in all_caches(model, batch_size, 64).items()
+    }
     expected = outputs.pop("none")
     for name, out in outputs.items():
         assert torch.equal(out, expected), name
@@ -64,14 +65,16 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
     prompt = torch.tensor([[1, 2, 3]])
 
     def sample(cache):
-        return generate(model, prompt, 15, cache=cache, temperature=0.8, top_k=20,
-                        generator=torch.Generator().manual_seed(7))
+        return generate(
+            model, prompt, 15, cache=cache, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(7)
+        )
 
     a = sample(ConcatCache())
     b = sample(kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=32))
     assert torch.equal(a, b)
-    top_k_one = generate(model, prompt, 15, cache=ConcatCache(), temperature=5.0, top_k=1,
-                         generator=torch.Generator().manual_seed(7))
+    top_k_one = generate(
+        model, prompt, 15, cache=ConcatCache(), temperature=5.0, top_k=1, generator=torch.Generator().manual_seed(7)
+    )
     assert torch.equal(top_k_one, generate(model, prompt, 15))  # top-1 sampling is greedy
 
 

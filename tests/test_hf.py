@@ -17,27 +17,46 @@ def _randomize(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(std=0.02 if ("wte" in name or "wpe" in name or "embed" in name) else 64 ** -0.5)
+                p.normal_(std=0.02 if ("wte" in name or "wpe" in name or "embed" in name) else 64**-0.5)
     return model.eval()
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                  bos_token_id=1, eos_token_id=2)
+    cfg = transformers.GPT2Config(
+        vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _qwen3():
-    cfg = transformers.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    cfg = transformers.Qwen3Config(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.Qwen3ForCausalLM(cfg)
 
 
@@ -124,30 +143,52 @@ def _assistant(name):
     """A smaller model of the same family and vocabulary, as a draft model for assisted decoding."""
     torch.manual_seed(1)
     if name == "gpt2":
-        small = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=1, eos_token_id=2))
+        small = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=1, eos_token_id=2
+            )
+        )
     else:
-        config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                                     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[name]
-        small = model_class(config_class(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                         max_position_embeddings=64, bos_token_id=1, eos_token_id=2))
+        config_class, model_class = {
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        }[name]
+        small = model_class(
+            config_class(
+                vocab_size=1000,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                max_position_embeddings=64,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
     return _randomize(small)
 
 
 # generate() modes beyond greedy decoding, as (name, batch sizes, generate() arguments).
 MODES = [
     ("beam search", (1, 3), dict(num_beams=4, do_sample=False)),
-    ("beam search, 2 sequences, length penalty, early stopping", (1, 3),
-     dict(num_beams=4, num_return_sequences=2, length_penalty=0.7, early_stopping=True, do_sample=False)),
+    (
+        "beam search, 2 sequences, length penalty, early stopping",
+        (1, 3),
+        dict(num_beams=4, num_return_sequences=2, length_penalty=0.7, early_stopping=True, do_sample=False),
+    ),
     ("sampling, 3 sequences", (1, 3), dict(do_sample=True, num_return_sequences=3, top_k=50)),
     ("prompt lookup", (1,), dict(prompt_lookup_num_tokens=3, do_sample=False)),
     ("assisted decoding", (1,), dict(assistant="small", do_sample=False)),
 ]
 
 
-@pytest.mark.parametrize("mode,batch,kwargs", [(m, b, k) for m, sizes, k in MODES for b in sizes],
-                         ids=[f"{m}-batch{b}" for m, sizes, _ in MODES for b in sizes])
+@pytest.mark.parametrize(
+    "mode,batch,kwargs",
+    [(m, b, k) for m, sizes, k in MODES for b in sizes],
+    ids=[f"{m}-batch{b}" for m, sizes, _ in MODES for b in sizes],
+)
 def test_generate_modes_match_transformers(model, mode, batch, kwargs, monkeypatch):
     ids, mask = _batch(batch)
     kwargs = dict(kwargs)
@@ -167,10 +208,15 @@ def test_generate_modes_match_transformers(model, mode, batch, kwargs, monkeypat
     calls = {"decode_attention": 0, "gather_rows": 0, "crop": 0}
     for name in ("decode_attention", "gather_rows"):
         original = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _f=original, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _f(*a))[1])
+        monkeypatch.setattr(
+            ops, name, lambda *a, _f=original, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _f(*a))[1]
+        )
     original_crop = khf.NativeCacheLayer.crop
-    monkeypatch.setattr(khf.NativeCacheLayer, "crop",
-                        lambda self, n: (calls.__setitem__("crop", calls["crop"] + (n < 0)), original_crop(self, n))[1])
+    monkeypatch.setattr(
+        khf.NativeCacheLayer,
+        "crop",
+        lambda self, n: (calls.__setitem__("crop", calls["crop"] + (n < 0)), original_crop(self, n))[1],
+    )
     # Prompt lookup verifies drafts that may run past max_length: room for one more draft.
     room = ids.shape[1] + NEW_TOKENS + kwargs.get("prompt_lookup_num_tokens", 0)
     out = run(khf.ATTN_IMPLEMENTATION, cache=khf.NativeCache(model.config, max_cache_len=room))

@@ -17,9 +17,19 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 NEW_TOKENS, PROMPT_LEN, PAD = 10, 9, 0
-COMMON = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-              pad_token_id=PAD)
+COMMON = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=PAD,
+)
 FINGERPRINT = "tiny-llama@test"
 
 
@@ -28,7 +38,7 @@ def _randomize(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(std=0.02 if "embed" in name else 64 ** -0.5)
+                p.normal_(std=0.02 if "embed" in name else 64**-0.5)
     return model.eval()
 
 
@@ -89,8 +99,9 @@ def test_prefill_save_load_continue(model, batch, tmp_path):
     # Continue with every id so far: transformers computes only the columns past the cache's length.
     # (A hook, not a patched forward: generate() reads forward's signature to pick its arguments.)
     widths = []
-    hook = model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     full_mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
     try:
         out = _generate(model, first, full_mask, NEW_TOKENS - 1, cache=loaded)
@@ -134,7 +145,7 @@ def test_refuses_truncated_file(saved, tmp_path):
     _, path = saved
     data = path.read_bytes()
     bad = tmp_path / "truncated.safetensors"
-    bad.write_bytes(data[:len(data) - 100])
+    bad.write_bytes(data[: len(data) - 100])
     with pytest.raises(ValueError, match="not a readable saved cache"):
         khf.NativeCache.load(bad, saved[0], fingerprint=FINGERPRINT)
 
@@ -173,12 +184,15 @@ def test_refuses_fingerprint_mismatch(saved):
         khf.NativeCache.load(path, config)
 
 
-@pytest.mark.parametrize("config, message", [
-    (transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 3}), "holds 2 layers; this config has 3"),
-    (transformers.LlamaConfig(**{**COMMON, "num_key_value_heads": 4}), "key/value heads"),
-    (transformers.LlamaConfig(**{**COMMON, "head_dim": 32}), "key/value heads"),
-    (transformers.MistralConfig(**COMMON, sliding_window=4), "sliding window 4"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 3}), "holds 2 layers; this config has 3"),
+        (transformers.LlamaConfig(**{**COMMON, "num_key_value_heads": 4}), "key/value heads"),
+        (transformers.LlamaConfig(**{**COMMON, "head_dim": 32}), "key/value heads"),
+        (transformers.MistralConfig(**COMMON, sliding_window=4), "sliding window 4"),
+    ],
+)
 def test_refuses_mismatched_config(saved, config, message):
     with pytest.raises(ValueError, match=message):
         khf.NativeCache.load(saved[1], config, fingerprint=FINGERPRINT)

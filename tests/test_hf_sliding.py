@@ -14,9 +14,20 @@ from kvcache_ext import ops  # noqa: E402
 
 NEW_TOKENS, PROMPT_LEN, PAD = 12, 9, 0
 WINDOW, CHUNK = 4, 2  # ring slots: WINDOW + CHUNK - 1 = 5, fewer than the prompt's tokens
-COMMON = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-              pad_token_id=PAD, sliding_window=WINDOW)
+COMMON = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=PAD,
+    sliding_window=WINDOW,
+)
 
 
 def _mistral():  # every layer sliding (no layer_types in the config)
@@ -24,23 +35,29 @@ def _mistral():  # every layer sliding (no layer_types in the config)
 
 
 def _qwen2():  # layer 0 full, layer 1 sliding
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, use_sliding_window=True,
-                                                                  max_window_layers=1))
+    return transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**COMMON, use_sliding_window=True, max_window_layers=1)
+    )
 
 
 def _gemma2():  # alternating sliding/full, soft-capped scores (a small cap, so that it matters)
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**COMMON, attn_logit_softcapping=3.0,
-                                                                    query_pre_attn_scalar=16))
+    return transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**COMMON, attn_logit_softcapping=3.0, query_pre_attn_scalar=16)
+    )
 
 
 def _gemma3():
-    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-        **COMMON, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16))
+    return transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(
+            **COMMON, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16
+        )
+    )
 
 
 def _gpt_oss():  # alternating sliding/full, learned per-head sink logits
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        **{**COMMON, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2))
+    model = transformers.GptOssForCausalLM(
+        transformers.GptOssConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2)
+    )
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(std=2.0)  # large enough to change the softmax visibly
@@ -55,7 +72,7 @@ def _randomize(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(std=0.02 if "embed" in name else 64 ** -0.5)
+                p.normal_(std=0.02 if "embed" in name else 64**-0.5)
     return model.eval()
 
 
@@ -134,13 +151,31 @@ def test_beam_search_matches_transformers(mistral):
 
 def test_assisted_decoding_matches_transformers(mistral):
     torch.manual_seed(1)
-    assistant = _randomize(transformers.MistralForCausalLM(transformers.MistralConfig(
-        **{**COMMON, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-           "num_key_value_heads": 1})))
+    assistant = _randomize(
+        transformers.MistralForCausalLM(
+            transformers.MistralConfig(
+                **{
+                    **COMMON,
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
+                }
+            )
+        )
+    )
     ids, mask = _batch(1)
     # Drafts of 3 tokens: a step adds up to 4, so crop removes up to 3, within a ring of chunk_size 4.
-    common = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD,
-                  assistant_model=assistant, num_assistant_tokens=3, num_assistant_tokens_schedule="constant")
+    common = dict(
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=PAD,
+        assistant_model=assistant,
+        num_assistant_tokens=3,
+        num_assistant_tokens_schedule="constant",
+    )
     mistral.set_attn_implementation("sdpa")
     expected = mistral.generate(ids, **common)
     mistral.set_attn_implementation(khf.ATTN_IMPLEMENTATION)
@@ -157,8 +192,9 @@ def test_crop_on_a_ring_refuses_beyond_what_it_holds(mistral):
     ids, mask = _batch(3)
     mistral.set_attn_implementation(khf.ATTN_IMPLEMENTATION)
     cache = khf.NativeCache(mistral.config, max_cache_len=PROMPT_LEN + NEW_TOKENS, chunk_size=CHUNK)
-    mistral.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
-                   pad_token_id=PAD)
+    mistral.generate(
+        ids, attention_mask=mask, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD
+    )
     layer = cache.layers[0]
     lengths, seen = layer.lengths.clone(), layer.get_seq_length()
     # Right after a step the ring (window + chunk_size - 1 slots) still holds chunk_size tokens

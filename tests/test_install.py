@@ -42,12 +42,15 @@ SMOKE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(os.environ.get("KVCACHE_EXT_WHEEL_TEST") != "1",
-                    reason="builds a wheel in an isolated environment (minutes); set KVCACHE_EXT_WHEEL_TEST=1")
+@pytest.mark.skipif(
+    os.environ.get("KVCACHE_EXT_WHEEL_TEST") != "1",
+    reason="builds a wheel in an isolated environment (minutes); set KVCACHE_EXT_WHEEL_TEST=1",
+)
 def test_isolated_wheel_is_abi3_and_works_in_a_fresh_environment(tmp_path):
     source = os.environ.get("KVCACHE_EXT_SOURCE", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "dist"), source],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "dist"), source], check=True
+    )
     wheel = next((tmp_path / "dist").glob("kvcache_ext-*.whl"))
     assert "-abi3-" in wheel.name, wheel.name
     names = zipfile.ZipFile(wheel).namelist()
@@ -60,14 +63,23 @@ def test_isolated_wheel_is_abi3_and_works_in_a_fresh_environment(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    own_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              check=True, capture_output=True, text=True).stdout.strip()
+    own_site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     subprocess.run([python, "-m", "pip", "install", "--no-deps", str(wheel)], check=True)
     parent_site = os.path.dirname(os.path.dirname(torch.__file__))
     with open(os.path.join(own_site, "parent_environment.pth"), "w") as pth:  # after pip: it must not see ours
         pth.write(parent_site + "\n")
-    result = subprocess.run([python, "-c", SMOKE], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "KVCACHE_EXT_REQUIRE_NATIVE": "1"})
+    result = subprocess.run(
+        [python, "-c", SMOKE],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KVCACHE_EXT_REQUIRE_NATIVE": "1"},
+    )
     assert result.returncode == 0, result.stderr
     assert "'native_loaded': True" in result.stdout
     assert f"'package_dir': '{own_site}" in result.stdout

@@ -43,7 +43,7 @@ def test_cached_decode_matches_full_forward(model):
     cache = KVCache(**model.kv_shape, batch_size=BATCH, max_cache_len=16)
     with torch.inference_mode():
         full = model(idx)
-        steps = [model(idx[:, :5], cache)] + [model(idx[:, t:t + 1], cache) for t in range(5, 9)]
+        steps = [model(idx[:, :5], cache)] + [model(idx[:, t : t + 1], cache) for t in range(5, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -59,8 +59,8 @@ def test_positions_come_from_the_cache_per_row():
         batched = model(idx[:, 3:4], cache)
         for row, length in enumerate([3, 1, 2]):
             alone = PreallocatedCache(**model.kv_shape, batch_size=1, max_cache_len=16)
-            model(idx[row:row + 1, :length], alone)
-            torch.testing.assert_close(batched[row], model(idx[row:row + 1, 3:4], alone)[0], atol=1e-5, rtol=1e-5)
+            model(idx[row : row + 1, :length], alone)
+            torch.testing.assert_close(batched[row], model(idx[row : row + 1, 3:4], alone)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_demo_runs_the_llama_architecture_with_every_cache(capsys):
@@ -70,8 +70,9 @@ def test_demo_runs_the_llama_architecture_with_every_cache(capsys):
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    args = parser.parse_args(["--arch", "llama", "--model", "qwen3-tiny", "--max-new-tokens", "6",
-                              "--batch-size", "2", "--window", "3"])
+    args = parser.parse_args(
+        ["--arch", "llama", "--model", "qwen3-tiny", "--max-new-tokens", "6", "--batch-size", "2", "--window", "3"]
+    )
     assert demo.run(args) == 0
     assert capsys.readouterr().out.count("identical") == 4
 
@@ -79,8 +80,12 @@ def test_demo_runs_the_llama_architecture_with_every_cache(capsys):
 def test_context_length_is_enforced_with_a_clear_error():
     model = build_llama("llama-tiny", context_length=16)
     with pytest.raises(ValueError, match="16 positions"):
-        generate(model, _prompt(model.cfg.vocab_size, length=10), 8,
-                 cache=KVCache(**model.kv_shape, batch_size=BATCH, max_cache_len=32))
+        generate(
+            model,
+            _prompt(model.cfg.vocab_size, length=10),
+            8,
+            cache=KVCache(**model.kv_shape, batch_size=BATCH, max_cache_len=32),
+        )
 
 
 def test_kv_shape_and_grouped_query_heads():
@@ -92,14 +97,34 @@ def test_kv_shape_and_grouped_query_heads():
 
 def test_published_configs():
     llama, qwen = LLAMA_CONFIGS["llama-3.2-1b"], LLAMA_CONFIGS["qwen3-0.6b"]
-    assert (llama.n_layers, llama.emb_dim, llama.n_heads, llama.n_kv_heads, llama.head_dim, llama.hidden_dim) \
-        == (16, 2048, 32, 8, 64, 8192)
+    assert (llama.n_layers, llama.emb_dim, llama.n_heads, llama.n_kv_heads, llama.head_dim, llama.hidden_dim) == (
+        16,
+        2048,
+        32,
+        8,
+        64,
+        8192,
+    )
     scaling = llama.rope_scaling
-    assert (llama.rope_base, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
-            scaling.original_context_length) == (500_000, 32, 1, 4, 8192)
-    assert (qwen.n_layers, qwen.emb_dim, qwen.n_heads, qwen.n_kv_heads, qwen.head_dim, qwen.hidden_dim,
-            qwen.rope_base, qwen.vocab_size, qwen.tie_embeddings, qwen.qk_norm) \
-        == (28, 1024, 16, 8, 128, 3072, 1e6, 151_936, True, True)
+    assert (
+        llama.rope_base,
+        scaling.factor,
+        scaling.low_freq_factor,
+        scaling.high_freq_factor,
+        scaling.original_context_length,
+    ) == (500_000, 32, 1, 4, 8192)
+    assert (
+        qwen.n_layers,
+        qwen.emb_dim,
+        qwen.n_heads,
+        qwen.n_kv_heads,
+        qwen.head_dim,
+        qwen.hidden_dim,
+        qwen.rope_base,
+        qwen.vocab_size,
+        qwen.tie_embeddings,
+        qwen.qk_norm,
+    ) == (28, 1024, 16, 8, 128, 3072, 1e6, 151_936, True, True)
     # Parameter counts of the model cards: Llama 3.2 1B has 1.23B, Qwen3 0.6B 0.6B (0.44B
     # without the embedding). Built on the meta device: nothing is allocated.
     with torch.device("meta"):
@@ -134,18 +159,41 @@ def test_half_precision_keeps_rope_in_float32():
 
 # -- Hugging Face layout ----------------------------------------------------------------------
 
+
 def _hf_models():
     transformers = pytest.importorskip("transformers")
     llama = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, rope_theta=500_000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64})
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=500_000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     qwen3 = transformers.Qwen3Config(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=1e6,
-        tie_word_embeddings=True)
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    )
     return {"llama": (transformers.LlamaForCausalLM, llama), "qwen3": (transformers.Qwen3ForCausalLM, qwen3)}
 
 

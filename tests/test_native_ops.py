@@ -96,8 +96,12 @@ def test_many_new_tokens_and_a_large_group():
 
 def test_custom_scale():
     q, k, v, lengths = make_problem(torch.float32, 1, 2, 2, 1, 64, 10, [10], False)
-    torch.testing.assert_close(kvcache_ext.decode_attention(q, k, v, lengths, scale=0.3)[0],
-                               reference_attention(q, k, v, lengths, scale=0.3), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        kvcache_ext.decode_attention(q, k, v, lengths, scale=0.3)[0],
+        reference_attention(q, k, v, lengths, scale=0.3),
+        atol=2e-6,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -106,8 +110,11 @@ def test_append_writes_at_each_rows_length_modulo_slots(dtype, num_new, non_cont
     slots = 9
     k_cache = torch.randn(3, 2, slots, 80, dtype=dtype)
     v_cache = torch.randn(3, 2, slots, 80, dtype=dtype)
-    k_new = torch.randn(3, num_new, 2, 80, dtype=dtype).transpose(1, 2) if non_contiguous \
+    k_new = (
+        torch.randn(3, num_new, 2, 80, dtype=dtype).transpose(1, 2)
+        if non_contiguous
         else torch.randn(3, 2, num_new, 80, dtype=dtype)
+    )
     v_new = torch.randn(3, 2, 80, num_new, dtype=dtype).transpose(2, 3)  # head_dim not contiguous
     lengths = torch.tensor([0, 3, 7])  # the last row wraps around the ring
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
@@ -181,8 +188,10 @@ def test_longest_allowed_length_wraps_correctly():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("softcap,with_sinks,window,num_new", [(20.0, False, None, 1), (None, True, 5, 4),
-                                                               (3.0, True, None, 3), (7.5, True, 6, 1)])
+@pytest.mark.parametrize(
+    "softcap,with_sinks,window,num_new",
+    [(20.0, False, None, 1), (None, True, 5, 4), (3.0, True, None, 3), (7.5, True, 6, 1)],
+)
 def test_softcap_and_sinks(isa, dtype, softcap, with_sinks, window, num_new):
     q, k, v, lengths = make_problem(dtype, 2, 2, 4, num_new, 64, 300, [num_new, 300], non_contiguous=True)
     q = q * 4  # scores large enough for the cap to bite
@@ -191,8 +200,9 @@ def test_softcap_and_sinks(isa, dtype, softcap, with_sinks, window, num_new):
     exact = attention_float64(q, k, v, lengths, window, softcap=softcap, sinks=sinks)
     plain = attention_plain(q, k, v, lengths, window, softcap=softcap, sinks=sinks)
     assert (out.double() - exact).abs().max() <= 2 * (plain.double() - exact).abs().max() + 1e-5
-    _, exact_lse = reference_attention(q.double(), k.double(), v.double(), lengths, window=window, return_lse=True,
-                                       softcap=softcap, sinks=sinks)
+    _, exact_lse = reference_attention(
+        q.double(), k.double(), v.double(), lengths, window=window, return_lse=True, softcap=softcap, sinks=sinks
+    )
     torch.testing.assert_close(lse, exact_lse.float(), atol=1e-4, rtol=1e-5)
 
 
@@ -207,4 +217,6 @@ def test_split_k_merges_sinks_once():
 
 def test_opcheck_decode_attention_with_softcap_and_sinks():
     q, k, v, lengths = make_problem(torch.float32, 2, 2, 2, 3, 64, 16, [3, 16], True)
-    torch.library.opcheck(torch.ops.kvcache_ext.decode_attention.default, (q, k, v, lengths, 5, None, 10.0, torch.randn(4)))
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.decode_attention.default, (q, k, v, lengths, 5, None, 10.0, torch.randn(4))
+    )

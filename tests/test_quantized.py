@@ -82,7 +82,8 @@ def test_zero_vectors_have_zero_scale_and_zero_codes():
 # ---- the native quantizer: bit for bit ----------------------------------------------------------
 def _empty_cache(fmt, B, H, S, D):
     k_data = torch.zeros(data_shape(fmt, (B, H, S, D)), dtype=torch.uint8).view(
-        {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}[fmt])
+        {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}[fmt]
+    )
     v_data = k_data.clone()
     k_scales = torch.zeros(scale_shape(fmt, (B, H, S, D)), dtype=scale_dtype(fmt))
     return k_data, k_scales, v_data, k_scales.clone()
@@ -117,7 +118,7 @@ def test_native_quantizer_matches_the_reference_bit_for_bit(fmt, dtype):
     values = _hard_values(D, dtype)
     values = torch.cat([values, torch.randn(40, D, dtype=dtype) * 3])
     N = values.shape[0]
-    B, H, T = 2, N // 2, 1
+    B, H = 2, N // 2
     values = values[: B * H].view(B, H, 1, D)
     S = 5
     lengths = torch.tensor([3, 9])  # row 1 wraps to slot 4
@@ -161,8 +162,9 @@ def _quantized_problem(fmt, dtype, batch, kv_heads, group, num_new, head_dim, sl
 
 
 def _check_parity(fmt, q, k_data, k_scales, v_data, v_scales, lengths, window=None, softcap=None, sinks=None):
-    out, lse = kvcache_ext.decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window=window,
-                                                      softcap=softcap, sinks=sinks)
+    out, lse = kvcache_ext.decode_attention_quantized(
+        q, k_data, k_scales, v_data, v_scales, lengths, window=window, softcap=softcap, sinks=sinks
+    )
     assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32
     k64, v64 = dequantize(k_data, k_scales, fmt, torch.float64), dequantize(v_data, v_scales, fmt, torch.float64)
     exact = attention_float64(q, k64, v64, lengths, window, softcap=softcap, sinks=sinks)
@@ -172,15 +174,25 @@ def _check_parity(fmt, q, k_data, k_scales, v_data, v_scales, lengths, window=No
     plain_error = (plain.double() - exact).abs().max().item()
     assert native_error <= 2 * plain_error + 1e-5, (native_error, plain_error)
     from python_ref import reference_attention
-    _, exact_lse = reference_attention(q.double(), k64, v64, lengths, window=window, return_lse=True, softcap=softcap,
-                                       sinks=sinks)
+
+    _, exact_lse = reference_attention(
+        q.double(), k64, v64, lengths, window=window, return_lse=True, softcap=softcap, sinks=sinks
+    )
     torch.testing.assert_close(lse, exact_lse.float(), atol=1e-4, rtol=1e-5)
 
 
-GRID = [(fmt, head_dim, group, num_new, window)
-        for fmt, head_dim, group, num_new, window in itertools.product(FORMATS, [64, 128], [1, 4], [1, 3], [None, 5])]
-GRID += [("int8", 80, 2, 1, None), ("fp8_e4m3", 24, 1, 2, None), ("int8", 256, 3, 1, 4), ("int4", 96, 1, 1, None),
-         ("int4", 256, 8, 2, None), ("fp8_e4m3", 48, 5, 1, 3)]
+GRID = [
+    (fmt, head_dim, group, num_new, window)
+    for fmt, head_dim, group, num_new, window in itertools.product(FORMATS, [64, 128], [1, 4], [1, 3], [None, 5])
+]
+GRID += [
+    ("int8", 80, 2, 1, None),
+    ("fp8_e4m3", 24, 1, 2, None),
+    ("int8", 256, 3, 1, 4),
+    ("int4", 96, 1, 1, None),
+    ("int4", 256, 8, 2, None),
+    ("fp8_e4m3", 48, 5, 1, 3),
+]
 
 
 @native
@@ -198,8 +210,11 @@ def test_every_cpu_code_path(isa, fmt):
     for dtype in DTYPES:
         for head_dim, group, num_new, window in [(64, 1, 1, None), (96, 4, 3, 6), (128, 2, 1, None), (32, 5, 2, None)]:
             slots = 300 if window is None else window + num_new - 1
-            _check_parity(fmt, *_quantized_problem(fmt, dtype, 2, 2, group, num_new, head_dim, slots,
-                                                   [num_new + 1, 300]), window=window)
+            _check_parity(
+                fmt,
+                *_quantized_problem(fmt, dtype, 2, 2, group, num_new, head_dim, slots, [num_new + 1, 300]),
+                window=window,
+            )
 
 
 @native
@@ -213,18 +228,32 @@ def test_split_k_softcap_and_sinks(fmt):
 @native
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_opcheck(fmt):
-    q, k_data, k_scales, v_data, v_scales, lengths = _quantized_problem(fmt, torch.bfloat16, 2, 2, 2, 3, 64, 16, [3, 16])
+    q, k_data, k_scales, v_data, v_scales, lengths = _quantized_problem(
+        fmt, torch.bfloat16, 2, 2, 2, 3, 64, 16, [3, 16]
+    )
     # opcheck's schema test compares tensors with arithmetic that float8 lacks ("mul not
     # implemented for Float8_e4m3fn"): for fp8 the other three checks run.
-    checks = {} if fmt != "fp8_e4m3" else dict(
-        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
-    torch.library.opcheck(torch.ops.kvcache_ext.decode_attention_quantized.default,
-                          (q, k_data, k_scales, v_data, v_scales, lengths, 5, None), **checks)
-    torch.library.opcheck(torch.ops.kvcache_ext.decode_attention_quantized.default,
-                          (q, k_data, k_scales, v_data, v_scales, lengths, None, 0.2, 10.0, torch.randn(4)), **checks)
+    checks = (
+        {}
+        if fmt != "fp8_e4m3"
+        else dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    )
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.decode_attention_quantized.default,
+        (q, k_data, k_scales, v_data, v_scales, lengths, 5, None),
+        **checks,
+    )
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.decode_attention_quantized.default,
+        (q, k_data, k_scales, v_data, v_scales, lengths, None, 0.2, 10.0, torch.randn(4)),
+        **checks,
+    )
     new = torch.randn(2, 2, 3, 64, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.kvcache_ext.append_kv_quantized.default,
-                          (k_data, k_scales, v_data, v_scales, new, new.clone(), lengths), **checks)
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.append_kv_quantized.default,
+        (k_data, k_scales, v_data, v_scales, new, new.clone(), lengths),
+        **checks,
+    )
 
 
 # ---- argument checks: a refused call writes nothing --------------------------------------------
@@ -277,8 +306,12 @@ class ReferenceQuantizedCache(KVCache):
         self.fmt = fmt
 
     def _append(self, layer, k, v, lengths):  # store what the format stands for
-        super()._append(layer, dequantize(*quantize(k, self.fmt), self.fmt, torch.float32).to(k.dtype),
-                        dequantize(*quantize(v, self.fmt), self.fmt, torch.float32).to(v.dtype), lengths)
+        super()._append(
+            layer,
+            dequantize(*quantize(k, self.fmt), self.fmt, torch.float32).to(k.dtype),
+            dequantize(*quantize(v, self.fmt), self.fmt, torch.float32).to(v.dtype),
+            lengths,
+        )
 
 
 def test_memory_of_quantized_caches_head_dim_128():
@@ -300,8 +333,13 @@ def test_models_on_quantized_caches(fmt, arch, window):
     on the quantized cache against the same model on the reference quantized cache."""
     # head_dim 32: the smallest int4 takes (one scale per group of 32)
     model = build_gpt2("tiny", n_heads=2) if arch == "gpt2" else build_llama("llama-tiny", head_dim=32)
-    kwargs = dict(model.kv_shape, batch_size=2, max_cache_len=None if window else 40, window=window,
-                  chunk_size=4 if window else 128)
+    kwargs = dict(
+        model.kv_shape,
+        batch_size=2,
+        max_cache_len=None if window else 40,
+        window=window,
+        chunk_size=4 if window else 128,
+    )
     cache, reference = KVCache(**kwargs, kv_dtype=fmt), ReferenceQuantizedCache(**kwargs, fmt=fmt)
     idx = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -316,6 +354,7 @@ def test_models_on_quantized_caches(fmt, arch, window):
 
 def test_quantized_decode_step_compiles_without_graph_breaks():
     from torch._dynamo.utils import counters
+
     model = build_llama("llama-tiny")
     shape = dict(model.kv_shape, batch_size=2, max_cache_len=16, kv_dtype="int8")
     compiled_cache, eager_cache = KVCache(**shape), KVCache(**shape)
@@ -326,8 +365,9 @@ def test_quantized_decode_step_compiles_without_graph_breaks():
     with torch.inference_mode(), torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
         model(idx[:, :6], compiled_cache), model(idx[:, :6], eager_cache)
         for t in range(6, 12):
-            torch.testing.assert_close(step(idx[:, t:t + 1], compiled_cache), model(idx[:, t:t + 1], eager_cache),
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                step(idx[:, t : t + 1], compiled_cache), model(idx[:, t : t + 1], eager_cache), atol=1e-5, rtol=1e-5
+            )
     assert counters["stats"]["unique_graphs"] <= 2
     assert torch.equal(compiled_cache.k, eager_cache.k) and torch.equal(compiled_cache.k_scale, eager_cache.k_scale)
 

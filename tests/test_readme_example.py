@@ -36,7 +36,7 @@ def test_example_model_gives_the_tokens_of_a_full_recompute():
 def test_readme_shows_the_example_verbatim():
     readme = (ROOT / "README.md").read_text()
     assert "examples/own_model.py" in readme, "README.md no longer presents examples/own_model.py"
-    blocks = re.findall(r"```python\n(.*?)```", readme[readme.index("examples/own_model.py"):], flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", readme[readme.index("examples/own_model.py") :], flags=re.S)
     assert blocks, "no ```python block after the mention of examples/own_model.py in README.md"
     shown = blocks[0].strip()
     assert shown in EXAMPLE.read_text(), "README.md's sample differs from examples/own_model.py: copy it again"

@@ -32,9 +32,13 @@ def test_softcap_and_sinks_match_the_oracle(softcap, with_sinks):
     expected = attention_float64(q, k, v, lengths, 9, softcap=softcap, sinks=sinks)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
     # The sink logit is part of the denominator that lse reports.
-    plain = reference_attention(q.double(), k.double(), v.double(), lengths, window=9, return_lse=True, softcap=softcap)[1]
+    plain = reference_attention(
+        q.double(), k.double(), v.double(), lengths, window=9, return_lse=True, softcap=softcap
+    )[1]
     if with_sinks:
-        torch.testing.assert_close(lse.double(), torch.logaddexp(plain.double(), sinks.double().view(1, 6, 1)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            lse.double(), torch.logaddexp(plain.double(), sinks.double().view(1, 6, 1)), atol=1e-5, rtol=1e-5
+        )
     else:
         torch.testing.assert_close(lse, plain)
 
@@ -74,5 +78,6 @@ def test_log_sum_exp_is_the_softmax_normaliser():
 )
 def test_bad_input_names_what_was_expected(q_shape, k_shape, lengths, window, message):
     with pytest.raises(ValueError, match=message):
-        reference_attention(torch.randn(q_shape), torch.randn(k_shape), torch.randn(k_shape),
-                            torch.tensor(lengths), window=window)
+        reference_attention(
+            torch.randn(q_shape), torch.randn(k_shape), torch.randn(k_shape), torch.tensor(lengths), window=window
+        )

@@ -29,8 +29,10 @@ class ExpectedRows:
                 "select": lambda idx: [list(layer_rows[i]) for i in idx],
                 "repeat_interleave": lambda n: [list(r) for r in layer_rows for _ in range(n)],
                 "crop": lambda n: [r[:n] for r in layer_rows],
-                "rewind": lambda counts: [r[:len(r) - c] for r, c in zip(
-                    layer_rows, [counts] * len(layer_rows) if isinstance(counts, int) else counts)],
+                "rewind": lambda counts: [
+                    r[: len(r) - c]
+                    for r, c in zip(layer_rows, [counts] * len(layer_rows) if isinstance(counts, int) else counts)
+                ],
                 "reset_rows": lambda rows: [[] if b in rows else r for b, r in enumerate(layer_rows)],
             }[name](*args)
 
@@ -39,8 +41,11 @@ class ExpectedRows:
         for b, row in enumerate(self.rows[layer]):
             k = torch.stack([t[0] for t in row], dim=1).unsqueeze(0)  # (1, H_kv, n, D)
             v = torch.stack([t[1] for t in row], dim=1).unsqueeze(0)
-            outs.append(reference_attention(q[b:b + 1].double(), k.double(), v.double(),
-                                            torch.tensor([k.shape[2]]), window=window))
+            outs.append(
+                reference_attention(
+                    q[b : b + 1].double(), k.double(), v.double(), torch.tensor([k.shape[2]]), window=window
+                )
+            )
         return torch.cat(outs).float()
 
 
@@ -65,8 +70,15 @@ def step(caches, expected, num_new, window):
 
 
 def make_caches(batch, window=None, chunk_size=3, max_cache_len=40):
-    shape = dict(num_layers=LAYERS, batch_size=batch, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                 max_cache_len=None if window else max_cache_len, window=window, chunk_size=chunk_size)
+    shape = dict(
+        num_layers=LAYERS,
+        batch_size=batch,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_cache_len=None if window else max_cache_len,
+        window=window,
+        chunk_size=chunk_size,
+    )
     return [PreallocatedCache(**shape), kvcache_ext.KVCache(**shape)]
 
 
@@ -141,8 +153,12 @@ def test_refused_row_operations_change_nothing(cache_cls):
     cache = cache_cls(LAYERS, 3, KV_HEADS, HEAD_DIM, max_cache_len=8)
     cache.start_step(4)
     for layer in range(LAYERS):
-        cache.attend(layer, torch.randn(3, Q_HEADS, 4, HEAD_DIM), torch.randn(3, KV_HEADS, 4, HEAD_DIM),
-                     torch.randn(3, KV_HEADS, 4, HEAD_DIM))
+        cache.attend(
+            layer,
+            torch.randn(3, Q_HEADS, 4, HEAD_DIM),
+            torch.randn(3, KV_HEADS, 4, HEAD_DIM),
+            torch.randn(3, KV_HEADS, 4, HEAD_DIM),
+        )
     with pytest.raises(RuntimeError, match="inside a step"):
         cache.reorder([0, 1, 2])
     cache.finish_step()

@@ -17,21 +17,25 @@ PROMPT_LEN, FIRST, REST = 5, 4, 6
 def greedy(model, idx, cache, steps):
     """Continue ``idx`` greedily, feeding ``cache`` only the tokens it does not hold yet."""
     for _ in range(steps):
-        logits = model(idx[:, cache.seq_length:], cache)
+        logits = model(idx[:, cache.seq_length :], cache)
         idx = torch.cat([idx, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
     return idx
 
 
-@pytest.mark.parametrize("model_name,cache_kwargs", [
-    ("gpt2", dict(max_cache_len=32)),
-    ("llama", dict(max_cache_len=32)),
-    ("llama", dict(window=4, chunk_size=2)),  # a ring of 5 slots: wrapped before the save
-])
+@pytest.mark.parametrize(
+    "model_name,cache_kwargs",
+    [
+        ("gpt2", dict(max_cache_len=32)),
+        ("llama", dict(max_cache_len=32)),
+        ("llama", dict(window=4, chunk_size=2)),  # a ring of 5 slots: wrapped before the save
+    ],
+)
 def test_resumed_generation_equals_an_uninterrupted_one(tmp_path, model_name, cache_kwargs):
     model = build_gpt2("tiny", seed=0) if model_name == "gpt2" else build_llama("llama-tiny", seed=0)
     prompt = torch.randint(3, 1000, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-    uninterrupted = generate(model, prompt, FIRST + REST,
-                             cache=kvcache_ext.KVCache(**model.kv_shape, batch_size=2, **cache_kwargs))
+    uninterrupted = generate(
+        model, prompt, FIRST + REST, cache=kvcache_ext.KVCache(**model.kv_shape, batch_size=2, **cache_kwargs)
+    )
 
     cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=2, **cache_kwargs)
     # The last chosen token is not in the cache yet: the resumed run feeds it first.
@@ -59,7 +63,9 @@ def test_round_trip_keeps_every_held_slot(tmp_path):
     cache, path = saved(tmp_path, max_cache_len=10)
     loaded = PreallocatedCache.load(path, fingerprint="model-a@rev1", max_cache_len=20)
     assert loaded.max_cache_len == 20 and loaded.lengths.tolist() == [3, 2] and loaded.seq_length == 3
-    assert torch.equal(loaded.k[..., :3, :], cache.k[..., :3, :]) and torch.equal(loaded.v[..., :3, :], cache.v[..., :3, :])
+    assert torch.equal(loaded.k[..., :3, :], cache.k[..., :3, :]) and torch.equal(
+        loaded.v[..., :3, :], cache.v[..., :3, :]
+    )
     assert not loaded.k[..., 3:, :].any()
     assert json.loads(_header(path)["__metadata__"]["kvcache"])["format_version"] == PreallocatedCache.FORMAT_VERSION
 
@@ -67,20 +73,20 @@ def test_round_trip_keeps_every_held_slot(tmp_path):
 def _header(path):
     data = path.read_bytes()
     size = struct.unpack("<Q", data[:8])[0]
-    return json.loads(data[8:8 + size])
+    return json.loads(data[8 : 8 + size])
 
 
 def _rewrite_metadata(path, change):
     """Rewrite the saved-cache metadata JSON with ``change`` applied (same tensors)."""
     data = path.read_bytes()
     size = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + size])
+    header = json.loads(data[8 : 8 + size])
     meta = json.loads(header["__metadata__"]["kvcache"])
     change(meta)
     header["__metadata__"]["kvcache"] = json.dumps(meta)
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
-    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + size:])
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + size :])
 
 
 def test_damaged_foreign_or_unfitting_files_are_refused(tmp_path):

@@ -39,10 +39,13 @@ class GatheredSinkCache:
         outs = []
         for i in range(T):
             p = n - T + i
-            positions = sorted(set(range(min(self.sink_tokens, p + 1))) | set(range(max(0, p - self.window + 1), p + 1)))
+            positions = sorted(
+                set(range(min(self.sink_tokens, p + 1))) | set(range(max(0, p - self.window + 1), p + 1))
+            )
             lengths = torch.full((q.shape[0],), len(positions), dtype=torch.long)
-            outs.append(reference_attention(q[:, :, i:i + 1], k[:, :, positions], v[:, :, positions], lengths,
-                                            scale=scale))
+            outs.append(
+                reference_attention(q[:, :, i : i + 1], k[:, :, positions], v[:, :, positions], lengths, scale=scale)
+            )
         return torch.cat(outs, dim=2)
 
     def finish_step(self):
@@ -56,8 +59,9 @@ def _random_steps(cache_cls, dtype, steps, seed=0):
     cache = cache_cls(1, B, H_kv, D, window=WINDOW, chunk_size=CHUNK, sink_tokens=SINKS, dtype=dtype)
     expected_cache = GatheredSinkCache(WINDOW, SINKS)
     for T in steps:
-        q, k, v = (torch.randn(B, H, T, D, generator=generator, dtype=torch.float64).to(dtype)
-                   for H in (H_q, H_kv, H_kv))
+        q, k, v = (
+            torch.randn(B, H, T, D, generator=generator, dtype=torch.float64).to(dtype) for H in (H_q, H_kv, H_kv)
+        )
         cache.start_step(T)
         out = cache.attend(0, q, k, v)
         cache.finish_step()
@@ -92,8 +96,9 @@ def test_sink_tokens_change_what_a_plain_window_sees():
     assert not torch.allclose(outs[0][:, :, -1], outs[1][:, :, -1])
 
 
-@pytest.mark.parametrize("build", [lambda: build_gpt2("tiny", seed=5), lambda: build_llama("llama-tiny", seed=5)],
-                         ids=["gpt2", "llama"])
+@pytest.mark.parametrize(
+    "build", [lambda: build_gpt2("tiny", seed=5), lambda: build_llama("llama-tiny", seed=5)], ids=["gpt2", "llama"]
+)
 def test_models_generate_past_the_window_with_sink_tokens(build):
     model = build()
     prompt = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -53,8 +53,14 @@ def fill_and_reset(cache, step_inputs):
 def test_kvcache_fill_reset_cycles_do_not_grow_memory():
     assert sum(STEPS) == MAX_CACHE_LEN
     cache = kvcache_ext.KVCache(LAYERS, BATCH, KV_HEADS, HEAD_DIM, max_cache_len=MAX_CACHE_LEN)
-    step_inputs = [(torch.randn(BATCH, Q_HEADS, T, HEAD_DIM), torch.randn(BATCH, KV_HEADS, T, HEAD_DIM),
-                    torch.randn(BATCH, KV_HEADS, T, HEAD_DIM)) for T in STEPS]
+    step_inputs = [
+        (
+            torch.randn(BATCH, Q_HEADS, T, HEAD_DIM),
+            torch.randn(BATCH, KV_HEADS, T, HEAD_DIM),
+            torch.randn(BATCH, KV_HEADS, T, HEAD_DIM),
+        )
+        for T in STEPS
+    ]
     growth = soak(lambda: fill_and_reset(cache, step_inputs))
     assert growth <= MAX_RSS_GROWTH, f"resident memory grew by {growth / 2**20:.1f} MiB over the cycles"
     # The cycles did the cache's real work: a last one agrees with the pure-PyTorch cache.
@@ -72,8 +78,15 @@ def test_hf_native_cache_fill_reset_cycles_do_not_grow_memory():
     Row 1 of the prompt is left-padded by one token, so the prompt's packing path runs too."""
     transformers = pytest.importorskip("transformers", reason="the HF soak needs transformers")
     khf = pytest.importorskip("kvcache_ext.hf")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     attention_modules = [layer.self_attn for layer in transformers.LlamaForCausalLM(config).eval().model.layers]
     head_dim = config.hidden_size // config.num_attention_heads
     cache = khf.NativeCache(config, max_cache_len=HF_MAX_CACHE_LEN)
@@ -83,9 +96,15 @@ def test_hf_native_cache_fill_reset_cycles_do_not_grow_memory():
     # Keys: causal and real; a padding query sees itself, so that no row of the mask is empty.
     prompt_mask = (causal & real[:, None, None, :]) | torch.eye(HF_PROMPT, dtype=torch.bool)
     steps = [(HF_PROMPT, prompt_mask)] + [(HF_STEP, None)] * ((HF_MAX_CACHE_LEN - HF_PROMPT) // HF_STEP)
-    step_inputs = [(torch.randn(BATCH, config.num_attention_heads, T, head_dim),
-                    torch.randn(BATCH, config.num_key_value_heads, T, head_dim),
-                    torch.randn(BATCH, config.num_key_value_heads, T, head_dim), mask) for T, mask in steps]
+    step_inputs = [
+        (
+            torch.randn(BATCH, config.num_attention_heads, T, head_dim),
+            torch.randn(BATCH, config.num_key_value_heads, T, head_dim),
+            torch.randn(BATCH, config.num_key_value_heads, T, head_dim),
+            mask,
+        )
+        for T, mask in steps
+    ]
 
     def run_cycle():
         for q, k, v, mask in step_inputs:

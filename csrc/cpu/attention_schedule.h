@@ -12,7 +12,7 @@ namespace kvcache_ext::cpu {
 // Runs `partial` over every (row, KV head, block of query heads, chunk of new tokens, split) of p
 // and writes out [batch, q_heads, num_new, head_dim] (contiguous, p.elem, element size
 // out_elem_size) and lse [batch, q_heads, num_new] float32. p.lengths must already be checked.
-void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn partial, void* out,
-                               int64_t out_elem_size, float* lse);
+void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn partial, void* out, int64_t out_elem_size,
+                               float* lse);
 
 }  // namespace kvcache_ext::cpu

@@ -4,14 +4,12 @@
 
 namespace kvcache_ext::cpu {
 
-#define KVCACHE_EXT_DECLARE_ISA(isa)                                                          \
-  namespace isa {                                                                             \
-  void partial_attention_any(const AttentionProblem& p, int64_t b, int64_t kv_head,           \
-                             int64_t head_begin, int64_t head_count, int64_t query_begin,         \
-                              int64_t query_count, int64_t position_begin, \
-                             int64_t position_end, float* acc, float* row_max, float* row_sum); \
-  void store_output_row(ElemType elem, const float* values, int64_t count, int64_t stride,     \
-                        void* out);                                                           \
+#define KVCACHE_EXT_DECLARE_ISA(isa)                                                                               \
+  namespace isa {                                                                                                  \
+  void partial_attention_any(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t head_begin,            \
+                             int64_t head_count, int64_t query_begin, int64_t query_count, int64_t position_begin, \
+                             int64_t position_end, float* acc, float* row_max, float* row_sum);                    \
+  void store_output_row(ElemType elem, const float* values, int64_t count, int64_t stride, void* out);             \
   }
 KVCACHE_EXT_DECLARE_ISA(baseline)
 #if defined(__x86_64__)

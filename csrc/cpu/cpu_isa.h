@@ -63,10 +63,14 @@ struct Feature {
 };
 
 constexpr Feature kFeatures[] = {
-    {"fma", Register::kLeaf1Ecx, 12, kXcr0Avx},       {"avx", Register::kLeaf1Ecx, 28, kXcr0Avx},
-    {"f16c", Register::kLeaf1Ecx, 29, kXcr0Avx},      {"avx2", Register::kLeaf7Ebx, 5, kXcr0Avx},
-    {"bmi2", Register::kLeaf7Ebx, 8, 0},              {"avx512f", Register::kLeaf7Ebx, 16, kXcr0Avx512},
-    {"avx512dq", Register::kLeaf7Ebx, 17, kXcr0Avx512}, {"avx512bw", Register::kLeaf7Ebx, 30, kXcr0Avx512},
+    {"fma", Register::kLeaf1Ecx, 12, kXcr0Avx},
+    {"avx", Register::kLeaf1Ecx, 28, kXcr0Avx},
+    {"f16c", Register::kLeaf1Ecx, 29, kXcr0Avx},
+    {"avx2", Register::kLeaf7Ebx, 5, kXcr0Avx},
+    {"bmi2", Register::kLeaf7Ebx, 8, 0},
+    {"avx512f", Register::kLeaf7Ebx, 16, kXcr0Avx512},
+    {"avx512dq", Register::kLeaf7Ebx, 17, kXcr0Avx512},
+    {"avx512bw", Register::kLeaf7Ebx, 30, kXcr0Avx512},
     {"avx512vl", Register::kLeaf7Ebx, 31, kXcr0Avx512},
 };
 

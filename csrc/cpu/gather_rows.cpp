@@ -90,6 +90,4 @@ void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
 }  // namespace
 }  // namespace kvcache_ext::cpu
 
-STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
-  m.impl("gather_rows", TORCH_BOX(&kvcache_ext::cpu::gather_rows));
-}
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) { m.impl("gather_rows", TORCH_BOX(&kvcache_ext::cpu::gather_rows)); }

@@ -56,11 +56,10 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
   check_cache(k_cache, v_cache, lengths);
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
   for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name,
-                    " must be (batch=", B, ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ",
-                    shape_of(*t));
-    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ",
-                    dtype_name(k_cache.scalar_type()), " like the cache, got ", dtype_name(t->scalar_type()));
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name, " must be (batch=", B,
+                    ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ", shape_of(*t));
+    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ", dtype_name(k_cache.scalar_type()),
+                    " like the cache, got ", dtype_name(t->scalar_type()));
     check_cpu(*t, name);
   }
   const int64_t T = k_new.size(2);
@@ -77,31 +76,35 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
     int64_t src_stride[4];
   };
   const Side sides[2] = {
-      {static_cast<char*>(k_cache.mutable_data_ptr()), static_cast<const char*>(k_new.const_data_ptr()),
+      {static_cast<char*>(k_cache.mutable_data_ptr()),
+       static_cast<const char*>(k_new.const_data_ptr()),
        {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
        {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)}},
-      {static_cast<char*>(v_cache.mutable_data_ptr()), static_cast<const char*>(v_new.const_data_ptr()),
+      {static_cast<char*>(v_cache.mutable_data_ptr()),
+       static_cast<const char*>(v_new.const_data_ptr()),
        {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
        {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
   };
   // One work item per (K or V, row, head): T rows of D elements each.
-  torch::stable::parallel_for(0, 2 * B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(T * D, 1)),
-                              [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const Side& side = sides[item / (B * H)];
-      const int64_t b = (item % (B * H)) / H, h = item % H;
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t slot = (len[b] % S + t) % S;  // len[b] + t could exceed int64
-        char* dst = side.cache + (b * side.cache_stride[0] + h * side.cache_stride[1] + slot * side.cache_stride[2]) * elem;
-        const char* src = side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
-        if (side.src_stride[3] == 1) {
-          std::memcpy(dst, src, D * elem);
-        } else {
-          for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
+  torch::stable::parallel_for(
+      0, 2 * B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const Side& side = sides[item / (B * H)];
+          const int64_t b = (item % (B * H)) / H, h = item % H;
+          for (int64_t t = 0; t < T; ++t) {
+            const int64_t slot = (len[b] % S + t) % S;  // len[b] + t could exceed int64
+            char* dst =
+                side.cache + (b * side.cache_stride[0] + h * side.cache_stride[1] + slot * side.cache_stride[2]) * elem;
+            const char* src =
+                side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
+            if (side.src_stride[3] == 1) {
+              std::memcpy(dst, src, D * elem);
+            } else {
+              for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
+            }
+          }
         }
-      }
-    }
-  });
+      });
 }
 
 std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
@@ -162,8 +165,8 @@ int64_t select_cpu_isa(int64_t isa) {
 
 }  // namespace
 
-void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn partial, void* out,
-                               int64_t out_elem_size, float* lse) {
+void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn partial, void* out, int64_t out_elem_size,
+                               float* lse) {
   const int64_t B = p.batch, H_kv = p.kv_heads, H_q = p.q_heads, T = p.num_new, D = p.head_dim;
   const int64_t group = H_q / H_kv;
   const int64_t* len = p.lengths;
@@ -203,10 +206,11 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
     int64_t b, kv_head, head_begin, head_count, query_begin, query_count;
   };
   auto piece_of = [&](int64_t grp) {
-    const int64_t c = grp % chunks, block = (grp / chunks) % head_blocks, kv_head = (grp / (chunks * head_blocks)) % H_kv;
+    const int64_t c = grp % chunks, block = (grp / chunks) % head_blocks,
+                  kv_head = (grp / (chunks * head_blocks)) % H_kv;
     const int64_t head_begin = block * heads_per_block, query_begin = c * chunk;
-    return Piece{grp / (chunks * head_blocks * H_kv), kv_head, head_begin, std::min(heads_per_block, group - head_begin),
-                 query_begin, std::min(chunk, T - query_begin)};
+    return Piece{grp / (chunks * head_blocks * H_kv),           kv_head,     head_begin,
+                 std::min(heads_per_block, group - head_begin), query_begin, std::min(chunk, T - query_begin)};
   };
   auto write_output = [&](const Piece& w, const float* acc, const float* row_max, const float* row_sum) {
     for (int64_t m = 0; m < w.head_count * w.query_count; ++m) {
@@ -242,13 +246,13 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
       const Piece w = piece_of(item / splits);
       const auto [pos_begin, pos_end] = row_range(w.b, w.query_begin, w.query_begin + w.query_count, split);
       if (splits == 1) {
-        partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end,
-                acc, row_max, row_sum);
+        partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end, acc,
+                row_max, row_sum);
         write_output(w, acc, row_max, row_sum);
       } else {
         float* part = scratch.data() + item * rows_max * (D + 2);
-        partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end,
-                part, part + rows_max * D, part + rows_max * (D + 1));
+        partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end, part,
+                part + rows_max * D, part + rows_max * (D + 1));
       }
     }
   });

@@ -23,8 +23,8 @@
 
 namespace kvcache_ext::cpu {
 
-#define KVCACHE_EXT_DECLARE_QUANTIZED_ISA(isa) \
-  namespace isa {                              \
+#define KVCACHE_EXT_DECLARE_QUANTIZED_ISA(isa)                                              \
+  namespace isa {                                                                           \
   PartialAttentionFn quantized_partial_attention_kernel(KvFormat format, int64_t head_dim); \
   }
 KVCACHE_EXT_DECLARE_QUANTIZED_ISA(baseline)
@@ -123,8 +123,10 @@ KvFormat format_of(const Tensor& data) {
     case ScalarType::Float8_e4m3fn: return KvFormat::kFp8E4M3;
     case ScalarType::Byte: return KvFormat::kInt4;
     default:
-      STD_TORCH_CHECK(false, "k_data must be int8 (int8 format), float8_e4m3fn (fp8_e4m3) or uint8 (int4, two "
-                      "values per byte), got ", dtype_name(data.scalar_type()));
+      STD_TORCH_CHECK(false,
+                      "k_data must be int8 (int8 format), float8_e4m3fn (fp8_e4m3) or uint8 (int4, two "
+                      "values per byte), got ",
+                      dtype_name(data.scalar_type()));
   }
   return KvFormat::kInt8;
 }
@@ -160,9 +162,10 @@ std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const T
     const bool shape_ok = int4 ? t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(2) == S &&
                                      t->size(3) == D / kInt4Group && (t->size(3) == 1 || t->stride(3) == 1)
                                : t->dim() == 3 && t->size(0) == B && t->size(1) == H && t->size(2) == S;
-    STD_TORCH_CHECK(shape_ok, name, " must be ",
-                    int4 ? "(batch, kv_heads, slots, head_dim / 32) with contiguous groups" : "(batch, kv_heads, slots)",
-                    " for ", shape_of(k_data), " data, got ", shape_of(*t));
+    STD_TORCH_CHECK(
+        shape_ok, name, " must be ",
+        int4 ? "(batch, kv_heads, slots, head_dim / 32) with contiguous groups" : "(batch, kv_heads, slots)", " for ",
+        shape_of(k_data), " data, got ", shape_of(*t));
     STD_TORCH_CHECK(t->scalar_type() == scale_type, name, " must be ", dtype_name(scale_type), ", got ",
                     dtype_name(t->scalar_type()));
     check_cpu(*t, name);
@@ -176,7 +179,8 @@ std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const T
     STD_TORCH_CHECK(elements_distinct(*written[i]),
                     "the cache's data and scales must not be expanded or self-overlapping views");
     for (int j = i + 1; j < 4; ++j)
-      STD_TORCH_CHECK(disjoint(*written[i], *written[j]), "k_data, k_scales, v_data and v_scales must not share memory");
+      STD_TORCH_CHECK(disjoint(*written[i], *written[j]),
+                      "k_data, k_scales, v_data and v_scales must not share memory");
   }
   STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "lengths must have shape (", B, ",), got ",
                   shape_of(lengths));
@@ -238,33 +242,38 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
     int64_t data_stride[3], scale_stride[3], src_stride[4];
   };
   const Side sides[2] = {
-      {static_cast<char*>(k_data.mutable_data_ptr()), static_cast<char*>(k_scales.mutable_data_ptr()),
-       k_new.const_data_ptr(), {k_data.stride(0), k_data.stride(1), k_data.stride(2)},
+      {static_cast<char*>(k_data.mutable_data_ptr()),
+       static_cast<char*>(k_scales.mutable_data_ptr()),
+       k_new.const_data_ptr(),
+       {k_data.stride(0), k_data.stride(1), k_data.stride(2)},
        {k_scales.stride(0), k_scales.stride(1), k_scales.stride(2)},
        {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)}},
-      {static_cast<char*>(v_data.mutable_data_ptr()), static_cast<char*>(v_scales.mutable_data_ptr()),
-       v_new.const_data_ptr(), {v_data.stride(0), v_data.stride(1), v_data.stride(2)},
+      {static_cast<char*>(v_data.mutable_data_ptr()),
+       static_cast<char*>(v_scales.mutable_data_ptr()),
+       v_new.const_data_ptr(),
+       {v_data.stride(0), v_data.stride(1), v_data.stride(2)},
        {v_scales.stride(0), v_scales.stride(1), v_scales.stride(2)},
        {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
   };
   // One work item per (K or V, row, head): T vectors of D values each.
-  torch::stable::parallel_for(0, 2 * B * H, std::max<int64_t>(1, 1024 / std::max<int64_t>(T * D, 1)),
-                              [&](int64_t begin, int64_t end) {
-    float x[kMaxHeadDim];
-    for (int64_t item = begin; item < end; ++item) {
-      const Side& side = sides[item / (B * H)];
-      const int64_t b = (item % (B * H)) / H, h = item % H;
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t slot = (len[b] % S + t) % S;  // len[b] + t could exceed int64
-        const int64_t src = b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2];
-        for (int64_t d = 0; d < D; ++d) x[d] = element_as_float(side.src, elem, src + d * side.src_stride[3]);
-        char* data = side.data + b * side.data_stride[0] + h * side.data_stride[1] + slot * side.data_stride[2];
-        char* scales = side.scales +
-                       (b * side.scale_stride[0] + h * side.scale_stride[1] + slot * side.scale_stride[2]) * scale_size;
-        quantize_vector(format, x, D, data, scales);
-      }
-    }
-  });
+  torch::stable::parallel_for(
+      0, 2 * B * H, std::max<int64_t>(1, 1024 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t end) {
+        float x[kMaxHeadDim];
+        for (int64_t item = begin; item < end; ++item) {
+          const Side& side = sides[item / (B * H)];
+          const int64_t b = (item % (B * H)) / H, h = item % H;
+          for (int64_t t = 0; t < T; ++t) {
+            const int64_t slot = (len[b] % S + t) % S;  // len[b] + t could exceed int64
+            const int64_t src = b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2];
+            for (int64_t d = 0; d < D; ++d) x[d] = element_as_float(side.src, elem, src + d * side.src_stride[3]);
+            char* data = side.data + b * side.data_stride[0] + h * side.data_stride[1] + slot * side.data_stride[2];
+            char* scales =
+                side.scales +
+                (b * side.scale_stride[0] + h * side.scale_stride[1] + slot * side.scale_stride[2]) * scale_size;
+            quantize_vector(format, x, D, data, scales);
+          }
+        }
+      });
 }
 
 PartialAttentionFn quantized_kernel(KvFormat format, int64_t head_dim) {
@@ -291,8 +300,8 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
   const ElemType elem = elem_type_of(q, "q");
   STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
   check_new_tokens_fit(T, S);
-  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a positive multiple of kv_heads (",
-                  H_kv, ") and kv_heads at least 1");
+  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
+                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   const float checked = checked_scale(scale, D);
   check_softcap_and_sinks(softcap, sinks, q);
@@ -305,8 +314,8 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
     for (int64_t h = 0; h < H_q; ++h)
       for (int64_t i = 0; i < T; ++i)
         for (int64_t d = 0; d < D; ++d, ++out)
-          q_float[out] = element_as_float(q_base, elem,
-                                          b * q.stride(0) + h * q.stride(1) + i * q.stride(2) + d * q.stride(3));
+          q_float[out] =
+              element_as_float(q_base, elem, b * q.stride(0) + h * q.stride(1) + i * q.stride(2) + d * q.stride(3));
 
   QuantizedProblem p{};
   p.elem = elem;

@@ -23,10 +23,22 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
-template <typename V> struct VecTraits;
-template <> struct VecTraits<f32x8> { using Int = i32x8; using UInt = u32x8; using U16 = u16x8; };
-template <> struct VecTraits<f32x16> { using Int = i32x16; using UInt = u32x16; using U16 = u16x16; };
-template <typename V> constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+template <typename V>
+struct VecTraits;
+template <>
+struct VecTraits<f32x8> {
+  using Int = i32x8;
+  using UInt = u32x8;
+  using U16 = u16x8;
+};
+template <>
+struct VecTraits<f32x16> {
+  using Int = i32x16;
+  using UInt = u32x16;
+  using U16 = u16x16;
+};
+template <typename V>
+constexpr int64_t kLanes = sizeof(V) / sizeof(float);
 
 #if defined(__clang__)
 #define KVX_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -34,8 +46,12 @@ template <typename V> constexpr int64_t kLanes = sizeof(V) / sizeof(float);
 #define KVX_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i32x8{__VA_ARGS__})
 #endif
 
-struct BF16 { uint16_t bits; };
-struct F16 { uint16_t bits; };
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
 
 template <typename To, typename From>
 inline To bit_cast(const From& from) {
@@ -45,27 +61,34 @@ inline To bit_cast(const From& from) {
   return to;
 }
 
-template <typename V> inline V splat(float x) { return V{} + x; }
+template <typename V>
+inline V splat(float x) {
+  return V{} + x;
+}
 
 // kLanes<V> consecutive elements, as floats.
-template <typename V> inline V load(const float* p) {
+template <typename V>
+inline V load(const float* p) {
   V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-template <typename V> inline typename VecTraits<V>::UInt load_u16_widened(const uint16_t* p) {
+template <typename V>
+inline typename VecTraits<V>::UInt load_u16_widened(const uint16_t* p) {
   typename VecTraits<V>::U16 h;
   std::memcpy(&h, p, sizeof h);
   return __builtin_convertvector(h, typename VecTraits<V>::UInt);
 }
 
-template <typename V> inline V load_generic(const BF16* p) {
+template <typename V>
+inline V load_generic(const BF16* p) {
   return bit_cast<V>(load_u16_widened<V>(reinterpret_cast<const uint16_t*>(p)) << 16);
 }
 // Half -> float without F16C: move exponent+mantissa into place and rebias by 2^112 (which
 // also normalises subnormals); inf/nan get the all-ones exponent; then restore the sign.
-template <typename V> inline V load_generic(const F16* p) {
+template <typename V>
+inline V load_generic(const F16* p) {
   using U = typename VecTraits<V>::UInt;
   const U h = load_u16_widened<V>(reinterpret_cast<const uint16_t*>(p));
   const U magnitude = h & 0x7fffu;
@@ -77,7 +100,8 @@ template <typename V> inline V load_generic(const F16* p) {
 }
 
 // The widening loads as single instructions where the copy's instruction set has them.
-template <typename V> inline V load(const BF16* p) {
+template <typename V>
+inline V load(const BF16* p) {
 #if KVCACHE_EXT_X86_AVX2
   if constexpr (kLanes<V> == 8) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -92,25 +116,36 @@ template <typename V> inline V load(const BF16* p) {
 #endif
   return load_generic<V>(p);
 }
-template <typename V> inline V load(const F16* p) {
+template <typename V>
+inline V load(const F16* p) {
 #if KVCACHE_EXT_X86_AVX2
-  if constexpr (kLanes<V> == 8) return bit_cast<V>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  if constexpr (kLanes<V> == 8)
+    return bit_cast<V>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #endif
 #if KVCACHE_EXT_X86_AVX512
-  if constexpr (kLanes<V> == 16) return bit_cast<V>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  if constexpr (kLanes<V> == 16)
+    return bit_cast<V>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #endif
   return load_generic<V>(p);
 }
 
-template <typename V> inline void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+inline void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
-template <typename V> inline V max(V a, V b) { return a > b ? a : b; }
-template <typename V> inline float max_lane(V v) {
+template <typename V>
+inline V max(V a, V b) {
+  return a > b ? a : b;
+}
+template <typename V>
+inline float max_lane(V v) {
   float m = v[0];
   for (int64_t i = 1; i < kLanes<V>; ++i) m = m > v[i] ? m : v[i];
   return m;
 }
-template <typename V> inline float sum_lanes(V v) {
+template <typename V>
+inline float sum_lanes(V v) {
   float s = 0.0f;
   for (int64_t i = 0; i < kLanes<V>; ++i) s += v[i];
   return s;

@@ -160,8 +160,8 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
   constexpr int kLanes = L::kLanesPerKey, kVecs = L::kVecsPerLane, kVecElems = L::kElemsPerVec;
   constexpr int kLaneElems = L::kLaneElems, kKeyGroups = L::kKeyGroups, kSteps = L::kKeysPerStep;
 
-  const int lane = threadIdx.x % kLanes;        // position within the key's lane group
-  const int key_group = threadIdx.x / kLanes;   // which keys of a tile this group reads
+  const int lane = threadIdx.x % kLanes;       // position within the key's lane group
+  const int key_group = threadIdx.x / kLanes;  // which keys of a tile this group reads
   const int head_dim = kFullRow ? kCapacity : static_cast<int>(p.head_dim);
   const int vecs_per_row = head_dim / kVecElems;  // exact: head_dim is a multiple of 8
   const int64_t group = p.q_heads / p.kv_heads;
@@ -527,8 +527,7 @@ int split_kernel_occupancy(const DecodeAttentionParams& p) {
 // `max_blocks` caps either grid (the tests' emulation lowers it to exercise the repeated
 // launches and the combine kernel's stride).
 template <typename E, typename Launch>
-cudaError_t dispatch_decode_attention(const DecodeAttentionParams& p, Launch&& launch,
-                                      int64_t max_blocks = kMaxGridX) {
+cudaError_t dispatch_decode_attention(const DecodeAttentionParams& p, Launch&& launch, int64_t max_blocks = kMaxGridX) {
   const AttentionKernel split_kernel = split_kernel_for<E>(p);
   if (split_kernel == nullptr || p.window < 1 || p.window > kMaxLength) return cudaErrorInvalidValue;
   const int64_t units = p.batch * p.kv_heads * p.row_chunks * p.splits;

@@ -6,15 +6,13 @@
 namespace kvcache_ext::cuda {
 
 cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t stream) {
-  return dispatch_decode_attention<__nv_bfloat16>(p, [&](AttentionKernel kernel, int64_t blocks, int threads,
-                                                 const DecodeAttentionParams& params) {
-    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(params);
-    return cudaGetLastError();
-  });
+  return dispatch_decode_attention<__nv_bfloat16>(
+      p, [&](AttentionKernel kernel, int64_t blocks, int threads, const DecodeAttentionParams& params) {
+        kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(params);
+        return cudaGetLastError();
+      });
 }
 
-int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) {
-  return split_kernel_occupancy<__nv_bfloat16>(p);
-}
+int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) { return split_kernel_occupancy<__nv_bfloat16>(p); }
 
 }  // namespace kvcache_ext::cuda

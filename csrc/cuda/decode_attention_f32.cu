@@ -6,15 +6,13 @@
 namespace kvcache_ext::cuda {
 
 cudaError_t launch_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t stream) {
-  return dispatch_decode_attention<float>(p, [&](AttentionKernel kernel, int64_t blocks, int threads,
-                                                 const DecodeAttentionParams& params) {
-    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(params);
-    return cudaGetLastError();
-  });
+  return dispatch_decode_attention<float>(
+      p, [&](AttentionKernel kernel, int64_t blocks, int threads, const DecodeAttentionParams& params) {
+        kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(params);
+        return cudaGetLastError();
+      });
 }
 
-int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) {
-  return split_kernel_occupancy<float>(p);
-}
+int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) { return split_kernel_occupancy<float>(p); }
 
 }  // namespace kvcache_ext::cuda

@@ -26,10 +26,10 @@ namespace {
 using torch::stable::Tensor;
 
 struct GatherRowsParams {
-  char* cache[2];           // k, v
-  char* scratch[2];         // contiguous (batch, kv_heads, slots, head_dim) each
-  int64_t stride[2][3];     // batch, head, slot strides of k and v, in units
-  const int64_t* src_rows;  // [batch], contiguous
+  char* cache[2];                      // k, v
+  char* scratch[2];                    // contiguous (batch, kv_heads, slots, head_dim) each
+  int64_t stride[2][3];                // batch, head, slot strides of k and v, in units
+  const int64_t* src_rows;             // [batch], contiguous
   int64_t batch, heads, slots, units;  // units: elements of one head_dim vector, in Unit words
 };
 
@@ -54,8 +54,8 @@ __global__ void gather_rows_kernel(GatherRowsParams p) {
     if (kStage) {  // save row b before anything overwrites it
       scratch[b * per_row + i] = cache[b * stride[0] + h * stride[1] + s * stride[2] + u];
     } else {
-      const Unit value = changes(p, from) ? scratch[from * per_row + i]
-                                          : cache[from * stride[0] + h * stride[1] + s * stride[2] + u];
+      const Unit value =
+          changes(p, from) ? scratch[from * per_row + i] : cache[from * stride[0] + h * stride[1] + s * stride[2] + u];
       cache[b * stride[0] + h * stride[1] + s * stride[2] + u] = value;
     }
   }
@@ -81,8 +81,8 @@ cudaStream_t current_stream(int32_t device_index) {
 void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
   check_gather_rows(k_cache, v_cache, src_rows);
   const int32_t device = k_cache.get_device_index();
-  for (const auto& [t, name] : {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"},
-                                std::pair{&src_rows, "src_rows"}}) {
+  for (const auto& [t, name] :
+       {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"}, std::pair{&src_rows, "src_rows"}}) {
     STD_TORCH_CHECK(t->is_cuda() && t->get_device_index() == device, name, " must be on cuda:", device,
                     " like k_cache for the CUDA kernel");
   }
@@ -118,7 +118,7 @@ void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
     for (int d = 0; d < 3; ++d) p.stride[side][d] = cache.stride(d) * elem / unit;
   }
   const cudaStream_t stream = current_stream(device);
-  cudaError_t status = wide       ? launch<uint4>(p, stream)
+  cudaError_t status = wide        ? launch<uint4>(p, stream)
                        : elem == 4 ? launch<uint32_t>(p, stream)
                                    : launch<uint16_t>(p, stream);
   STD_CUDA_CHECK(status);
@@ -127,6 +127,4 @@ void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
 }  // namespace
 }  // namespace kvcache_ext::cuda
 
-STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
-  m.impl("gather_rows", TORCH_BOX(&kvcache_ext::cuda::gather_rows));
-}
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) { m.impl("gather_rows", TORCH_BOX(&kvcache_ext::cuda::gather_rows)); }

@@ -18,11 +18,11 @@ namespace kvcache_ext::cuda {
 // (2 or 4 bytes). All strides are counted in words. A row whose length is outside
 // [0, kMaxLength] is left untouched (lengths live on the device and cannot be checked first).
 struct AppendKvParams {
-  void* cache[2];              // K, V: [batch, kv_heads, slots, head_dim], head_dim contiguous
-  const void* source[2];       // k_new, v_new: [batch, kv_heads, num_new, head_dim]
-  const int64_t* lengths;      // [batch] tokens already in each row (device memory)
-  int64_t lengths_stride;      // elements
-  int64_t cache_stride[2][3];  // batch, head, slot
+  void* cache[2];               // K, V: [batch, kv_heads, slots, head_dim], head_dim contiguous
+  const void* source[2];        // k_new, v_new: [batch, kv_heads, num_new, head_dim]
+  const int64_t* lengths;       // [batch] tokens already in each row (device memory)
+  int64_t lengths_stride;       // elements
+  int64_t cache_stride[2][3];   // batch, head, slot
   int64_t source_stride[2][4];  // batch, head, token, word
   int64_t batch, kv_heads, num_new, slots;
   // One launch copies tokens [token_begin, token_begin + num_new) of the sources, so that its
@@ -36,7 +36,7 @@ struct AppendKvParams {
 // when every row start is 16-byte aligned and the sources' head_dim is contiguous, else
 // single elements. cache/source pointers, lengths and the sizes must be set already.
 inline void choose_append_words(AppendKvParams& p, int64_t elem_bytes, int64_t head_dim,
-                                const int64_t (&cache_stride)[2][3],    // elements
+                                const int64_t (&cache_stride)[2][3],     // elements
                                 const int64_t (&source_stride)[2][4]) {  // elements
   bool vectorised = (head_dim * elem_bytes) % 16 == 0;
   for (int side = 0; side < 2; ++side) {
@@ -75,10 +75,10 @@ struct DecodeAttentionParams {
   int64_t q_stride[4];
   int64_t k_stride[3];  // batch, head, slot (head_dim stride is 1)
   int64_t v_stride[3];
-  int64_t window;  // in [1, kMaxLength]: "no window" is kMaxLength, which no valid row exceeds
-  float scale;     // applied to q . k (natural-log softmax domain)
-  float softcap;   // > 0: scores become softcap * tanh(score / softcap); 0: not capped
-  const float* sinks;    // [q_heads] sink logits joining each row's softmax denominator, or null
+  int64_t window;      // in [1, kMaxLength]: "no window" is kMaxLength, which no valid row exceeds
+  float scale;         // applied to q . k (natural-log softmax domain)
+  float softcap;       // > 0: scores become softcap * tanh(score / softcap); 0: not capped
+  const float* sinks;  // [q_heads] sink logits joining each row's softmax denominator, or null
   int64_t sinks_stride;
   ElemType elem;
   // Whether every K/V row start is 16-byte aligned (data pointers and strides), so the kernel

@@ -42,8 +42,8 @@ using torch::stable::Tensor;
 // All tensors of one call on the cache's GPU.
 void check_on_device(const Tensor& t, const char* what, const Tensor& k_cache) {
   STD_TORCH_CHECK(t.is_cuda(), what, " must be a CUDA tensor for the CUDA kernel");
-  STD_TORCH_CHECK(t.get_device_index() == k_cache.get_device_index(), what, " must be on cuda:",
-                  k_cache.get_device_index(), " like k_cache, got cuda:", t.get_device_index());
+  STD_TORCH_CHECK(t.get_device_index() == k_cache.get_device_index(), what,
+                  " must be on cuda:", k_cache.get_device_index(), " like k_cache, got cuda:", t.get_device_index());
 }
 
 // Checks shared by both ops: the cache pair, its layout and the lengths tensor.
@@ -82,11 +82,10 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
   check_cache(k_cache, v_cache, lengths);
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
   for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name,
-                    " must be (batch=", B, ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ",
-                    shape_of(*t));
-    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ",
-                    dtype_name(k_cache.scalar_type()), " like the cache, got ", dtype_name(t->scalar_type()));
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name, " must be (batch=", B,
+                    ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ", shape_of(*t));
+    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ", dtype_name(k_cache.scalar_type()),
+                    " like the cache, got ", dtype_name(t->scalar_type()));
     check_on_device(*t, name, k_cache);
   }
   const int64_t T = k_new.size(2);

@@ -39,8 +39,12 @@ class AppendCase:
 
 def append_cases(full: bool) -> list[AppendCase]:
     contexts = (128, 1024, 4096, 16384) if full else (64,)
-    return [AppendCase(shape, dtype, context)
-            for shape in HEAD_SHAPES.values() for dtype in ("float32", "bfloat16") for context in contexts]
+    return [
+        AppendCase(shape, dtype, context)
+        for shape in HEAD_SHAPES.values()
+        for dtype in ("float32", "bfloat16")
+        for context in contexts
+    ]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -51,7 +55,9 @@ def test_append(benchmark, measure, bench_settings, case, impl):
     generator = torch.Generator(device).manual_seed(0)
 
     def random(tokens):
-        return torch.randn(BATCH, shape.kv_heads, tokens, shape.head_dim, generator=generator, device=device, dtype=dtype)
+        return torch.randn(
+            BATCH, shape.kv_heads, tokens, shape.head_dim, generator=generator, device=device, dtype=dtype
+        )
 
     new_k, new_v = random(1), random(1)
     if impl == "concat":
@@ -68,5 +74,12 @@ def test_append(benchmark, measure, bench_settings, case, impl):
         stored = k_cache[:, :, context]
     assert torch.equal(stored, new_k[:, :, 0])
 
-    benchmark.extra_info.update(suite="append", impl=impl, shape=shape.name, shape_label=shape.describe(),
-                                dtype=case.dtype, batch=BATCH, context=context)
+    benchmark.extra_info.update(
+        suite="append",
+        impl=impl,
+        shape=shape.name,
+        shape_label=shape.describe(),
+        dtype=case.dtype,
+        batch=BATCH,
+        context=context,
+    )

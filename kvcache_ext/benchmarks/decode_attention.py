@@ -56,8 +56,13 @@ class DecodeCase:
 
 def decode_cases(full: bool) -> list[DecodeCase]:
     batches, contexts = ((1, 8), (256, 1024, 4096, 16384)) if full else ((1, 2), (64,))
-    return [DecodeCase(shape, dtype, batch, context)
-            for shape in HEAD_SHAPES.values() for dtype in DTYPES for batch in batches for context in contexts]
+    return [
+        DecodeCase(shape, dtype, batch, context)
+        for shape in HEAD_SHAPES.values()
+        for dtype in DTYPES
+        for batch in batches
+        for context in contexts
+    ]
 
 
 @dataclass
@@ -100,8 +105,16 @@ def test_decode_attention(benchmark, measure, copy_bandwidth, decode_inputs, cas
 
     shape = case.shape
     benchmark.extra_info.update(
-        suite="decode", impl=impl, shape=shape.name, shape_label=shape.describe(), dtype=case.dtype,
-        batch=case.batch, context=case.context, bytes_moved=inputs.bytes_moved(), copy_gbps=copy_bandwidth)
+        suite="decode",
+        impl=impl,
+        shape=shape.name,
+        shape_label=shape.describe(),
+        dtype=case.dtype,
+        batch=case.batch,
+        context=case.context,
+        bytes_moved=inputs.bytes_moved(),
+        copy_gbps=copy_bandwidth,
+    )
     seconds = median_seconds(benchmark)
     if seconds is not None:
         gbps = inputs.bytes_moved() / seconds / 1e9

@@ -65,8 +65,10 @@ class GenerationCase:
 def generation_cases(full: bool) -> list[GenerationCase]:
     model, batch, prompt_len, article_new, batched_new = ("124M", 8, 512, 200, 128) if full else ("tiny", 2, 16, 8, 4)
     settings = [GenerationSetting("article", model, 1, ARTICLE_PROMPT, article_new, "float32", ALL_CACHES)]
-    settings += [GenerationSetting("batched", model, batch, prompt_len, batched_new, dtype, ALL_CACHES[1:])
-                 for dtype in ("float32", "bfloat16")]
+    settings += [
+        GenerationSetting("batched", model, batch, prompt_len, batched_new, dtype, ALL_CACHES[1:])
+        for dtype in ("float32", "bfloat16")
+    ]
     return [GenerationCase(setting, cache) for setting in settings for cache in setting.caches]
 
 
@@ -115,8 +117,15 @@ def test_generation(benchmark, measure, bench_settings, gpt2, case):
     benchmark.group = f"generation {setting.id}"
     model = gpt2(setting.model, setting.dtype)
     prompt = _prompt_ids(setting, model.cfg.vocab_size, bench_settings.device)
-    cache = make_cache(case.cache, model, setting.batch, setting.prompt_len + setting.new_tokens, window=None,
-                       dtype=DTYPES[setting.dtype], device=bench_settings.device)
+    cache = make_cache(
+        case.cache,
+        model,
+        setting.batch,
+        setting.prompt_len + setting.new_tokens,
+        window=None,
+        dtype=DTYPES[setting.dtype],
+        device=bench_settings.device,
+    )
     # Warm-up: first-call allocations and kernel choices stay out of the timed rounds.
     generate(model, prompt, 2, cache=cache)
 
@@ -131,15 +140,25 @@ def test_generation(benchmark, measure, bench_settings, gpt2, case):
     assert tokens.shape == (setting.batch, setting.prompt_len + setting.new_tokens)
 
     benchmark.extra_info.update(
-        suite="generation", impl=case.cache, setting=setting.name, model=setting.model,
-        batch=setting.batch, prompt_len=setting.prompt_len, new_tokens=setting.new_tokens, dtype=setting.dtype)
+        suite="generation",
+        impl=case.cache,
+        setting=setting.name,
+        model=setting.model,
+        batch=setting.batch,
+        prompt_len=setting.prompt_len,
+        new_tokens=setting.new_tokens,
+        dtype=setting.dtype,
+    )
     if median_seconds(benchmark) is not None:
         prefill_s = statistics.median(p for p, _ in rounds)
         decode_s = statistics.median(d for _, d in rounds)
         total_s = statistics.median(p + d for p, d in rounds)
         benchmark.extra_info.update(
-            prefill_s=prefill_s, decode_s=decode_s, total_s=total_s,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            total_s=total_s,
             tokens_per_s=setting.batch * setting.new_tokens / total_s,
             prefill_tokens_per_s=setting.batch * setting.prompt_len / prefill_s,
             # the prefill call yields the first new token; the decode steps make the rest
-            decode_tokens_per_s=setting.batch * (setting.new_tokens - 1) / decode_s)
+            decode_tokens_per_s=setting.batch * (setting.new_tokens - 1) / decode_s,
+        )

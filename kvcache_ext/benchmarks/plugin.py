@@ -21,8 +21,12 @@ import torch
 from .common import MODE_ENV, BenchSettings
 
 __all__ = [
-    "pytest_addoption", "pytest_generate_tests", "pytest_benchmark_update_machine_info",
-    "bench_settings", "measure", "copy_bandwidth",
+    "pytest_addoption",
+    "pytest_generate_tests",
+    "pytest_benchmark_update_machine_info",
+    "bench_settings",
+    "measure",
+    "copy_bandwidth",
 ]
 
 QUICK_ROUNDS = 3
@@ -32,9 +36,13 @@ _COPY_GBPS = pytest.StashKey[float]()
 
 def pytest_addoption(parser):
     group = parser.getgroup("kvcache_ext benchmarks")
-    group.addoption("--bench-mode", choices=("quick", "full"), default=None,
-                    help=f"quick: tiny sizes, a few rounds, numbers meaningless; full: the real sizes "
-                         f"(default: ${MODE_ENV}, else quick)")
+    group.addoption(
+        "--bench-mode",
+        choices=("quick", "full"),
+        default=None,
+        help=f"quick: tiny sizes, a few rounds, numbers meaningless; full: the real sizes "
+        f"(default: ${MODE_ENV}, else quick)",
+    )
     group.addoption("--bench-device", default=None, help="device to benchmark on (default: cpu)")
 
 
@@ -77,6 +85,7 @@ def measure(benchmark, bench_settings):
 
     def run(fn, rounds=None):
         if bench_settings.device.type == "cuda":
+
             def timed():
                 result = fn()
                 bench_settings.synchronize()
@@ -143,7 +152,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["kvcache_ext"] = {
         "mode": "full" if settings.full else "quick",
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
         else machine_info.get("cpu", {}).get("brand_raw", machine_info.get("processor", "")),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

@@ -36,8 +36,12 @@ class QuantizedCase:
 
 def quantized_cases(full: bool) -> list[QuantizedCase]:
     batches, contexts = ((8,), (4096, 16384)) if full else ((2,), (64,))
-    return [QuantizedCase(shape, batch, context)
-            for shape in HEAD_SHAPES.values() for batch in batches for context in contexts]
+    return [
+        QuantizedCase(shape, batch, context)
+        for shape in HEAD_SHAPES.values()
+        for batch in batches
+        for context in contexts
+    ]
 
 
 @dataclass
@@ -85,9 +89,17 @@ def test_quantized_decode_attention(benchmark, measure, copy_bandwidth, quantize
     moved = cache_bytes + 2 * inputs.q.numel() * inputs.q.element_size()  # the cache, q read, out written
     shape = case.shape
     benchmark.extra_info.update(
-        suite="quantized", impl=fmt, shape=shape.name, shape_label=shape.describe(), batch=case.batch,
-        context=case.context, bytes_moved=moved, cache_bytes=cache_bytes, bytes_vs_bfloat16=cache_bytes / bf16_bytes,
-        copy_gbps=copy_bandwidth)
+        suite="quantized",
+        impl=fmt,
+        shape=shape.name,
+        shape_label=shape.describe(),
+        batch=case.batch,
+        context=case.context,
+        bytes_moved=moved,
+        cache_bytes=cache_bytes,
+        bytes_vs_bfloat16=cache_bytes / bf16_bytes,
+        copy_gbps=copy_bandwidth,
+    )
     seconds = median_seconds(benchmark)
     if seconds is not None:
         gbps = moved / seconds / 1e9

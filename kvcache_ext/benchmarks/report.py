@@ -15,10 +15,22 @@ from .common import DTYPES, HEAD_SHAPES
 IMPL_ORDER = ("native", "sdpa", "reference", "prealloc", "concat")
 # From the article's baseline up to the native cache: the order the story is told in.
 CACHE_ORDER = ("none", "concat", "prealloc", "native")
-COLORS = {"native": "tab:blue", "sdpa": "tab:green", "reference": "tab:orange", "prealloc": "tab:orange",
-          "concat": "tab:purple", "none": "tab:gray"}
-LABELS = {"native": "native", "sdpa": "SDPA", "reference": "python_ref", "prealloc": "prealloc",
-          "concat": "torch.cat", "none": "no cache"}
+COLORS = {
+    "native": "tab:blue",
+    "sdpa": "tab:green",
+    "reference": "tab:orange",
+    "prealloc": "tab:orange",
+    "concat": "tab:purple",
+    "none": "tab:gray",
+}
+LABELS = {
+    "native": "native",
+    "sdpa": "SDPA",
+    "reference": "python_ref",
+    "prealloc": "prealloc",
+    "concat": "torch.cat",
+    "none": "no cache",
+}
 
 
 @dataclass
@@ -32,8 +44,11 @@ class Result:
 def load(json_path: Path) -> tuple[list[Result], dict]:
     """The suites' results and the run's description (machine_info["kvcache_ext"] and the date)."""
     data = json.loads(Path(json_path).read_text())
-    results = [Result(b["extra_info"]["suite"], b["extra_info"]["impl"], b["stats"]["median"], b["extra_info"])
-               for b in data["benchmarks"] if "suite" in b.get("extra_info", {})]
+    results = [
+        Result(b["extra_info"]["suite"], b["extra_info"]["impl"], b["stats"]["median"], b["extra_info"])
+        for b in data["benchmarks"]
+        if "suite" in b.get("extra_info", {})
+    ]
     run = dict(data["machine_info"].get("kvcache_ext", {}), datetime=data.get("datetime", ""))
     return results, run
 
@@ -55,6 +70,7 @@ def write_report(json_path: Path, out_dir: Path, command: str, failed: bool = Fa
 
 # -- Markdown -------------------------------------------------------------------------------
 
+
 def summary_markdown(results: list[Result], run: dict, command: str, failed: bool) -> str:
     native = run.get("native", {})
     kernels = run.get("kernels", "?")
@@ -63,11 +79,14 @@ def summary_markdown(results: list[Result], run: dict, command: str, failed: boo
     elif kernels == "cuda library":
         native_text = "the CUDA library ran"
     else:
-        native_text = ("NOT native: the pure-PyTorch fallback ran ("
-                       f"{native.get('native_unavailable_reason') or native.get('cuda_unavailable_reason', '')})")
+        native_text = (
+            "NOT native: the pure-PyTorch fallback ran ("
+            f"{native.get('native_unavailable_reason') or native.get('cuda_unavailable_reason', '')})"
+        )
     copy = f"{run['copy_gbps']:.1f} GB/s" if run.get("copy_gbps") else "not measured"
     lines = [
-        "# kvcache_ext benchmarks", "",
+        "# kvcache_ext benchmarks",
+        "",
         f"`{command}` — {run.get('mode', '?')} mode, {run.get('datetime', '')[:16].replace('T', ' ')} UTC",
         "",
         f"Device: {run.get('device', '?')} ({run.get('device_name', '')}), {run.get('torch_threads', '?')} torch "
@@ -78,8 +97,12 @@ def summary_markdown(results: list[Result], run: dict, command: str, failed: boo
         lines += ["", "**Quick mode: tiny sizes and a few rounds; these numbers say nothing about speed.**"]
     if failed:
         lines += ["", "**Some benchmarks failed (see the console); their rows may be missing or wrong.**"]
-    for suite, section in (("decode", _decode_section), ("append", _append_section),
-                           ("generation", _generation_section), ("quantized", _quantized_section)):
+    for suite, section in (
+        ("decode", _decode_section),
+        ("append", _append_section),
+        ("generation", _generation_section),
+        ("quantized", _quantized_section),
+    ):
         selected = [r for r in results if r.suite == suite]
         if selected:
             lines += ["", *section(selected)]
@@ -103,7 +126,8 @@ def _decode_section(results):
         lines.append(
             f"| {label} | {dtype} | {batch} | {context} | {_time(native)} | {_gbps(native)} | "
             f"{_fraction(native)} | {_gbps(by_impl.get('sdpa'))} | {_gbps(by_impl.get('reference'))} | "
-            f"{_speedup(native, by_impl.get('sdpa'))} | {_speedup(native, by_impl.get('reference'))} |")
+            f"{_speedup(native, by_impl.get('sdpa'))} | {_speedup(native, by_impl.get('reference'))} |"
+        )
     return lines
 
 
@@ -123,7 +147,8 @@ def _quantized_section(results):
         for fmt, result in by_impl.items():
             lines.append(
                 f"| {result.info['shape_label']} | {batch} | {context} | {fmt} | {_time(result)} | {_gbps(result)} | "
-                f"{_fraction(result)} | {result.info['bytes_vs_bfloat16']:.3f} | {_speedup(result, bf16)} |")
+                f"{_fraction(result)} | {result.info['bytes_vs_bfloat16']:.3f} | {_speedup(result, bf16)} |"
+            )
     return lines
 
 
@@ -139,8 +164,10 @@ def _append_section(results):
     for (shape, dtype, context), by_impl in _grouped(results, ("shape", "dtype", "context")):
         native, concat, prealloc = (by_impl.get(name) for name in ("native", "concat", "prealloc"))
         label = next(iter(by_impl.values())).info["shape_label"]
-        lines.append(f"| {label} | {dtype} | {context} | {_time(native)} | {_time(concat)} | {_time(prealloc)} | "
-                     f"{_speedup(native, concat)} | {_speedup(native, prealloc)} |")
+        lines.append(
+            f"| {label} | {dtype} | {context} | {_time(native)} | {_time(concat)} | {_time(prealloc)} | "
+            f"{_speedup(native, concat)} | {_speedup(native, prealloc)} |"
+        )
     return lines
 
 
@@ -162,11 +189,19 @@ def _generation_section(results):
             if result is None:
                 continue
             info = result.info
-            setting = (f"{info['setting']}: {info['model']}, B {info['batch']}, prompt {info['prompt_len']}, "
-                       f"{info['new_tokens']} new, {info['dtype']}")
-            speedup = "–" if impl == "native" or native is None else f"{native.info['tokens_per_s'] / info['tokens_per_s']:.2f}x"
-            lines.append(f"| {setting} | {LABELS[impl]} | {info['tokens_per_s']:.1f} | {info['prefill_tokens_per_s']:.1f} | "
-                         f"{info['decode_tokens_per_s']:.1f} | {_time(info['prefill_s'])} | {speedup} |")
+            setting = (
+                f"{info['setting']}: {info['model']}, B {info['batch']}, prompt {info['prompt_len']}, "
+                f"{info['new_tokens']} new, {info['dtype']}"
+            )
+            speedup = (
+                "–"
+                if impl == "native" or native is None
+                else f"{native.info['tokens_per_s'] / info['tokens_per_s']:.2f}x"
+            )
+            lines.append(
+                f"| {setting} | {LABELS[impl]} | {info['tokens_per_s']:.1f} | {info['prefill_tokens_per_s']:.1f} | "
+                f"{info['decode_tokens_per_s']:.1f} | {_time(info['prefill_s'])} | {speedup} |"
+            )
     return lines
 
 
@@ -211,6 +246,7 @@ def _speedup(native, other) -> str:
 
 
 # -- plots ----------------------------------------------------------------------------------
+
 
 def _figure(rows, cols, panel_size):
     from matplotlib.figure import Figure  # a bare Figure renders with Agg: no display, no pyplot state
@@ -294,16 +330,29 @@ def plot_generation(results, run, path):
     for ax, cell in zip(axes[0], settings):
         impls = _impls(cell.values(), CACHE_ORDER)
         positions = range(len(impls))
-        overall = ax.bar([p - width / 2 for p in positions], [cell[i].info["tokens_per_s"] for i in impls], width,
-                         color=[COLORS[i] for i in impls])
-        decode = ax.bar([p + width / 2 for p in positions], [cell[i].info["decode_tokens_per_s"] for i in impls], width,
-                        color=[COLORS[i] for i in impls], alpha=0.45, hatch="//")
+        overall = ax.bar(
+            [p - width / 2 for p in positions],
+            [cell[i].info["tokens_per_s"] for i in impls],
+            width,
+            color=[COLORS[i] for i in impls],
+        )
+        decode = ax.bar(
+            [p + width / 2 for p in positions],
+            [cell[i].info["decode_tokens_per_s"] for i in impls],
+            width,
+            color=[COLORS[i] for i in impls],
+            alpha=0.45,
+            hatch="//",
+        )
         ax.bar_label(overall, fmt="%.1f", fontsize=7)
         ax.bar_label(decode, fmt="%.1f", fontsize=7)
         ax.set_xticks(list(positions), [LABELS[i] for i in impls])
         info = next(iter(cell.values())).info
-        ax.set_title(f"{info['setting']}: GPT-2 {info['model']}, B {info['batch']}, prompt {info['prompt_len']}, "
-                     f"{info['new_tokens']} new, {info['dtype']}", fontsize=8)
+        ax.set_title(
+            f"{info['setting']}: GPT-2 {info['model']}, B {info['batch']}, prompt {info['prompt_len']}, "
+            f"{info['new_tokens']} new, {info['dtype']}",
+            fontsize=8,
+        )
         ax.set_ylabel("generated tokens/s (all rows)")
         ax.grid(True, axis="y", alpha=0.3)
     _finish(fig, axes, "End-to-end greedy generation (solid: overall, hatched: decode steps only)", path)

@@ -53,16 +53,16 @@ def reorder_cases(full: bool) -> list[ReorderCase]:
 def test_reorder(benchmark, measure, bench_settings, case):
     benchmark.group = f"reorder L{case.layers} S{case.slots}"
     cache_class = KVCache if case.impl == "native" else PreallocatedCache
-    cache = cache_class(case.layers, len(BEAM_SRC_ROWS), 12, 64, max_cache_len=case.slots,
-                        device=bench_settings.device)
+    cache = cache_class(case.layers, len(BEAM_SRC_ROWS), 12, 64, max_cache_len=case.slots, device=bench_settings.device)
     cache.k.normal_()
     cache.v.normal_()
     src_rows = torch.tensor(BEAM_SRC_ROWS, device=bench_settings.device)
     cache.reorder(src_rows)  # warm-up
     measure(lambda: cache.reorder(src_rows))
     cache_bytes = 2 * cache.k.numel() * cache.k.element_size()
-    benchmark.extra_info.update(suite="rows", impl=case.impl, operation="reorder", layers=case.layers,
-                                slots=case.slots, cache_bytes=cache_bytes)
+    benchmark.extra_info.update(
+        suite="rows", impl=case.impl, operation="reorder", layers=case.layers, slots=case.slots, cache_bytes=cache_bytes
+    )
     if median_seconds(benchmark) is not None:
         benchmark.extra_info["cache_gb_per_s"] = cache_bytes / median_seconds(benchmark) / 1e9
 
@@ -80,8 +80,11 @@ class GenerateCase:
 
 def generate_cases(full: bool) -> list[GenerateCase]:
     new_tokens = int(os.environ.get("KVCACHE_EXT_BENCH_NEW_TOKENS", 128)) if full else 4
-    return [GenerateCase(mode, new_tokens, impl) for mode in ("beam", "assisted")
-            for impl in ("native", "dynamic", "static")]
+    return [
+        GenerateCase(mode, new_tokens, impl)
+        for mode in ("beam", "assisted")
+        for impl in ("native", "dynamic", "static")
+    ]
 
 
 PROMPT_LEN = 32
@@ -99,8 +102,9 @@ def gpt2_models(bench_settings):
 
     def build(layers, seed):
         torch.manual_seed(seed)
-        config = transformers.GPT2Config(n_embd=width, n_head=heads, n_layer=layers, n_positions=1024,
-                                         bos_token_id=50256, eos_token_id=50256)
+        config = transformers.GPT2Config(
+            n_embd=width, n_head=heads, n_layer=layers, n_positions=1024, bos_token_id=50256, eos_token_id=50256
+        )
         return transformers.GPT2LMHeadModel(config).eval().to(bench_settings.device)
 
     return build(12 if full else 2, 0), build(2 if full else 1, 1)
@@ -114,24 +118,32 @@ def test_generate(benchmark, measure, bench_settings, gpt2_models, case):
     benchmark.group = f"generate {case.mode} N{case.new_tokens}"
     model, assistant = gpt2_models
     prompt = torch.randint(50000, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).to(model.device)
-    kwargs = dict(max_new_tokens=case.new_tokens, do_sample=False, pad_token_id=50256, disable_compile=True,
-                  attention_mask=torch.ones_like(prompt))
+    kwargs = dict(
+        max_new_tokens=case.new_tokens,
+        do_sample=False,
+        pad_token_id=50256,
+        disable_compile=True,
+        attention_mask=torch.ones_like(prompt),
+    )
     kwargs.update(num_beams=4) if case.mode == "beam" else kwargs.update(assistant_model=assistant)
     max_cache_len = PROMPT_LEN + case.new_tokens
     model.set_attn_implementation(khf.ATTN_IMPLEMENTATION if case.impl == "native" else "sdpa")
 
     def run():
-        cache = {"native": lambda: khf.NativeCache(model.config, max_cache_len=max_cache_len),
-                 "static": lambda: StaticCache(config=model.config, max_cache_len=max_cache_len),
-                 "dynamic": lambda: None}[case.impl]()
+        cache = {
+            "native": lambda: khf.NativeCache(model.config, max_cache_len=max_cache_len),
+            "static": lambda: StaticCache(config=model.config, max_cache_len=max_cache_len),
+            "dynamic": lambda: None,
+        }[case.impl]()
         with torch.inference_mode():
             return model.generate(prompt, **kwargs, **({"cache": cache} if cache is not None else {}))
 
     tokens = run()  # warm-up
     measure(run, rounds=GENERATE_ROUNDS[bench_settings.full])
     new_tokens = tokens.shape[1] - PROMPT_LEN
-    benchmark.extra_info.update(suite="rows", impl=case.impl, operation=case.mode, new_tokens=new_tokens,
-                                tokens=tokens[0].tolist())
+    benchmark.extra_info.update(
+        suite="rows", impl=case.impl, operation=case.mode, new_tokens=new_tokens, tokens=tokens[0].tolist()
+    )
     if median_seconds(benchmark) is not None:
         benchmark.extra_info["tokens_per_s"] = new_tokens / median_seconds(benchmark)
     # All caches give the same tokens: compare with the first implementation of this mode.

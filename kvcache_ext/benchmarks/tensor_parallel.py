@@ -69,8 +69,13 @@ def _rank_main(rank: int, case: TensorParallelCase, device_type: str, store: str
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(case.threads_per_rank or max(1, (os.cpu_count() or 1) // case.tp))
-    dist.init_process_group(BACKENDS[device_type], init_method=f"file://{store}", rank=rank, world_size=case.tp,
-                            timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        BACKENDS[device_type],
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=case.tp,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
     try:
         tp = TensorParallel.from_process_group()
         model = build_gpt2(case.model, tp=tp).to(device)
@@ -85,15 +90,22 @@ def _rank_main(rank: int, case: TensorParallelCase, device_type: str, store: str
         token_times = []
         dist.barrier()
         start = time.perf_counter()
-        generate(model, prompt, case.new_tokens, cache=cache,
-                 on_token=lambda _token: (synchronize(), token_times.append(time.perf_counter())))
+        generate(
+            model,
+            prompt,
+            case.new_tokens,
+            cache=cache,
+            on_token=lambda _token: (synchronize(), token_times.append(time.perf_counter())),
+        )
         decode_s = token_times[-1] - token_times[0]  # the first token comes from the prefill
         result = dict(
-            prefill_s=token_times[0] - start, decode_s=decode_s,
+            prefill_s=token_times[0] - start,
+            decode_s=decode_s,
             decode_tokens_per_s=(case.new_tokens - 1) / decode_s,
             kv_bytes_per_rank=cache.bytes_allocated(),
             weight_bytes_per_rank=sum(p.numel() * p.element_size() for p in model.parameters()),
-            threads_per_rank=torch.get_num_threads() if device.type == "cpu" else None)
+            threads_per_rank=torch.get_num_threads() if device.type == "cpu" else None,
+        )
         if tp.size > 1:
             result.update(_communication_per_token(model, tp, device, synchronize, case.collective_repeats))
         if rank == 0:
@@ -121,16 +133,21 @@ def _communication_per_token(model, tp, device, synchronize, repeats) -> dict:
     all_reduce_s = median_s(lambda: tp.all_reduce(hidden))
     all_gather_s = median_s(lambda: tp.all_gather_last_dim(logits))
     all_reduces = 2 * cfg.n_layers + 1
-    return dict(all_reduce_s=all_reduce_s, all_gather_s=all_gather_s, all_reduces_per_token=all_reduces,
-                communication_s_per_token=all_reduces * all_reduce_s + all_gather_s)
+    return dict(
+        all_reduce_s=all_reduce_s,
+        all_gather_s=all_gather_s,
+        all_reduces_per_token=all_reduces,
+        communication_s_per_token=all_reduces * all_reduce_s + all_gather_s,
+    )
 
 
 def run_ranks(case: TensorParallelCase, device_type: str, folder: Path) -> dict:
     store, out = folder / "store", folder / "rank0.json"
     store.unlink(missing_ok=True)
     out.unlink(missing_ok=True)
-    context = mp.start_processes(_rank_main, args=(case, device_type, str(store), str(out)),
-                                 nprocs=case.tp, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _rank_main, args=(case, device_type, str(store), str(out)), nprocs=case.tp, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while not context.join(timeout=1):  # raises with the failing rank's traceback
@@ -151,5 +168,12 @@ def test_tensor_parallel(benchmark, bench_settings, tmp_path, case):
     benchmark.group = f"tensor parallel gpt2-{case.model}"
     results = []
     benchmark.pedantic(lambda: results.append(run_ranks(case, device_type, tmp_path)), rounds=1)
-    benchmark.extra_info.update(suite="tensor_parallel", impl=f"tp{case.tp}", model=case.model, tp=case.tp,
-                                backend=BACKENDS[device_type], new_tokens=case.new_tokens, **results[0])
+    benchmark.extra_info.update(
+        suite="tensor_parallel",
+        impl=f"tp{case.tp}",
+        model=case.model,
+        tp=case.tp,
+        backend=BACKENDS[device_type],
+        new_tokens=case.new_tokens,
+        **results[0],
+    )

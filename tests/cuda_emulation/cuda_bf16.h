@@ -2,7 +2,9 @@
 #pragma once
 #include "emu.h"
 
-struct __nv_bfloat16 { uint16_t bits; };
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
 inline float __bfloat162float(__nv_bfloat16 x) { return __uint_as_float(uint32_t(x.bits) << 16); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   uint32_t u;

@@ -27,7 +27,9 @@ struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
-struct uint4 { unsigned x, y, z, w; };
+struct uint4 {
+  unsigned x, y, z, w;
+};
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
@@ -45,8 +47,15 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 #include <math.h>  // expf, exp2f, logf, log2f, fmaf, fmaxf in the global namespace, as on the GPU
 
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-template <typename T> inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <typename T>
+inline T __ldg(const T* p) {
+  return *p;
+}
 
 namespace emu {
 
@@ -79,7 +88,9 @@ inline void switch_to_next() {
   const int from = run->current;
   const int n = static_cast<int>(run->fibers.size());
   int next = from;
-  do { next = (next + 1) % n; } while (run->fibers[next].done && next != from);
+  do {
+    next = (next + 1) % n;
+  } while (run->fibers[next].done && next != from);
   run->current = next;
   if (next != from) swapcontext(&run->fibers[from].context, &run->fibers[next].context);
 }
@@ -105,7 +116,10 @@ inline void wait(Barrier& barrier, int participants) {
   long spins = 0;
   while (barrier.generation == generation) {
     switch_to_next();
-    if (++spins > 100000000L) { std::fprintf(stderr, "emulation deadlock\n"); std::abort(); }
+    if (++spins > 100000000L) {
+      std::fprintf(stderr, "emulation deadlock\n");
+      std::abort();
+    }
   }
 }
 
@@ -164,9 +178,7 @@ cudaError_t launch(void (*kernel)(Args...), dim3 grid, dim3 block, Args... args)
 #define blockDim (::emu::block_dim)
 #define gridDim (::emu::grid_dim)
 
-inline void __syncthreads() {
-  emu::wait(emu::run->block_barrier, static_cast<int>(emu::run->fibers.size()));
-}
+inline void __syncthreads() { emu::wait(emu::run->block_barrier, static_cast<int>(emu::run->fibers.size())); }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned /*mask: the kernels only shuffle whole warps*/, T value, int offset) {

@@ -43,11 +43,10 @@ extern "C" {
 // sizes: batch, q_heads, kv_heads, num_new, head_dim, slots. kv_stride: k's 3 then v's 3.
 // window: 0 for none. max_blocks: grid cap. plan_out receives rows_per_block, row_chunks,
 // splits, vector_loads.
-int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const void* k_cache,
-                         const void* v_cache, const int64_t* kv_stride, const int64_t* lengths,
-                         int64_t lengths_stride, void* out, float* lse, const int64_t* sizes, int64_t window,
-                         double scale, double softcap, const float* sinks, int sm_count, int64_t max_blocks,
-                         int64_t* plan_out) {
+int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const void* k_cache, const void* v_cache,
+                         const int64_t* kv_stride, const int64_t* lengths, int64_t lengths_stride, void* out,
+                         float* lse, const int64_t* sizes, int64_t window, double scale, double softcap,
+                         const float* sinks, int sm_count, int64_t max_blocks, int64_t* plan_out) {
   DecodeAttentionParams p{};
   p.elem = static_cast<kvcache_ext::ElemType>(elem);
   p.q = q, p.k_cache = k_cache, p.v_cache = v_cache, p.lengths = lengths;
@@ -81,10 +80,9 @@ int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const
 // sizes: batch, kv_heads, num_new, slots, head_dim. cache_stride: k's 3 then v's 3;
 // source_stride: k_new's 4 then v_new's 4 (elements). max_words_per_launch: the token chunks'
 // size limit. word_bytes_out: the path taken; launches_out: the launches made.
-int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, const void* k_new,
-                  const void* v_new, const int64_t* source_stride, const int64_t* lengths,
-                  int64_t lengths_stride, const int64_t* sizes, int64_t elem_bytes,
-                  int64_t max_words_per_launch, int* word_bytes_out, int* launches_out) {
+int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, const void* k_new, const void* v_new,
+                  const int64_t* source_stride, const int64_t* lengths, int64_t lengths_stride, const int64_t* sizes,
+                  int64_t elem_bytes, int64_t max_words_per_launch, int* word_bytes_out, int* launches_out) {
   AppendKvParams p{};
   p.cache[0] = k_cache, p.cache[1] = v_cache, p.source[0] = k_new, p.source[1] = v_new;
   p.lengths = lengths;
