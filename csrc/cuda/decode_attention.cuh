@@ -29,7 +29,7 @@
 
 namespace kvcache_ext::cuda {
 
-constexpr int kAttentionThreads = 128;
+constexpr int kAttentionThreads = kDecodeAttentionThreads;
 constexpr int kCombineThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -148,6 +148,8 @@ struct AttentionLayout {
   static constexpr int kMinBlocksPerSm = kRows == 8 ? 2 : (kVecsPerLane > 1 ? 3 : 4);
   static_assert(kCapacity % kElemsPerVec == 0, "head_dim must fill whole 16-byte vectors");
   static_assert(kAttentionThreads % kLanesPerKey == 0, "lane groups must tile the block");
+  static_assert(kTileKeys == decode_tile_keys(static_cast<int>(sizeof(E)), kCapacity, kRows, kVectorLoads),
+                "the planner's tile (kernels.h) must match the kernel's");
 };
 
 // One work unit of the split kernel: (batch row, KV head, chunk of query rows, split), split
