@@ -138,9 +138,11 @@ struct AttentionLayout {
   static constexpr int kKeyGroups = kAttentionThreads / kLanesPerKey;
   // Keys each lane group loads before using any: enough bytes in flight to cover memory
   // latency, few enough registers for the query rows' slices and accumulators.
-  // Element loads of 2-byte types hold twice the registers per key in flight: half the keys.
-  static constexpr int kKeysPerStep =
-      (kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2)) / (!kVectorLoads && sizeof(E) == 2 ? 2 : 1);
+  // Element loads of 2-byte types hold twice the registers per key in flight: half the keys;
+  // so do rows of two vectors per lane (float32, capacity 256), where the 1- and 4-row kernels
+  // spilled under their register cap of 168 (the 8-row kernels have 255).
+  static constexpr int kKeysPerStep = (kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2)) /
+                                      (!kVectorLoads && sizeof(E) == 2 ? 2 : 1) / (kVecsPerLane > 1 && kRows < 8 ? 2 : 1);
   static constexpr int kTileKeys = kKeyGroups * kKeysPerStep;  // keys per block per step
   // Resident blocks per SM to ask the compiler for (caps registers at 65536 / (128 * this)):
   // left alone it takes ~170 registers for 4 rows, 3 blocks per SM, where 128 suffice without

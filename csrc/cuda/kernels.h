@@ -117,8 +117,10 @@ constexpr int decode_tile_keys(int elem_bytes, int64_t head_dim, int rows_per_bl
   const int vecs_per_row = capacity / (16 / elem_bytes);
   int lanes_per_key = 1;
   while (lanes_per_key < vecs_per_row && lanes_per_key < 32) lanes_per_key *= 2;
-  const int keys_per_step =
-      (rows_per_block == 1 ? 8 : (rows_per_block <= 4 ? 4 : 2)) / (!vector_loads && elem_bytes == 2 ? 2 : 1);
+  const bool two_vectors_per_lane = vecs_per_row > lanes_per_key;
+  const int keys_per_step = (rows_per_block == 1 ? 8 : (rows_per_block <= 4 ? 4 : 2)) /
+                            (!vector_loads && elem_bytes == 2 ? 2 : 1) /
+                            (two_vectors_per_lane && rows_per_block < 8 ? 2 : 1);
   return kDecodeAttentionThreads / lanes_per_key * keys_per_step;
 }
 
