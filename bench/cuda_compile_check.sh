@@ -4,6 +4,12 @@
 # GPU is needed: the kernels use only LibTorch's stable ABI, whose headers ship with every torch
 # wheel, CPU builds included, and the CUDA toolkit's own headers.
 #
+# ptxas reports every kernel's registers and spills (-Xptxas -warn-spills, --resource-usage):
+# a spill in a hot kernel (the split kernels with 16-byte loads of a full power-of-two row,
+# decode_attention_split_kernel<E, C, R, true, true>, and combine_splits_kernel) fails the
+# check; spills elsewhere are listed. Output ptxas no longer prints in the expected form fails
+# too, rather than passing unchecked.
+#
 # Usage: bash bench/cuda_compile_check.sh
 #   PYTHON     interpreter whose torch provides the headers (default: .venv/bin/python if
 #              present, else python3)
@@ -43,7 +49,8 @@ done
 FLAGS=(-c -O3 -std=c++17 -DUSE_CUDA -DTORCH_TARGET_VERSION=0x020a000000000000
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
        -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr -Xcompiler -fPIC
-       -I"$TORCH_INCLUDE" "${ARCH_FLAGS[@]}")
+       -I"$TORCH_INCLUDE" "${ARCH_FLAGS[@]}"
+       -Xptxas -warn-spills --resource-usage)
 
 sources=(csrc/cuda/*.cu)
 out_dir="$(mktemp -d)"
@@ -59,7 +66,8 @@ compile_one() {
   t0=$(date +%s)
   if eval "\"$NVCC\" $FLAGS_STR \"$src\" -o \"$obj\"" >"$log" 2>&1; then
     echo "  ok    $src ($(( $(date +%s) - t0 )) s)"
-    [[ -s "$log" ]] && sed 's/^/        /' "$log"
+    # ptxas' resource lines are summarised below; anything else (warnings) is shown.
+    grep -v -E '^ptxas (info|warning) *: *(Compiling entry|Function properties|Used [0-9]+ registers|Compile time|Registers are spilled)|^ +[0-9]+ bytes stack frame|^ptxas info *: *[0-9]+ bytes gmem' "$log" | sed 's/^/        /' || true
     return 0
   fi
   echo "  ERROR $src" >&2
@@ -74,6 +82,76 @@ if [[ $status -ne 0 ]]; then
   echo "cuda_compile_check: FAILED ($(( $(date +%s) - start )) s): CUDA sources do not compile, see the errors above" >&2
   exit 1
 fi
+# Registers and spills per kernel and architecture, from ptxas' --resource-usage output.
+"$PYTHON" - "$CUDA_HOME" "$out_dir"/*.log <<'PY' || exit 1
+import re, shutil, subprocess, sys
+from pathlib import Path
+
+cuda_home, logs = sys.argv[1], sys.argv[2:]
+entry = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
+properties = re.compile(r"Function properties for (\S+)")
+frame = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+used = re.compile(r"Used (\d+) registers")
+spill_warning = re.compile(r"Registers are spilled to local memory in function '([^']+)', (\d+) bytes spill stores, (\d+) bytes spill loads")
+kernels = {}  # (name, arch) -> {"registers", "spill"}: from --resource-usage
+warned = {}  # name -> spill bytes: from -warn-spills, a cross-check
+for log in logs:
+    arch = name = described = None  # the entry being compiled; the function a frame line describes
+    for line in Path(log).read_text(errors="replace").splitlines():
+        if m := entry.search(line):
+            name, arch, described = m.group(1), m.group(2), None
+            kernels.setdefault((name, arch), {"registers": None, "spill": 0})
+        elif m := properties.search(line):
+            described = m.group(1)  # the entry, or a non-inlined device function
+        elif (m := frame.search(line)) and (described, arch) in kernels:
+            key = (described, arch)
+            kernels[key]["spill"] = max(kernels[key]["spill"], int(m.group(2)) + int(m.group(3)))
+        elif (m := used.search(line)) and (name, arch) in kernels:
+            kernels[(name, arch)]["registers"] = int(m.group(1))
+        if m := spill_warning.search(line):  # printed before the entries it names: no arch
+            warned[m.group(1)] = max(warned.get(m.group(1), 0), int(m.group(2)) + int(m.group(3)))
+unread = [f"{arch} {name}" for (name, arch), k in kernels.items() if k["registers"] is None]
+if not kernels or unread:
+    print("cuda_compile_check: FAILED: cannot read ptxas' resource usage (did the output format change?); "
+          f"{len(kernels)} kernels, no register count for: {unread[:5]}", file=sys.stderr)
+    sys.exit(1)
+
+missed = [name for name in warned if not any(k["spill"] for (n, _), k in kernels.items() if n == name)]
+if missed:
+    print(f"cuda_compile_check: FAILED: ptxas warned of spills its resource usage does not show: {missed[:3]}",
+          file=sys.stderr)
+    sys.exit(1)
+
+filt = shutil.which("cu++filt", path=f"{cuda_home}/bin") or shutil.which("c++filt")
+names = sorted({name for name, _ in kernels})
+readable = dict(zip(names, names))
+if filt:
+    out = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    if len(out) == len(names):
+        readable = dict(zip(names, out))
+
+def hot(name):
+    text = readable[name]
+    return bool(re.search(r"decode_attention_split_kernel<[^<>]*, *true, *true>", text)
+                or re.search(r"decode_attention_split_kernelI.*Lb1ELb1EE", name)
+                or "combine_splits_kernel" in text or "combine_splits_kernel" in name)
+
+hot_kernels = [key for key in kernels if hot(key[0])]
+if not hot_kernels:
+    print("cuda_compile_check: FAILED: no hot kernel found in ptxas' output (renamed?)", file=sys.stderr)
+    sys.exit(1)
+spilled = sorted((key for key, k in kernels.items() if k["spill"] > 0), key=lambda key: (not hot(key[0]), key))
+fatal = [key for key in spilled if hot(key[0])]
+print(f"  ptxas: {len(kernels)} kernel compilations, {len(hot_kernels)} hot; max registers of a hot kernel "
+      f"{max(kernels[key]['registers'] for key in hot_kernels)}; {len(spilled)} spill")
+for name, arch in spilled:
+    k = kernels[(name, arch)]
+    print(f"  {'SPILL (hot: fatal)' if hot(name) else 'spill (reported)'}  {arch}  {k['spill']} bytes, "
+          f"{k['registers']} registers  {readable[name]}", file=sys.stderr if hot(name) else sys.stdout)
+if fatal:
+    print(f"cuda_compile_check: FAILED: {len(fatal)} hot kernel compilations spill registers", file=sys.stderr)
+    sys.exit(1)
+PY
 # Link them like the extension (torch and cudart stay undefined here) and check that nothing of
 # ours is left undefined: a declared but never defined function would otherwise only show at
 # import time on a GPU machine.

@@ -6,6 +6,14 @@ with the real host-side planning. This checks indexing, masking, the online soft
 of lane groups and of Flash-Decoding splits, the append's vectorised and element paths, the
 handling of invalid lengths and the launch limits (the emulation refuses grids a GPU would)
 against python_ref on every CI run; tests/test_cuda.py repeats the checks on a real GPU.
+
+What a GPU would not forgive fails here too: threads and blocks run in a random order (seeded
+per test from KVCACHE_EXT_EMU_SEED, printed with every failure), so a missing __syncthreads or
+a shared-memory race gives wrong results; every buffer a kernel reads or writes (q, caches,
+lengths, sinks, out, lse, the split scratch) sits between NaN guards that must come back
+unchanged, and inputs must come back unchanged too; misaligned 16-byte loads and stores fail the
+launch; and test_under_sanitizers reruns a selection with the emulation built with
+-fsanitize=address,undefined (KVCACHE_EXT_EMU_SANITIZE=1 runs all of it that way).
 """
 
 from __future__ import annotations
@@ -13,9 +21,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import os
+import random
 import shutil
 import subprocess
+import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -34,15 +46,23 @@ MAX_GRID_X = 2**31 - 1
 HEAD_DIMS = list(range(8, 257, 8))
 
 
-@pytest.fixture(scope="module")
-def emulator():
+SANITIZE = os.environ.get("KVCACHE_EXT_EMU_SANITIZE", "") not in ("", "0")
+# -O0: a third of -O1's compile time under the sanitizers, fast enough to run a selection.
+SANITIZE_FLAGS = ["-O0", "-g1", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+# One seed per session unless given; each test mixes in its own name, so rerunning a failing
+# test with the printed KVCACHE_EXT_EMU_SEED replays its schedule.
+BASE_SEED = int(os.environ.get("KVCACHE_EXT_EMU_SEED", "0") or 0) or random.SystemRandom().randrange(1, 2**63)
+
+
+def build_emulator(sanitize: bool) -> Path:
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("g++ not found: cannot build the CUDA emulation")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES if p.is_file())).hexdigest()[:16]
-    library = Path(tempfile.gettempdir()) / f"kvcache_ext_cuda_emulation_{digest}.so"
+    flags = SANITIZE_FLAGS if sanitize else []
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES if p.is_file()) + " ".join(flags).encode())
+    library = Path(tempfile.gettempdir()) / f"kvcache_ext_cuda_emulation_{digest.hexdigest()[:16]}.so"
     if not library.exists():
-        partial = library.with_suffix(f".{digest}.tmp")
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
         subprocess.run(
             [
                 compiler,
@@ -51,6 +71,7 @@ def emulator():
                 "-shared",
                 "-fPIC",
                 "-Wno-unknown-pragmas",
+                *flags,
                 f"-I{EMULATION_DIR}",
                 str(EMULATION_DIR / "harness.cpp"),
                 "-o",
@@ -61,7 +82,33 @@ def emulator():
             text=True,
         )
         partial.replace(library)
-    return ctypes.CDLL(str(library))
+    return library
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    lib = ctypes.CDLL(str(build_emulator(SANITIZE)))
+    lib.emu_take_error.restype = ctypes.c_char_p
+    lib.emu_set_seed.argtypes = [ctypes.c_uint64]
+    lib.emu_last_partial_lse.restype = ctypes.c_int64
+    lib.emu_last_partial_lse.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+@pytest.fixture(autouse=True)
+def emulation_seed(request):
+    """Seeds the emulation's thread and block order for this test (shown when it fails)."""
+    if "emulator" not in request.fixturenames:
+        yield
+        return
+    lib = request.getfixturevalue("emulator")
+    seed = (BASE_SEED ^ zlib.crc32(request.node.nodeid.encode())) & (2**64 - 1)
+    print(f"emulation order: KVCACHE_EXT_EMU_SEED={BASE_SEED} replays it (this test's seed {seed})")
+    lib.emu_set_seed(seed)
+    lib.emu_set_blocks_per_sm(3)
+    lib.emu_force_vector_loads(-1)
+    lib.emu_take_error()
+    yield
 
 
 def int64s(values):
@@ -70,6 +117,53 @@ def int64s(values):
 
 def ptr(t: torch.Tensor):
     return ctypes.c_void_p(t.data_ptr())
+
+
+# Guards: NaN with payloads no arithmetic produces (compared bit for bit), and an invalid length.
+GUARD_BITS = {torch.float32: 0x7FE5A5A5, torch.bfloat16: 0x7FE5, torch.float16: 0x7E5A, torch.int64: 0x5A5A5A5A5A5A5A5A}
+BITS_DTYPE = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.int64: torch.int64,
+}
+GUARD_ELEMS = 64  # 64 elements: keeps 16-byte alignment for every dtype
+
+
+def guard_pattern(dtype, n):
+    bits = GUARD_BITS[dtype]
+    if BITS_DTYPE[dtype] == torch.int16 and bits >= 2**15:
+        bits -= 2**16
+    return torch.full((n,), bits, dtype=BITS_DTYPE[dtype]).view(dtype)
+
+
+class Guarded:
+    """`source` copied into a buffer with the same strides and storage offset (so the same
+    alignment) whose every other element, before, between and after, is a guard."""
+
+    def __init__(self, source: torch.Tensor):
+        extent = source.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(source.shape, source.stride()))
+        if source.numel() == 0:
+            extent = source.storage_offset()
+        self.buffer = guard_pattern(source.dtype, GUARD_ELEMS + extent + GUARD_ELEMS)
+        self.reference = self.buffer.clone()
+        self.view = self.buffer.as_strided(source.shape, source.stride(), GUARD_ELEMS + source.storage_offset())
+        self.view.copy_(source)
+        self.reference.as_strided(source.shape, source.stride(), GUARD_ELEMS + source.storage_offset()).copy_(source)
+        self.inside = torch.zeros(self.buffer.shape, dtype=torch.bool)
+        self.inside.as_strided(source.shape, source.stride(), GUARD_ELEMS + source.storage_offset()).fill_(True)
+
+    def guards_intact(self) -> bool:
+        bits = self.buffer.view(BITS_DTYPE[self.buffer.dtype])
+        return torch.equal(bits[~self.inside], self.reference.view(BITS_DTYPE[self.buffer.dtype])[~self.inside])
+
+    def unchanged(self) -> bool:  # inputs: guards and contents
+        bits = self.buffer.view(BITS_DTYPE[self.buffer.dtype])
+        return torch.equal(bits, self.reference.view(BITS_DTYPE[self.buffer.dtype]))
+
+
+def take_error(lib) -> str:
+    return lib.emu_take_error().decode()
 
 
 def emulated_attention(
@@ -84,54 +178,71 @@ def emulated_attention(
     max_blocks=MAX_GRID_X,
     softcap=None,
     sinks=None,
+    expect_status=0,
 ):
-    """Runs the CUDA binding's steps (window clamp, load path, plan, launches) under emulation."""
+    """Runs the CUDA binding's steps (window clamp, load path, plan, launches) under emulation,
+    every buffer between guards; checks the guards and that the inputs are unchanged."""
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
-    out = torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype)
-    lse = torch.full((B, H_q, T), float("nan"))
+    out = Guarded(torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype))
+    lse = Guarded(torch.full((B, H_q, T), float("nan")))
+    inputs = {"q": Guarded(q), "k_cache": Guarded(k_cache), "v_cache": Guarded(v_cache), "lengths": Guarded(lengths)}
+    if sinks is not None:
+        inputs["sinks"] = Guarded(sinks.float().contiguous())
     plan = (ctypes.c_int64 * 4)()
-    sinks32 = None if sinks is None else sinks.float().contiguous()  # alive until the call returns
     status = lib.emu_decode_attention(
         ELEM[q.dtype],
-        ptr(q),
+        ptr(inputs["q"].view),
         int64s(q.stride()),
-        ptr(k_cache),
-        ptr(v_cache),
+        ptr(inputs["k_cache"].view),
+        ptr(inputs["v_cache"].view),
         int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])),
-        ptr(lengths),
+        ptr(inputs["lengths"].view),
         ctypes.c_int64(lengths.stride(0)),
-        ptr(out),
-        ptr(lse),
+        ptr(out.view),
+        ptr(lse.view),
         int64s([B, H_q, H_kv, T, D, S]),
         ctypes.c_int64(window or 0),
         ctypes.c_double(1.0 / math.sqrt(D) if scale is None else scale),
         ctypes.c_double(softcap or 0.0),
-        None if sinks32 is None else ptr(sinks32),
+        None if sinks is None else ptr(inputs["sinks"].view),
         ctypes.c_int(sm_count),
         ctypes.c_int64(max_blocks),
         plan,
     )
-    assert status == 0, f"emulated launch failed with status {status}"
-    return (
-        out,
-        lse,
-        {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2], "vector_loads": bool(plan[3])},
-    )
+    error = take_error(lib)
+    if expect_status != 0:
+        assert status == expect_status, (status, error)
+        return error
+    assert status == 0, f"emulated launch failed with status {status}: {error}"
+    assert not error, error
+    plan = {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2], "vector_loads": bool(plan[3])}
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the kernels wrote into {name} or its guards ({plan})"
+    assert out.guards_intact(), f"the kernels wrote outside out ({plan})"
+    assert lse.guards_intact(), f"the kernels wrote outside lse ({plan})"
+    if plan["splits"] > 1:
+        partial = torch.empty(B * H_q * T * plan["splits"])
+        assert lib.emu_last_partial_lse(ptr(partial), partial.numel()) == partial.numel()
+        plan["partial_lse"] = partial.view(B, H_q, T, plan["splits"])
+    return out.view, lse.view, plan
 
 
 def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths, max_words_per_launch=MAX_GRID_X):
-    """Returns the word size the launcher chose and the number of launches it made."""
+    """Returns the word size the launcher chose and the number of launches it made. Every buffer
+    between guards, checked after; the caches' new contents are copied back into them."""
     B, H, S, D = k_cache.shape
+    caches = [Guarded(k_cache), Guarded(v_cache)]
+    inputs = {"k_new": Guarded(k_new), "v_new": Guarded(v_new), "lengths": Guarded(lengths)}
     word_bytes, launches = ctypes.c_int(), ctypes.c_int()
     status = lib.emu_append_kv(
-        ptr(k_cache),
-        ptr(v_cache),
+        ptr(caches[0].view),
+        ptr(caches[1].view),
         int64s(list(k_cache.stride()[:3]) + list(v_cache.stride()[:3])),
-        ptr(k_new),
-        ptr(v_new),
+        ptr(inputs["k_new"].view),
+        ptr(inputs["v_new"].view),
         int64s(list(k_new.stride()) + list(v_new.stride())),
-        ptr(lengths),
+        ptr(inputs["lengths"].view),
         ctypes.c_int64(lengths.stride(0)),
         int64s([B, H, k_new.shape[2], S, D]),
         ctypes.c_int64(k_cache.element_size()),
@@ -139,7 +250,14 @@ def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths, max_words_per_
         ctypes.byref(word_bytes),
         ctypes.byref(launches),
     )
-    assert status == 0, f"emulated append failed with status {status}"
+    error = take_error(lib)
+    assert status == 0, f"emulated append failed with status {status}: {error}"
+    assert not error, error
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the append wrote into {name} or its guards"
+    for name, cache, guarded_cache in zip(("k_cache", "v_cache"), (k_cache, v_cache), caches):
+        assert guarded_cache.guards_intact(), f"the append wrote outside {name}"
+        cache.copy_(guarded_cache.view)
     return word_bytes.value, launches.value
 
 
@@ -457,3 +575,201 @@ def test_append_kv_token_chunks(emulator):
     )
     assert (word_bytes, launches) == (16, 4)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# ---- the emulation's own checks -------------------------------------------------------------------
+def test_random_order_catches_a_missing_syncthreads(emulator):
+    # Thread 0 writes a shared value every thread reads: right with the barrier, wrong (another
+    # block's value, or none) without it once threads run in a random order.
+    blocks, threads = 8, 128
+    expected = torch.arange(1, blocks + 1, dtype=torch.int32).repeat_interleave(threads)
+    out = torch.zeros(blocks * threads, dtype=torch.int32)
+    assert emulator.emu_selftest_race(ptr(out), blocks, threads, 1) == 0
+    assert torch.equal(out, expected)
+    assert emulator.emu_selftest_race(ptr(out), blocks, threads, 0) == 0
+    assert not torch.equal(out, expected)  # by chance only with probability 128^-8
+
+
+@pytest.mark.parametrize("source_offset,destination_offset", [(0, 0), (4, 0), (0, 8), (2, 0)])
+def test_misaligned_vector_access_fails_the_launch(emulator, source_offset, destination_offset):
+    threads = 32
+    source = torch.arange(threads * 16 + 64, dtype=torch.uint8)
+    destination = torch.zeros(threads * 16 + 64, dtype=torch.uint8)
+    status = emulator.emu_selftest_vector_copy(
+        ctypes.c_void_p(source.data_ptr() + 16 + source_offset),
+        ctypes.c_void_p(destination.data_ptr() + 16 + destination_offset),
+        threads,
+    )
+    error = take_error(emulator)
+    if source_offset == destination_offset == 0:
+        assert status == 0 and not error
+        assert torch.equal(destination[16 : 16 + threads * 16], source[16 : 16 + threads * 16])
+    else:
+        assert status == 716, (status, error)  # cudaErrorMisalignedAddress
+        what = "load (__ldg)" if source_offset else "store (uint4)"
+        assert f"misaligned 16-byte {what}" in error, error
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_vector_loads_of_an_unaligned_cache_fail(emulator, dtype):
+    # Were the launcher to choose 16-byte loads for a cache at an odd offset, a GPU would fault:
+    # so does the emulation.
+    g = torch.Generator().manual_seed(17)
+    k_cache, _, _ = guarded((1, 2, 40, 64), dtype, g, offset_elems=1)
+    v_cache, _, _ = guarded((1, 2, 40, 64), dtype, g, offset_elems=1)
+    q = torch.randn(1, 4, 1, 64, generator=g).to(dtype)
+    emulator.emu_force_vector_loads(1)
+    error = emulated_attention(emulator, q, k_cache, v_cache, torch.tensor([40]), expect_status=716)
+    assert "misaligned 16-byte load (__ldg)" in error, error
+
+
+# ---- occupancy and the split heuristic ------------------------------------------------------------
+def plan_decode(lib, dtype, B, H_q, H_kv, T, D, S, window, vector_loads, sm_count):
+    plan = (ctypes.c_int64 * 5)()
+    assert (
+        lib.emu_plan_decode(
+            ELEM[dtype],
+            int64s([B, H_q, H_kv, T, D, S]),
+            ctypes.c_int64(window or 0),
+            ctypes.c_int(vector_loads),
+            ctypes.c_int(sm_count),
+            plan,
+        )
+        == 0
+    )
+    return {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2], "tile": plan[4]}
+
+
+def span_of(S, T, window):
+    return S if window is None or window >= S else min(S, window + T - 1)
+
+
+def test_split_plan_never_leaves_a_split_empty(emulator):
+    # Over a grid of shapes, occupancies and GPU sizes: the split count stays in [1, 64], the
+    # last split of a row that fills the span starts inside it (the kernel rounds splits up to
+    # whole tiles), and every branch of the plan is taken.
+    seen = set()
+    for dtype in DTYPES:
+        for D in (8, 16, 32, 64, 80, 128, 256):
+            for H_q, H_kv, T in ((1, 1, 1), (8, 2, 1), (8, 1, 2), (32, 1, 4)):
+                for S in (100, 257, 513, 1000, 4096, 70000):
+                    for window in (None, 300, 2000):
+                        for vector_loads in (0, 1):
+                            for blocks_per_sm in (0, 1, 2, 3, 4):
+                                emulator.emu_set_blocks_per_sm(blocks_per_sm)
+                                for sm_count in (1, 8, 132):
+                                    plan = plan_decode(
+                                        emulator, dtype, 1, H_q, H_kv, T, D, S, window, vector_loads, sm_count
+                                    )
+                                    splits, tile = plan["splits"], plan["tile"]
+                                    tiles = -(-span_of(S, T, window) // tile)
+                                    assert 1 <= splits <= 64
+                                    assert (splits - 1) * -(-tiles // splits) < tiles, (
+                                        dtype,
+                                        D,
+                                        H_q,
+                                        T,
+                                        S,
+                                        window,
+                                        plan,
+                                    )
+                                    seen.add(min(splits, 3))
+    assert seen == {1, 2, 3}
+
+
+# (dtype, batch, q_heads, kv_heads, head_dim, slots, window): one new token, rows that fill the span.
+FULL_SPAN_CASES = [
+    (torch.float32, 1, 1, 1, 8, 1000, None),  # tile 512: 4 splits of 256 would leave 2 empty
+    (torch.bfloat16, 1, 2, 2, 8, 3000, None),  # tile 1024
+    (torch.float16, 1, 4, 1, 64, 700, None),  # 4 rows per block, tile 64
+    (torch.float32, 2, 8, 1, 256, 600, None),  # 8 rows per block, tile 8
+    (torch.bfloat16, 1, 8, 1, 128, 2000, 500),  # a window shorter than the cache
+    (torch.float16, 1, 2, 1, 16, 1300, 1200),
+    (torch.float32, 1, 4, 4, 48, 900, None),  # run-time head_dim
+]
+
+
+@pytest.mark.parametrize("blocks_per_sm", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", FULL_SPAN_CASES, ids=[f"full{i}" for i in range(len(FULL_SPAN_CASES))])
+def test_no_empty_split_and_exact_outputs(emulator, case, blocks_per_sm):
+    # Every split of a row that fills the span sees keys (a finite partial log-sum-exp), and
+    # the outputs match the reference, for each emulated occupancy.
+    dtype, B, H_q, H_kv, D, S, window = case
+    emulator.emu_set_blocks_per_sm(blocks_per_sm)
+    q, k_cache, v_cache = random_attention(B, H_q, H_kv, 1, D, S, dtype, seed=D + S)
+    lengths = torch.full((B,), S + 17)
+    plan = check_attention(emulator, q, k_cache, v_cache, lengths, window)
+    assert plan["splits"] > 1, plan
+    assert bool(plan["partial_lse"].isfinite().all()), (plan["splits"], plan["partial_lse"])
+
+
+@pytest.mark.parametrize("blocks_per_sm", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("sm_count", [2, 132])
+def test_occupancy_changes_the_plan_not_the_result(emulator, blocks_per_sm, sm_count):
+    # The occupancy query's answer (0: it fails, the plan falls back to 3) sizes the wave the
+    # split count fills; outputs are checked for each, rows of every length included.
+    emulator.emu_set_blocks_per_sm(blocks_per_sm)
+    q, k_cache, v_cache = random_attention(2, 8, 2, 2, 64, 1500, torch.bfloat16, seed=blocks_per_sm)
+    plan = check_attention(emulator, q, k_cache, v_cache, torch.tensor([1500, 700]), sm_count=sm_count)
+    wave = sm_count * (blocks_per_sm or 3)
+    units = 2 * 2 * plan["row_chunks"]
+    assert (plan["splits"] > 1) == (5 * units < 4 * wave), plan
+
+
+# ---- sanitizers --------------------------------------------------------------------------------------
+SANITIZED_SELECTION = (
+    "matches_reference or edge_lengths or unaligned_caches or forced or occupancy_changes or random_order or misaligned"
+)
+
+
+def sanitizer_environment():
+    compiler = shutil.which("g++")
+    libraries = [
+        subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        for name in ("libasan.so", "libstdc++.so.6")
+    ]
+    if not all(Path(library).is_absolute() and Path(library).exists() for library in libraries):
+        pytest.skip(f"no ASan runtime to preload ({libraries})")
+    return {
+        **os.environ,
+        "LD_PRELOAD": ":".join(libraries),
+        "ASAN_OPTIONS": "detect_leaks=0:detect_stack_use_after_return=0:allocator_may_return_null=1",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+        "KVCACHE_EXT_EMU_SANITIZE": "1",
+        "KVCACHE_EXT_EMU_SEED": str(BASE_SEED),
+    }
+
+
+@pytest.mark.skipif(SANITIZE, reason="already running under the sanitizers")
+@pytest.mark.skipif(
+    os.environ.get("KVCACHE_EXT_EMU_SKIP_SANITIZE", "") not in ("", "0"), reason="KVCACHE_EXT_EMU_SKIP_SANITIZE is set"
+)
+def test_under_sanitizers():
+    """The emulation built with -fsanitize=address,undefined (Python is not instrumented: the ASan
+    runtime is preloaded into a subprocess): first a deliberate out-of-bounds read must be caught,
+    then a selection of this file's tests must pass with every access checked."""
+    library = build_emulator(sanitize=True)
+    env = sanitizer_environment()
+    driver = f"import ctypes; ctypes.CDLL({str(library)!r}).emu_selftest_out_of_bounds(1)"
+    caught = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=120)
+    assert caught.returncode != 0 and "heap-buffer-overflow" in caught.stderr, caught.stderr[-3000:]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            str(Path(__file__)),
+            "-k",
+            SANITIZED_SELECTION,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]

@@ -41,7 +41,15 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
   // (and the scratch size that follows from it) uses this bound, never the actual lengths.
   // window < slots < 2^31 before the sum: no overflow for any window.
   const int64_t span = p.window >= p.slots ? p.slots : std::min(p.slots, p.window + p.num_new - 1);
-  const int64_t max_splits = std::clamp<int64_t>(ceil_div_host(span, kMinPositionsPerSplit), 1, kMaxSplits);
+  // The kernel rounds each split up to whole tiles of keys: with `splits` splits of span, split
+  // i starts at i * ceil(tiles / splits) tiles, so only counts whose last split starts inside
+  // the span leave no split empty (for a row that fills the span; shorter rows may still see
+  // empty splits, which the kernels handle).
+  const int64_t tiles = ceil_div_host(
+      span, decode_tile_keys(p.elem == ElemType::kFloat32 ? 4 : 2, p.head_dim, p.rows_per_block, p.vector_loads));
+  auto no_empty_split = [&](int64_t s) { return (s - 1) * ceil_div_host(tiles, s) < tiles; };
+  const int64_t max_splits =
+      std::clamp<int64_t>(std::min(ceil_div_host(span, kMinPositionsPerSplit), tiles), 1, kMaxSplits);
   // KVCACHE_EXT_CUDA_SPLITS=N forces N splits: for tuning this heuristic on a new GPU
   // (bench/cuda_bench.py sweeps it).
   if (const char* forced = std::getenv("KVCACHE_EXT_CUDA_SPLITS")) {
@@ -59,17 +67,20 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
   p.splits = 1;
   if (max_splits == 1 || 5 * units >= 4 * wave) return;  // already ~a wave of blocks
 
-  // Flash-Decoding split count: how well units * splits blocks fill whole waves; take the
-  // smallest count within 85% of the best efficiency (fewer splits, less combine traffic).
+  // Flash-Decoding split count (flash-attention's num_splits_heuristic): how well units * splits
+  // blocks fill whole waves, the partly filled tail wave included; among the counts that leave
+  // no split empty, take the smallest within 85% of the best efficiency (fewer splits, less
+  // combine traffic).
   double efficiency[kMaxSplits + 1] = {};
   double best = 0.0;
   for (int64_t s = 1; s <= max_splits; ++s) {
+    if (!no_empty_split(s)) continue;
     const double waves = static_cast<double>(units * s) / static_cast<double>(wave);
     efficiency[s] = waves / std::ceil(waves);
     best = std::max(best, efficiency[s]);
   }
   for (int64_t s = 1; s <= max_splits; ++s) {
-    if (efficiency[s] >= 0.85 * best) {
+    if (no_empty_split(s) && efficiency[s] >= 0.85 * best) {
       p.splits = static_cast<int>(s);
       break;
     }

@@ -29,7 +29,7 @@
 
 namespace kvcache_ext::cuda {
 
-constexpr int kAttentionThreads = 128;
+constexpr int kAttentionThreads = kDecodeAttentionThreads;
 constexpr int kCombineThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -138,9 +138,12 @@ struct AttentionLayout {
   static constexpr int kKeyGroups = kAttentionThreads / kLanesPerKey;
   // Keys each lane group loads before using any: enough bytes in flight to cover memory
   // latency, few enough registers for the query rows' slices and accumulators.
-  // Element loads of 2-byte types hold twice the registers per key in flight: half the keys.
-  static constexpr int kKeysPerStep =
-      (kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2)) / (!kVectorLoads && sizeof(E) == 2 ? 2 : 1);
+  // Element loads of 2-byte types hold twice the registers per key in flight: half the keys;
+  // so do rows of two vectors per lane (float32, capacity 256), where the 1- and 4-row kernels
+  // spilled under their register cap of 168 (the 8-row kernels have 255).
+  static constexpr int kKeysPerStep = (kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2)) /
+                                      (!kVectorLoads && sizeof(E) == 2 ? 2 : 1) /
+                                      (kVecsPerLane > 1 && kRows < 8 ? 2 : 1);
   static constexpr int kTileKeys = kKeyGroups * kKeysPerStep;  // keys per block per step
   // Resident blocks per SM to ask the compiler for (caps registers at 65536 / (128 * this)):
   // left alone it takes ~170 registers for 4 rows, 3 blocks per SM, where 128 suffice without
@@ -148,6 +151,8 @@ struct AttentionLayout {
   static constexpr int kMinBlocksPerSm = kRows == 8 ? 2 : (kVecsPerLane > 1 ? 3 : 4);
   static_assert(kCapacity % kElemsPerVec == 0, "head_dim must fill whole 16-byte vectors");
   static_assert(kAttentionThreads % kLanesPerKey == 0, "lane groups must tile the block");
+  static_assert(kTileKeys == decode_tile_keys(static_cast<int>(sizeof(E)), kCapacity, kRows, kVectorLoads),
+                "the planner's tile (kernels.h) must match the kernel's");
 };
 
 // One work unit of the split kernel: (batch row, KV head, chunk of query rows, split), split

@@ -106,6 +106,23 @@ inline void choose_decode_loads(DecodeAttentionParams& p, int64_t elem_bytes) {
 }
 
 constexpr int kMaxSplits = 64;
+constexpr int kDecodeAttentionThreads = 128;  // threads of a split-kernel block
+
+// Keys a split-kernel block reads per step of its main loop (AttentionLayout::kTileKeys in
+// decode_attention.cuh, which checks that the two agree): every split covers whole tiles, so
+// the planner needs the tile to know which split counts leave no split empty.
+constexpr int decode_tile_keys(int elem_bytes, int64_t head_dim, int rows_per_block, bool vector_loads) {
+  int capacity = 8;  // head_dim_capacity
+  while (capacity < head_dim) capacity *= 2;
+  const int vecs_per_row = capacity / (16 / elem_bytes);
+  int lanes_per_key = 1;
+  while (lanes_per_key < vecs_per_row && lanes_per_key < 32) lanes_per_key *= 2;
+  const bool two_vectors_per_lane = vecs_per_row > lanes_per_key;
+  const int keys_per_step = (rows_per_block == 1 ? 8 : (rows_per_block <= 4 ? 4 : 2)) /
+                            (!vector_loads && elem_bytes == 2 ? 2 : 1) /
+                            (two_vectors_per_lane && rows_per_block < 8 ? 2 : 1);
+  return kDecodeAttentionThreads / lanes_per_key * keys_per_step;
+}
 
 // Chooses rows_per_block, row_chunks and splits from shapes (and vector_loads) only (never from lengths, which
 // live on the device), so the scratch size is known before launch and a decode step can be

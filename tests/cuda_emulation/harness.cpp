@@ -9,6 +9,11 @@ namespace kvcache_ext::cuda {
 // Caps the grids of the emulated launches (the real launcher uses CUDA's limit), so that tests
 // can make the kernels' blocks stride over more work than the grid holds.
 int64_t max_emulated_blocks = kMaxGridX;
+// -1: the launcher's choice of load path; 0 / 1: forced element / 16-byte loads (tests force
+// 16-byte loads on unaligned caches to see the emulation refuse them).
+int forced_vector_loads = -1;
+// The last decode's split scratch, log-sum-exps: [rows, splits].
+std::vector<float> last_partial_lse;
 
 template <typename E>
 cudaError_t emulate_decode_attention(const DecodeAttentionParams& p) {
@@ -29,20 +34,92 @@ cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStr
 cudaError_t launch_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t) {
   return emulate_decode_attention<__half>(p);
 }
-int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) { return split_kernel_occupancy<float>(p); }
-int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) { return split_kernel_occupancy<__nv_bfloat16>(p); }
-int split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p) { return split_kernel_occupancy<__half>(p); }
+// Not split_kernel_occupancy: it caches the first answer per kernel, and the tests change the
+// emulated occupancy (emu::blocks_per_sm) between calls.
+template <typename E>
+int emulated_occupancy(const DecodeAttentionParams& p) {
+  const AttentionKernel kernel = split_kernel_for<E>(p);
+  int blocks = 0;
+  if (kernel == nullptr ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttentionThreads, 0) != cudaSuccess)
+    return 0;
+  return blocks;
+}
+int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) { return emulated_occupancy<float>(p); }
+int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) { return emulated_occupancy<__nv_bfloat16>(p); }
+int split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p) { return emulated_occupancy<__half>(p); }
+
+// Self-test kernels: faults the emulation must catch.
+__shared__ int race_value;
+__global__ void race_kernel(int* out, int synchronise) {
+  if (threadIdx.x == 0) race_value = static_cast<int>(blockIdx.x) + 1;
+  if (synchronise) __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = race_value;
+}
+__global__ void vector_copy_kernel(const char* source, char* destination) {
+  const uint4 value = __ldg(reinterpret_cast<const uint4*>(source) + threadIdx.x);
+  reinterpret_cast<uint4*>(destination)[threadIdx.x] = value;
+}
+__global__ void out_of_bounds_kernel(const float* source, float* destination, int n) {
+  destination[threadIdx.x] = source[threadIdx.x + n];
+}
 
 }  // namespace kvcache_ext::cuda
 
 using namespace kvcache_ext::cuda;
 
+namespace {
+// The scratch's guards: NaN with a payload no arithmetic produces, compared bit for bit.
+constexpr uint32_t kGuardBits = 0x7fe5a5a5u;
+constexpr int64_t kGuardFloats = 64;
+
+bool guards_intact(const std::vector<float>& buffer, int64_t inner) {
+  for (int64_t i = 0; i < kGuardFloats; ++i) {
+    uint32_t before, after;
+    std::memcpy(&before, &buffer[i], 4);
+    std::memcpy(&after, &buffer[kGuardFloats + inner + i], 4);
+    if (before != kGuardBits || after != kGuardBits) return false;
+  }
+  return true;
+}
+}  // namespace
+
 extern "C" {
+
+void emu_set_seed(uint64_t seed) { emu::set_seed(seed); }
+// The first error the emulation reported since the last call (empty: none); clears it.
+const char* emu_take_error() {
+  static std::string taken;
+  taken = emu::first_error;
+  emu::clear_error();
+  return taken.c_str();
+}
+void emu_set_blocks_per_sm(int blocks) { emu::blocks_per_sm = blocks; }
+void emu_force_vector_loads(int forced) { forced_vector_loads = forced; }
+int emu_sanitized() { return EMU_ASAN; }
+
+// Plan only (no launch): plan_out receives rows_per_block, row_chunks, splits, vector_loads,
+// tile keys. sizes: batch, q_heads, kv_heads, num_new, head_dim, slots.
+int emu_plan_decode(int elem, const int64_t* sizes, int64_t window, int vector_loads, int sm_count, int64_t* plan_out) {
+  DecodeAttentionParams p{};
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  p.batch = sizes[0], p.q_heads = sizes[1], p.kv_heads = sizes[2], p.num_new = sizes[3];
+  p.head_dim = sizes[4], p.slots = sizes[5];
+  p.window = kernel_window(window);
+  p.vector_loads = vector_loads != 0;
+  if (!kvcache_ext::head_dim_supported(p.head_dim)) return -1;
+  plan_decode_attention(p, sm_count);
+  plan_out[0] = p.rows_per_block, plan_out[1] = p.row_chunks, plan_out[2] = p.splits, plan_out[3] = p.vector_loads;
+  plan_out[4] =
+      decode_tile_keys(p.elem == kvcache_ext::ElemType::kFloat32 ? 4 : 2, p.head_dim, p.rows_per_block, p.vector_loads);
+  return 0;
+}
 
 // What the CUDA binding (ops_cuda.cu) does between its checks and the launch, on CPU memory.
 // sizes: batch, q_heads, kv_heads, num_new, head_dim, slots. kv_stride: k's 3 then v's 3.
 // window: 0 for none. max_blocks: grid cap. plan_out receives rows_per_block, row_chunks,
-// splits, vector_loads.
+// splits, vector_loads. Returns the launch status (716: a misaligned access, see
+// emu_take_error), or -1 (unsupported head_dim), -2 (the split scratch's guards were written).
 int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const void* k_cache, const void* v_cache,
                          const int64_t* kv_stride, const int64_t* lengths, int64_t lengths_stride, void* out,
                          float* lse, const int64_t* sizes, int64_t window, double scale, double softcap,
@@ -62,19 +139,42 @@ int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const
   p.sinks = sinks, p.sinks_stride = 1;
   const int64_t elem_bytes = p.elem == kvcache_ext::ElemType::kFloat32 ? 4 : 2;
   choose_decode_loads(p, elem_bytes);
+  if (forced_vector_loads >= 0) p.vector_loads = forced_vector_loads != 0;
   if (!kvcache_ext::head_dim_supported(p.head_dim)) return -1;
   plan_decode_attention(p, sm_count);
   plan_out[0] = p.rows_per_block, plan_out[1] = p.row_chunks, plan_out[2] = p.splits, plan_out[3] = p.vector_loads;
-  std::vector<float> scratch;
+  const int64_t rows = p.batch * p.q_heads * p.num_new;
+  const int64_t partial_out_floats = rows * p.splits * p.head_dim, partial_lse_floats = rows * p.splits;
+  // Each scratch array between guards; the inside NaN-filled: anything the combine reads that
+  // the split kernel did not write shows up.
+  std::vector<float> partial_out, partial_lse;
   if (p.splits > 1) {
-    const int64_t rows = p.batch * p.q_heads * p.num_new;
-    // NaN-filled: anything the combine reads that the split kernel did not write shows up.
-    scratch.assign(rows * p.splits * (p.head_dim + 1), std::nanf(""));
-    p.partial_out = scratch.data();
-    p.partial_lse = scratch.data() + rows * p.splits * p.head_dim;
+    const float guard = __uint_as_float(kGuardBits);
+    partial_out.assign(kGuardFloats + partial_out_floats + kGuardFloats, guard);
+    partial_lse.assign(kGuardFloats + partial_lse_floats + kGuardFloats, guard);
+    std::fill_n(partial_out.begin() + kGuardFloats, partial_out_floats, std::nanf(""));
+    std::fill_n(partial_lse.begin() + kGuardFloats, partial_lse_floats, std::nanf(""));
+    p.partial_out = partial_out.data() + kGuardFloats;
+    p.partial_lse = partial_lse.data() + kGuardFloats;
   }
   max_emulated_blocks = max_blocks;
-  return launch_decode_attention(p, nullptr);
+  const cudaError_t status = launch_decode_attention(p, nullptr);
+  last_partial_lse.assign(partial_lse.begin() + (p.splits > 1 ? kGuardFloats : 0),
+                          partial_lse.begin() + (p.splits > 1 ? kGuardFloats + partial_lse_floats : 0));
+  if (status != cudaSuccess) return status;
+  if (p.splits > 1 &&
+      !(guards_intact(partial_out, partial_out_floats) && guards_intact(partial_lse, partial_lse_floats))) {
+    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
+    return -2;
+  }
+  return 0;
+}
+
+// Copies the last decode's split log-sum-exps ([rows, splits]) to `out`; returns how many.
+int64_t emu_last_partial_lse(float* out, int64_t capacity) {
+  const int64_t n = std::min<int64_t>(capacity, static_cast<int64_t>(last_partial_lse.size()));
+  std::copy_n(last_partial_lse.begin(), n, out);
+  return static_cast<int64_t>(last_partial_lse.size());
 }
 
 // sizes: batch, kv_heads, num_new, slots, head_dim. cache_stride: k's 3 then v's 3;
@@ -102,6 +202,22 @@ int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, con
         return emu::launch(kernel, grid, dim3(threads), chunk);
       },
       max_words_per_launch);
+}
+
+// Self-tests of the emulation. race: out[blocks * threads] gets what each thread read of a
+// shared value thread 0 writes (with or without a __syncthreads between).
+int emu_selftest_race(int* out, int blocks, int threads, int synchronise) {
+  return emu::launch(race_kernel, dim3(blocks), dim3(threads), out, synchronise);
+}
+// Copies `threads` 16-byte vectors from source to destination (each may be misaligned).
+int emu_selftest_vector_copy(const char* source, char* destination, int threads) {
+  return emu::launch(vector_copy_kernel, dim3(1), dim3(threads), source, destination);
+}
+// Reads source[threadIdx.x + n]: out of bounds of a 32-float buffer when n > 0 (for ASan).
+int emu_selftest_out_of_bounds(int n) {
+  std::vector<float> source(32, 1.0f), destination(32);
+  return emu::launch(out_of_bounds_kernel, dim3(1), dim3(32), static_cast<const float*>(source.data()),
+                     destination.data(), n);
 }
 
 }  // extern "C"
