@@ -146,6 +146,51 @@ def test_runs_on_the_current_stream():
     assert torch.equal(out, expected)
 
 
+def check_parity(q, k_cache, v_cache, lengths, window=None):
+    out, lse = kvcache_ext.decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window)
+    exact, exact_lse = reference_attention(
+        q.double(), k_cache.double(), v_cache.double(), lengths, window, return_lse=True
+    )
+    plain = reference_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda(), window)
+    assert max_error(out.cpu(), exact) <= 2 * max_error(plain.cpu(), exact) + 1e-5
+    torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_ring_wraps_without_a_window(dtype):
+    # Rows longer than the cache: the oldest positions are overwritten and no window is given.
+    q, k_cache, v_cache, lengths = random_problem(3, 8, 2, 3, 64, 37, [100, 37, 5], dtype, True, 21)
+    check_parity(q, k_cache, v_cache, lengths)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("window", [None, 100])
+def test_forced_split_counts(monkeypatch, splits, window):
+    # Every split count the plan may choose, with and without a window, gives the same result.
+    monkeypatch.setenv("KVCACHE_EXT_CUDA_SPLITS", str(splits))
+    q, k_cache, v_cache, lengths = random_problem(2, 8, 2, 2, 128, 4096, [4096, 777], torch.bfloat16, False, 5)
+    check_parity(q, k_cache, v_cache, lengths, window)
+
+
+def test_cache_of_more_than_2_to_the_31_elements():
+    # 2^25 + 17 slots of 64: element offsets past 2^31 in both ops. Windowed, so that the
+    # expectation is the attention over the last 64 positions, held in the last 64 slots.
+    S, D, window = 2**25 + 17, 64, 64
+    k_cache = torch.zeros(1, 1, S, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    tail_k = torch.randn(1, 1, window, D, device="cuda", generator=g).bfloat16()
+    tail_v = torch.randn(1, 1, window, D, device="cuda", generator=g).bfloat16()
+    lengths = torch.tensor([S - window], device="cuda")
+    kvcache_ext.append_kv(k_cache, v_cache, tail_k, tail_v, lengths)  # slots S - 64 ... S - 1
+    assert torch.equal(k_cache[:, :, S - window :], tail_k) and torch.equal(v_cache[:, :, S - window :], tail_v)
+    q = torch.randn(1, 4, 1, D, device="cuda", generator=g).bfloat16()
+    out, _ = kvcache_ext.decode_attention(q, k_cache, v_cache, torch.tensor([S], device="cuda"), window)
+    expected = reference_attention(q.double(), tail_k.double(), tail_v.double(), torch.tensor([window], device="cuda"))
+    plain = reference_attention(q, tail_k, tail_v, torch.tensor([window], device="cuda"))
+    assert max_error(out, expected) <= 2 * max_error(plain, expected) + 1e-5
+
+
 # ---- CUDA graphs ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_cuda_graph_replay_equals_eager(dtype):
