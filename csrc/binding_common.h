@@ -94,6 +94,39 @@ inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch
                   dtype_name(lengths.scalar_type()));
 }
 
+// Each row's length, read through lengths' stride (it may be a view), checked to lie in
+// [lowest, kMaxLength]: `what` says what a length counts, for the error. Reads lengths on the
+// host: for the CPU bindings only (the CUDA ones never read device memory).
+inline std::vector<int64_t> row_lengths(const torch::stable::Tensor& lengths, int64_t lowest, const char* what) {
+  const int64_t B = lengths.size(0), stride = lengths.stride(0);
+  const int64_t* data = lengths.const_data_ptr<int64_t>();
+  std::vector<int64_t> len(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    len[b] = data[b * stride];
+    STD_TORCH_CHECK(len[b] >= lowest && len[b] <= kMaxLength, "lengths must count ", what, ": between ", lowest,
+                    " and 2^62, got ", len[b], " for row ", b);
+  }
+  return len;
+}
+
+// append_kv's new keys/values against the cache: shapes, dtype, equal token counts, at most as
+// many tokens as slots. Returns the number of new tokens. (Devices are each binding's to check.)
+inline int64_t check_new_tokens(const torch::stable::Tensor& k_cache, const torch::stable::Tensor& k_new,
+                                const torch::stable::Tensor& v_new) {
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name, " must be (batch=", B,
+                    ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ", shape_of(*t));
+    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ", dtype_name(k_cache.scalar_type()),
+                    " like the cache, got ", dtype_name(t->scalar_type()));
+  }
+  const int64_t T = k_new.size(2);
+  STD_TORCH_CHECK(v_new.size(2) == T, "k_new and v_new must hold the same number of tokens, got ", T, " and ",
+                  v_new.size(2));
+  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  return T;
+}
+
 // decode_attention's scale as the kernels use it (default 1/sqrt(head_dim)): finite, and at most
 // FLT_MAX / 2 in magnitude so that float32 products with it (the CUDA kernel folds in log2(e))
 // stay finite.

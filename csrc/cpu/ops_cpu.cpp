@@ -38,34 +38,12 @@ void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& len
   check_cpu(lengths, "lengths");
 }
 
-// Each row's length, read through lengths' stride (it may be a view), checked to lie in
-// [lowest, kMaxLength]: `what` says what a length counts, for the error.
-std::vector<int64_t> row_lengths(const Tensor& lengths, int64_t lowest, const char* what) {
-  const int64_t B = lengths.size(0), stride = lengths.stride(0);
-  const int64_t* data = lengths.const_data_ptr<int64_t>();
-  std::vector<int64_t> len(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    len[b] = data[b * stride];
-    STD_TORCH_CHECK(len[b] >= lowest && len[b] <= kMaxLength, "lengths must count ", what, ": between ", lowest,
-                    " and 2^62, got ", len[b], " for row ", b);
-  }
-  return len;
-}
-
 void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
   check_cache(k_cache, v_cache, lengths);
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name, " must be (batch=", B,
-                    ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ", shape_of(*t));
-    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ", dtype_name(k_cache.scalar_type()),
-                    " like the cache, got ", dtype_name(t->scalar_type()));
-    check_cpu(*t, name);
-  }
-  const int64_t T = k_new.size(2);
-  STD_TORCH_CHECK(v_new.size(2) == T, "k_new and v_new must hold the same number of tokens, got ", T, " and ",
-                  v_new.size(2));
-  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  const int64_t T = check_new_tokens(k_cache, k_new, v_new);
+  check_cpu(k_new, "k_new");
+  check_cpu(v_new, "v_new");
   const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
 
   const int64_t elem = static_cast<int64_t>(k_cache.element_size());

@@ -190,19 +190,6 @@ std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const T
   return {format, D};
 }
 
-// Each row's length, checked to lie in [lowest, 2^62]; `what` says what a length counts.
-std::vector<int64_t> row_lengths(const Tensor& lengths, int64_t lowest, const char* what) {
-  const int64_t B = lengths.size(0), stride = lengths.stride(0);
-  const int64_t* data = lengths.const_data_ptr<int64_t>();
-  std::vector<int64_t> len(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    len[b] = data[b * stride];
-    STD_TORCH_CHECK(len[b] >= lowest && len[b] <= kMaxLength, "lengths must count ", what, ": between ", lowest,
-                    " and 2^62, got ", len[b], " for row ", b);
-  }
-  return len;
-}
-
 // Element `index` (in elements, through strides) of a float32/bfloat16/float16 tensor, as float.
 float element_as_float(const void* base, ElemType elem, int64_t index) {
   switch (elem) {

@@ -81,17 +81,9 @@ int sm_count(int32_t device_index) {
 void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
   check_cache(k_cache, v_cache, lengths);
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name, " must be (batch=", B,
-                    ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ", shape_of(*t));
-    STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ", dtype_name(k_cache.scalar_type()),
-                    " like the cache, got ", dtype_name(t->scalar_type()));
-    check_on_device(*t, name, k_cache);
-  }
-  const int64_t T = k_new.size(2);
-  STD_TORCH_CHECK(v_new.size(2) == T, "k_new and v_new must hold the same number of tokens, got ", T, " and ",
-                  v_new.size(2));
-  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  const int64_t T = check_new_tokens(k_cache, k_new, v_new);
+  check_on_device(k_new, "k_new", k_cache);
+  check_on_device(v_new, "v_new", k_cache);
   if (T == 0 || B == 0 || H == 0) return;
 
   AppendKvParams p{};
