@@ -115,9 +115,10 @@ struct Barrier {
 
 struct BlockRun {
   std::vector<Fiber> fibers;
-  ucontext_t scheduler;
+  ucontext_t scheduler{};
   int current = -1, finished = 0;
-  std::vector<int> ready;  // fibers that may run, in no order: the next one is drawn at random
+  std::vector<int> ready;          // fibers that may run, in no order: the next one is drawn at random
+  std::vector<uint64_t> priority;  // per fiber; empty: uniform draws
   Barrier block_barrier;
   std::vector<Barrier> warp_barriers;
   std::vector<uint64_t> exchange;  // [warp][lane]
@@ -128,7 +129,7 @@ struct BlockRun {
 
 inline BlockRun* run = nullptr;
 inline dim3 block_idx, block_dim, grid_dim;
-constexpr size_t kStackBytes = EMU_ASAN ? 1024 * 1024 : 256 * 1024;
+constexpr size_t kStackBytes = EMU_ASAN ? 512 * 1024 : 256 * 1024;
 
 // Switches from the running fiber (-1: the scheduler) to fiber `next` (-1: the scheduler).
 // `exiting`: the running fiber never resumes (ASan may free its fake stack).
@@ -155,11 +156,19 @@ inline void switch_context(int next, bool exiting = false) {
 #endif
 }
 
-// Removes a random fiber from the ready set and returns it.
+// Removes the next fiber to run from the ready set and returns it. Half the blocks draw it
+// uniformly; the others run the ready fiber of highest priority (priorities drawn per block, as
+// in probabilistic concurrency testing), which lets some threads run far ahead of others, e.g.
+// one warp through several shuffle rounds while another has not yet read shared memory.
 inline int take_ready() {
   if (run->ready.empty())
     fatal("deadlock: a __syncthreads or warp shuffle is not reached by every thread that should reach it");
-  const size_t i = static_cast<size_t>(next_random() % run->ready.size());
+  size_t i = static_cast<size_t>(next_random() % run->ready.size());
+  if (!run->priority.empty()) {
+    i = 0;
+    for (size_t j = 1; j < run->ready.size(); ++j)
+      if (run->priority[run->ready[j]] > run->priority[run->ready[i]]) i = j;
+  }
   const int fiber = run->ready[i];
   run->ready[i] = run->ready.back();
   run->ready.pop_back();
@@ -257,7 +266,16 @@ cudaError_t launch(void (*kernel)(Args...), dim3 grid, dim3 block, Args... args)
       f.context.uc_stack.ss_size = kStackBytes;
       f.context.uc_link = nullptr;
       makecontext(&f.context, fiber_main, 0);
+#if EMU_ASAN
+      // ASan's swapcontext clears the shadow of the whole target stack when it knows its size:
+      // per switch, that dominates the run time. The annotations above keep it informed instead.
+      f.context.uc_stack.ss_size = 0;
+#endif
       block_run.ready[t] = t;
+    }
+    if (next_random() % 2) {
+      block_run.priority.resize(threads);
+      for (auto& priority : block_run.priority) priority = next_random();
     }
     switch_context(take_ready());
     run = nullptr;
