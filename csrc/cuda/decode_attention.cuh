@@ -146,9 +146,10 @@ struct AttentionLayout {
                                       (kVecsPerLane > 1 && kRows < 8 ? 2 : 1);
   static constexpr int kTileKeys = kKeyGroups * kKeysPerStep;  // keys per block per step
   // Resident blocks per SM to ask the compiler for (caps registers at 65536 / (128 * this)):
-  // left alone it takes ~170 registers for 4 rows, 3 blocks per SM, where 128 suffice without
-  // spilling; more resident warps keep more loads in flight.
-  static constexpr int kMinBlocksPerSm = kRows == 8 ? 2 : (kVecsPerLane > 1 ? 3 : 4);
+  // more resident warps keep more loads in flight, but the 4-row kernels of 2-byte types spill
+  // 116-284 bytes under the 128-register cap of 4 blocks (nvcc 13.0, sm_80 and sm_90), so they
+  // and the rows of two vectors per lane take 3 blocks (168 registers).
+  static constexpr int kMinBlocksPerSm = kRows == 8 ? 2 : (kVecsPerLane > 1 || (sizeof(E) == 2 && kRows == 4) ? 3 : 4);
   static_assert(kCapacity % kElemsPerVec == 0, "head_dim must fill whole 16-byte vectors");
   static_assert(kAttentionThreads % kLanesPerKey == 0, "lane groups must tile the block");
   static_assert(kTileKeys == decode_tile_keys(static_cast<int>(sizeof(E)), kCapacity, kRows, kVectorLoads),
