@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 from datetime import timedelta
@@ -244,7 +245,9 @@ def test_tp_outside_torchrun_says_how_to_start_it(monkeypatch):
 
 def _demo(*launcher, extra=()):
     command = [*launcher, "-m", "kvcache_ext.cli", "demo", "--model", "tiny", "--max-new-tokens", "12", *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    # Outside the source tree: `-m` puts the working folder first on sys.path, and the installed
+    # package (with its native library) is the one under test.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=tempfile.gettempdir())
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -93,8 +93,8 @@ def test_hf_native_cache_fill_reset_cycles_do_not_grow_memory():
     real = torch.ones(BATCH, HF_PROMPT, dtype=torch.bool)
     real[1, 0] = False
     causal = torch.ones(HF_PROMPT, HF_PROMPT, dtype=torch.bool).tril()
-    # Keys: causal and real; a padding query sees itself, so that no row of the mask is empty.
-    prompt_mask = (causal & real[:, None, None, :]) | torch.eye(HF_PROMPT, dtype=torch.bool)
+    # Keys: causal and real, as transformers builds it for SDPA (a padding query sees nothing).
+    prompt_mask = causal & real[:, None, None, :]
     steps = [(HF_PROMPT, prompt_mask)] + [(HF_STEP, None)] * ((HF_MAX_CACHE_LEN - HF_PROMPT) // HF_STEP)
     step_inputs = [
         (
