@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_hf_configs import TINY_DECODER
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -29,18 +30,7 @@ def _gpt2():
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = transformers.LlamaConfig(**TINY_DECODER)
     return transformers.LlamaForCausalLM(cfg)
 
 

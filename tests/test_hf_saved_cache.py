@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from tiny_hf_configs import TINY_DECODER
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -17,19 +18,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 NEW_TOKENS, PROMPT_LEN, PAD = 10, 9, 0
-COMMON = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=PAD,
-)
+COMMON = dict(TINY_DECODER, pad_token_id=PAD)
 FINGERPRINT = "tiny-llama@test"
 
 

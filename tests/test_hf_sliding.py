@@ -6,6 +6,7 @@ buffer shorter than the prompt, so that prompt packing, ring slots and the windo
 
 import pytest
 import torch
+from tiny_hf_configs import TINY_DECODER
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -14,20 +15,7 @@ from kvcache_ext import ops  # noqa: E402
 
 NEW_TOKENS, PROMPT_LEN, PAD = 12, 9, 0
 WINDOW, CHUNK = 4, 2  # ring slots: WINDOW + CHUNK - 1 = 5, fewer than the prompt's tokens
-COMMON = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=PAD,
-    sliding_window=WINDOW,
-)
+COMMON = dict(TINY_DECODER, pad_token_id=PAD, sliding_window=WINDOW)
 
 
 def _mistral():  # every layer sliding (no layer_types in the config)
