@@ -15,6 +15,15 @@ import os
 from datetime import timedelta
 
 import torch
+
+# Imported before any process group exists, on purpose: when torch._dynamo is first imported
+# while a gloo group is alive (python_ref builds tensor-parallel layers on the meta device, which
+# imports it), something in that import keeps the group's worker threads alive after
+# destroy_process_group(). The interpreter then tears down around them and, now and then, a
+# worker releasing its last collective's tensors aborts the process at exit ("terminate called
+# without an active exception"). Every rank entry point (the demo, the tensor-parallel benchmark,
+# the tests) imports this module before it joins a group.
+import torch._dynamo  # noqa: F401
 from torch import distributed as dist
 
 from python_ref.tensor_parallel import SINGLE_PROCESS, TensorParallel

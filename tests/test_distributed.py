@@ -289,6 +289,37 @@ def hf_rank_main(rank: int, size: int, store: str, model_dir: str, out_dir: str)
         dist.destroy_process_group()
 
 
+def gloo_threads() -> list[str]:
+    """Names of this process's gloo threads (Linux names its threads in /proc)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return [name for name in names if "gloo" in name]
+
+
+def teardown_rank_main(rank: int, size: int, store: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    alive = gloo_threads()
+    build_gpt2("tiny", tp=TensorParallel.from_process_group())  # meta-device layers, as every rank builds them
+    dist.destroy_process_group()
+    torch.save({"while_joined": alive, "after_destroy": gloo_threads()}, os.path.join(out_dir, f"teardown{rank}.pt"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from Linux's /proc")
+def test_leaving_the_group_stops_its_threads(tmp_path):
+    """After destroy_process_group() a rank runs no gloo thread: threads left running while the
+    interpreter exits can abort a rank that has finished its work."""
+    context = mp.start_processes(
+        teardown_rank_main, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    _wait(context, 2)
+    for rank in range(2):
+        threads = torch.load(tmp_path / f"teardown{rank}.pt")
+        assert threads["while_joined"], "gloo names its threads (pt_gloo_runloop); without them this proves nothing"
+        assert threads["after_destroy"] == [], threads
+
+
 def test_transformers_tp_plan_runs_on_native_cache(checkpoint_files, tmp_path):
     """transformers' own tensor parallelism (tp_plan="auto", DTensor weights) over 2 gloo ranks
     with kvcache_ext.hf.NativeCache: the single-process tokens, half the KV heads per rank."""
