@@ -73,6 +73,16 @@ class KVCache(PreallocatedCache):
         )
         table.check_slots(self.slots)
 
+    @classmethod
+    def _format_kwargs(cls, meta: dict, path) -> dict:
+        # load() rebuilds a quantized cache too: its file names the format beside the dtype.
+        kwargs = super()._format_kwargs({**meta, "kv_dtype": None}, path)
+        if meta.get("kv_dtype") is not None:
+            from .quantized import kv_format
+
+            kwargs["kv_dtype"] = kv_format(meta["kv_dtype"])
+        return kwargs
+
     def _check_step(self, layer, q, k, v, scale):
         super()._check_step(layer, q, k, v, scale)
         # The attention of a step runs after its keys/values are stored: check it first. A ring

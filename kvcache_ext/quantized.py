@@ -142,12 +142,12 @@ class QuantizedKVCache(KVCache):
         self.v_scale = self.v_scale.index_select(1, src_rows)
         super()._resize_rows(src_rows)
 
-    def save(self, path, fingerprint: str = "") -> None:
-        raise NotImplementedError("saving a quantized KVCache is not supported yet (its scales are not saved)")
+    # save() and load() (python_ref's) store the scales beside the codes; the file names the format.
+    def _slot_buffers(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
 
-    @classmethod
-    def load(cls, path, device=None, fingerprint: str = "", max_cache_len: int | None = None):
-        raise NotImplementedError("loading a quantized KVCache is not supported yet")
+    def _format_meta(self) -> dict:
+        return {"dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": self.kv_dtype}
 
     def _bytes_per_slot(self) -> int:
         """Bytes one cached token takes in all layers, keys and values, scales included."""

@@ -117,24 +117,25 @@ def _checksum(tensors: dict, meta: dict) -> str:
     return digest.hexdigest()
 
 
+def _saved_names_ok(names: set) -> bool:
+    """Whether a saved cache's tensor names fit some layout: keys, values, lengths, with sink
+    tokens their copies, with a quantized format their scales (load() then checks them exactly)."""
+    return {"k", "v", "lengths"} <= names <= {"k", "v", "lengths", "sink_k", "sink_v", "k_scale", "v_scale"}
+
+
 def _read_saved_cache(
     path,
     key: str = SAVED_CACHE_KEY,
-    names_ok=None,
-    expected: str = "tensors k, v, lengths (and sink_k, sink_v with sink tokens)",
+    names_ok=_saved_names_ok,
+    expected: str = "tensors k, v, lengths (and sink_k, sink_v with sink tokens, k_scale, v_scale when quantized)",
 ):
     """The metadata and tensors of a file written by ``PreallocatedCache.save``, read completely
     into memory before anything is built from them.
 
     ``key`` is the safetensors metadata entry holding the description, ``names_ok(names)`` says
-    whether the set of tensor names fits (default: ``PreallocatedCache``'s), ``expected`` describes
+    whether the set of tensor names fits (default: a ``PreallocatedCache``'s), ``expected`` describes
     them for the error message (``kvcache_ext.hf.NativeCache`` passes its own)."""
     from safetensors import SafetensorError, safe_open
-
-    if names_ok is None:
-
-        def names_ok(names):
-            return names - {"sink_k", "sink_v"} == {"k", "v", "lengths"}
 
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
@@ -477,6 +478,28 @@ class PreallocatedCache(nn.Module):
         self._host_length = int(self.lengths.max())
         return self._host_length
 
+    # -- what save() and load() store: a storage format's hooks -------------------------------
+    def _slot_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers with one entry per slot, ``(layers, B, H_kv, slots, ...)``; save() keeps
+        their held slots."""
+        return {"k": self.k, "v": self.v}
+
+    def _format_meta(self) -> dict:
+        """The saved metadata that names the storage format: here the keys' and values' dtype."""
+        return {"dtype": str(self.k.dtype).removeprefix("torch.")}
+
+    @classmethod
+    def _format_kwargs(cls, meta: dict, path) -> dict:
+        """The constructor arguments that rebuild the saved storage format, checked."""
+        if meta.get("kv_dtype") is not None:
+            raise ValueError(
+                f"{path} holds a quantized cache (kv_dtype {meta['kv_dtype']!r}): load it with kvcache_ext.KVCache.load"
+            )
+        dtype = _SAVED_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: dtype must be one of {sorted(_SAVED_DTYPES)}, got {meta['dtype']!r}")
+        return {"dtype": dtype}
+
     # -- saved caches -----------------------------------------------------------------------
     def save(self, path, fingerprint: str = "") -> None:
         """Write the cache to ``path`` as safetensors (no pickle): the held slots of every layer,
@@ -489,11 +512,8 @@ class PreallocatedCache(nn.Module):
         if not isinstance(fingerprint, str):
             raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
         used = min(self._host_length, self.slots)
-        tensors = {
-            "k": self.k[..., :used, :].contiguous().cpu(),
-            "v": self.v[..., :used, :].contiguous().cpu(),
-            "lengths": self.lengths.cpu(),
-        }
+        tensors = {name: t.narrow(3, 0, used).contiguous().cpu() for name, t in self._slot_buffers().items()}
+        tensors["lengths"] = self.lengths.cpu()
         if self.sink_tokens:
             tensors["sink_k"] = self.sink_k[..., : self.sink_tokens, :].contiguous().cpu()
             tensors["sink_v"] = self.sink_v[..., : self.sink_tokens, :].contiguous().cpu()
@@ -507,7 +527,7 @@ class PreallocatedCache(nn.Module):
             "max_cache_len": self.max_cache_len,
             "window": self.window,
             "chunk_size": self.chunk_size,
-            "dtype": str(self.k.dtype).removeprefix("torch."),
+            **self._format_meta(),
             "lengths": tensors["lengths"].tolist(),
             "ring_rewindable": self._ring_rewindable,
             "sink_tokens": self.sink_tokens,
@@ -557,9 +577,7 @@ class PreallocatedCache(nn.Module):
                 f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
                 "it holds another model's keys and values"
             )
-        dtype = _SAVED_DTYPES.get(meta["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: dtype must be one of {sorted(_SAVED_DTYPES)}, got {meta['dtype']!r}")
+        format_kwargs = cls._format_kwargs(meta, path)
         lengths = tensors["lengths"]
         longest = max(meta["lengths"], default=0)
         window = meta["window"]
@@ -572,30 +590,12 @@ class PreallocatedCache(nn.Module):
                 "max_cache_len applies to caches without a window; this one has window="
                 f"{window} and chunk_size={meta['chunk_size']}"
             )
-        used = min(longest, meta["slots"])
-        sink_tokens = meta.get("sink_tokens", 0)  # files from before sink tokens have none
-        rows = (meta["num_layers"], meta["batch_size"], meta["kv_heads"])
-        expected = {"k": (*rows, used, meta["head_dim"]), "v": (*rows, used, meta["head_dim"])}
-        if sink_tokens:
-            expected.update(
-                sink_k=(*rows, sink_tokens, meta["head_dim"]), sink_v=(*rows, sink_tokens, meta["head_dim"])
-            )
-        if set(tensors) != {"lengths", *expected}:
-            raise ValueError(
-                f"{path}: a cache with sink_tokens={sink_tokens} holds tensors "
-                f"{sorted({'lengths', *expected})}, got {sorted(tensors)}"
-            )
-        for name, shape in expected.items():
-            if tuple(tensors[name].shape) != shape or tensors[name].dtype != dtype:
-                raise ValueError(
-                    f"{path}: {name} must be {meta['dtype']} of shape {shape}, got "
-                    f"{tensors[name].dtype} of shape {tuple(tensors[name].shape)}"
-                )
         if lengths.dtype != torch.long or lengths.tolist() != meta["lengths"] or min(meta["lengths"], default=0) < 0:
             raise ValueError(
                 f"{path}: lengths must be the {meta['batch_size']} non-negative row lengths recorded "
                 f"in its metadata, got {lengths.tolist()}"
             )
+        sink_tokens = meta.get("sink_tokens", 0)  # files from before sink tokens have none
         cache = cls(
             meta["num_layers"],
             meta["batch_size"],
@@ -604,17 +604,34 @@ class PreallocatedCache(nn.Module):
             max_cache_len=capacity if window is None else None,
             window=window,
             chunk_size=meta["chunk_size"] or 128,
-            dtype=dtype,
             device=device,
-            sink_tokens=sink_tokens,
+            **format_kwargs,
+            **({"sink_tokens": sink_tokens} if sink_tokens else {}),
         )
         if window is not None and cache.slots != meta["slots"]:
             raise ValueError(
                 f"{path}: a window of {window} with chunk_size {meta['chunk_size']} has "
                 f"{cache.slots} slots, but the file says {meta['slots']}"
             )
-        cache.k[..., :used, :] = tensors["k"]
-        cache.v[..., :used, :] = tensors["v"]
+        # The new cache's own buffers say what the file must hold: their layout up to the held slots.
+        used = min(longest, meta["slots"])
+        expected = {name: (t.shape[:3] + (used,) + t.shape[4:], t.dtype) for name, t in cache._slot_buffers().items()}
+        if sink_tokens:
+            expected.update(sink_k=(cache.sink_k[..., :sink_tokens, :].shape, cache.sink_k.dtype))
+            expected.update(sink_v=(cache.sink_v[..., :sink_tokens, :].shape, cache.sink_v.dtype))
+        if set(tensors) != {"lengths", *expected}:
+            raise ValueError(
+                f"{path}: a {type(cache).__name__} with sink_tokens={sink_tokens} holds tensors "
+                f"{sorted({'lengths', *expected})}, got {sorted(tensors)}"
+            )
+        for name, (shape, dtype) in expected.items():
+            if tensors[name].shape != shape or tensors[name].dtype != dtype:
+                raise ValueError(
+                    f"{path}: {name} must be {dtype} of shape {tuple(shape)}, got "
+                    f"{tensors[name].dtype} of shape {tuple(tensors[name].shape)}"
+                )
+        for name, t in cache._slot_buffers().items():
+            t.narrow(3, 0, used).copy_(tensors[name])
         if sink_tokens:
             cache.sink_k[..., :sink_tokens, :] = tensors["sink_k"]
             cache.sink_v[..., :sink_tokens, :] = tensors["sink_v"]

@@ -47,6 +47,34 @@ def test_resumed_generation_equals_an_uninterrupted_one(tmp_path, model_name, ca
     assert torch.equal(greedy(model, tokens, loaded, REST), uninterrupted)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("cache_kwargs", [dict(max_cache_len=32), dict(window=4, chunk_size=2)])
+def test_quantized_cache_resumes_from_its_codes_and_scales(tmp_path, kv_dtype, cache_kwargs):
+    """A quantized cache saves its codes and their scales: the loaded cache holds the same bytes and
+    continues exactly as the saved one would have (the same quantized keys, not requantized ones)."""
+    model = build_llama("llama-tiny", seed=0, head_dim=32)  # int4 keeps one scale per 32 values
+    prompt = torch.randint(3, 1000, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+
+    def new_cache():
+        return kvcache_ext.KVCache(**model.kv_shape, batch_size=2, kv_dtype=kv_dtype, **cache_kwargs)
+
+    uninterrupted = generate(model, prompt, FIRST + REST, cache=new_cache())
+    cache = new_cache()
+    tokens = greedy(model, prompt, cache, FIRST)
+    path = tmp_path / "quantized.safetensors"
+    cache.save(path)
+    loaded = kvcache_ext.KVCache.load(path)
+    assert type(loaded) is type(cache) and loaded.kv_dtype == cache.kv_dtype and loaded.dtype == cache.dtype
+    for name in ("k", "v", "k_scale", "v_scale"):
+        ours, theirs = getattr(cache, name), getattr(loaded, name)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+        held = min(cache.seq_length, cache.slots)
+        assert torch.equal(ours[:, :, :, :held].view(torch.uint8), theirs[:, :, :, :held].view(torch.uint8)), name
+    assert torch.equal(greedy(model, tokens, loaded, REST), uninterrupted)
+    with pytest.raises(ValueError, match="quantized cache.*kvcache_ext.KVCache.load"):
+        PreallocatedCache.load(path)
+
+
 def saved(tmp_path, **kwargs):
     cache = PreallocatedCache(num_layers=2, batch_size=2, kv_heads=2, head_dim=8, **kwargs)
     cache.start_step(3)
