@@ -63,6 +63,8 @@ import os
 import torch
 
 from . import ops
+from .quantized import check_kv_format, kv_format
+from python_ref import quantize as quant
 from python_ref.caches import _SAVED_DTYPES, CacheOverflowError, _checksum, _read_saved_cache
 
 # The transformers versions this module is tested with (tests/test_hf.py). Its Cache and
@@ -115,13 +117,24 @@ class NativeCacheLayer(CacheLayerMixin):
     ops' ring semantics), so memory stays ``window + chunk_size - 1`` tokens however long the
     sequence grows. A step adds its tokens ``chunk_size`` at a time there, so that each query
     still finds its whole window in the ring.
+
+    With ``kv_dtype`` (a format of ``python_ref/quantize.py``) ``keys``/``values`` hold the codes
+    and ``key_scales``/``value_scales`` their scales, quantized as they are stored and
+    dequantized inside the attention kernel (as in ``KVCache(kv_dtype=...)``).
     """
 
     is_croppable = True  # crop() puts a layer back exactly as it was (assisted decoding relies on it)
 
-    def __init__(self, max_cache_len: int, window: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    def __init__(
+        self,
+        max_cache_len: int,
+        window: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        kv_dtype: str | None = None,
+    ):
         super().__init__()
         self.max_cache_len = max_cache_len
+        self.kv_dtype = kv_dtype  # a checked format name, or None: keys/values in the model's dtype
         self.window = window
         self.is_sliding = window is not None
         self.slots = max_cache_len if window is None else min(max_cache_len, window + chunk_size - 1)
@@ -141,10 +154,20 @@ class NativeCacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         self.device = key_states.device
+        self.dtype = key_states.dtype
         shape = (self.batch_size, self.num_heads, self.slots, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
-        ops.check_cache_pair(self.keys, self.values)  # dtype and head_dim the kernels support
+        if self.kv_dtype is None:
+            self.keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
+            self.values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
+            ops.check_cache_pair(self.keys, self.values)  # dtype and head_dim the kernels support
+        else:
+            check_kv_format(self.kv_dtype, key_states.dtype, self.head_dim, self.device)
+            codes, scales = quant.data_shape(self.kv_dtype, shape), quant.scale_shape(self.kv_dtype, shape)
+            code_dtype, scale_dtype = quant.storage_dtype(self.kv_dtype), quant.scale_dtype(self.kv_dtype)
+            self.keys = torch.zeros(codes, dtype=code_dtype, device=self.device)
+            self.values = torch.zeros(codes, dtype=code_dtype, device=self.device)
+            self.key_scales = torch.zeros(scales, dtype=scale_dtype, device=self.device)
+            self.value_scales = torch.zeros(scales, dtype=scale_dtype, device=self.device)
         self.keys._kvcache_ext_layer = self
         self.lengths = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -186,9 +209,7 @@ class NativeCacheLayer(CacheLayerMixin):
         if real is None:  # no padding: one append of the tokens the buffer keeps (a ring: the last `slots`)
             kept = min(length, self.slots)
             self.lengths.fill_(length - kept)
-            ops.append_kv(
-                self.keys, self.values, keys[:, :, length - kept :], values[:, :, length - kept :], self.lengths
-            )
+            self._append(keys[:, :, length - kept :], values[:, :, length - kept :])
             self.lengths.fill_(length)
             longest = length
         else:
@@ -201,8 +222,17 @@ class NativeCacheLayer(CacheLayerMixin):
             held = positions >= counts[rows] - self.slots
             rows, columns, positions = rows[held], columns[held], positions[held]
             slots = positions % self.slots
-            self.keys[rows, :, slots] = keys[rows, :, columns]
-            self.values[rows, :, slots] = values[rows, :, columns]
+            if self.kv_dtype is None:
+                self.keys[rows, :, slots] = keys[rows, :, columns]
+                self.values[rows, :, slots] = values[rows, :, columns]
+            else:  # the reference quantizer gives the append op's bytes (tests/test_quantized.py)
+                for new, codes, scales in (
+                    (keys, self.keys, self.key_scales),
+                    (values, self.values, self.value_scales),
+                ):
+                    data, data_scales = quant.quantize(new[rows, :, columns], self.kv_dtype)
+                    _raw(codes)[rows, :, slots] = _raw(data)
+                    scales[rows, :, slots] = data_scales
             self.lengths.copy_(counts)
             longest = int(counts.max())
         self._longest = self._high_water = longest
@@ -212,26 +242,39 @@ class NativeCacheLayer(CacheLayerMixin):
         tokens, ``(batch, heads, new tokens, head_dim)``, with the native ops."""
         keys, values = self._new
         first = slice(0, self.tokens_per_call)
+        stored = self._stored()
         # Both ops' arguments are checked before anything is written: a refused step changes nothing.
-        ops.check_append_kv(self.keys, self.values, keys[:, :, first], values[:, :, first], self.lengths)
-        ops.check_decode_attention(
-            query[:, :, first], self.keys, self.values, self.lengths, self.window, scaling, softcap, sinks
+        check_append, check_attention = (
+            (ops.check_append_kv, ops.check_decode_attention)
+            if self.kv_dtype is None
+            else (ops.check_append_kv_quantized, ops.check_decode_attention_quantized)
         )
+        check_append(*stored, keys[:, :, first], values[:, :, first], self.lengths)
+        check_attention(query[:, :, first], *stored, self.lengths, self.window, scaling, softcap, sinks)
+        attention = ops.decode_attention if self.kv_dtype is None else ops.decode_attention_quantized
         self._new = None
         outs = []
         for start in range(0, keys.shape[2], self.tokens_per_call):
             piece = slice(start, start + self.tokens_per_call)
-            ops.append_kv(self.keys, self.values, keys[:, :, piece], values[:, :, piece], self.lengths)
+            self._append(keys[:, :, piece], values[:, :, piece])
             self.lengths += keys[:, :, piece].shape[2]
             # Bottom-right causal attention of the new queries over each row's real tokens.
-            outs.append(
-                ops.decode_attention(
-                    query[:, :, piece], self.keys, self.values, self.lengths, self.window, scaling, softcap, sinks
-                )[0]
-            )
+            outs.append(attention(query[:, :, piece], *stored, self.lengths, self.window, scaling, softcap, sinks)[0])
         self._longest += keys.shape[2]
         self._high_water = max(self._high_water, self._longest)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _stored(self) -> tuple[torch.Tensor, ...]:
+        """The buffers as the ops take them: keys, values, or codes and scales of each."""
+        if self.kv_dtype is None:
+            return self.keys, self.values
+        return self.keys, self.key_scales, self.values, self.value_scales
+
+    def _append(self, keys, values) -> None:
+        if self.kv_dtype is None:
+            ops.append_kv(self.keys, self.values, keys, values, self.lengths)
+        else:
+            ops.append_kv_quantized(*self._stored(), keys, values, self.lengths)
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         # The mask transformers builds describes its own layout (padding included); it is used
@@ -295,7 +338,11 @@ class NativeCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         src_rows = torch.as_tensor(beam_idx, device=self.device).long()
-        ops.gather_rows(self.keys, self.values, src_rows)
+        if self.kv_dtype is None:
+            ops.gather_rows(self.keys, self.values, src_rows)
+        else:
+            for t in self._stored():
+                _raw(t).copy_(_raw(t).index_select(0, src_rows))
         self.lengths = self.lengths.index_select(0, src_rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -316,6 +363,9 @@ class NativeCacheLayer(CacheLayerMixin):
     def _keep_rows(self, src_rows: torch.Tensor) -> None:
         self.keys = self.keys.index_select(0, src_rows)
         self.values = self.values.index_select(0, src_rows)
+        if self.kv_dtype is not None:
+            self.key_scales = self.key_scales.index_select(0, src_rows)
+            self.value_scales = self.value_scales.index_select(0, src_rows)
         self.lengths = self.lengths.index_select(0, src_rows)
         self.keys._kvcache_ext_layer = self
         self.batch_size = len(src_rows)
@@ -330,15 +380,18 @@ class NativeCache(Cache):
     layers hold ``max_cache_len`` slots; sliding-window layers (the config's ``layer_types``, or
     its ``sliding_window``) hold ``min(max_cache_len, sliding_window + chunk_size - 1)``, a ring
     buffer (see :class:`NativeCacheLayer`). Call :meth:`reset` before reusing it for a new prompt.
-    The model must use ``attn_implementation="kvcache_ext"``.
+    ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``, ``"int4"``; None: the model's dtype) stores keys
+    and values quantized, as ``KVCache(kv_dtype=...)`` does. The model must use
+    ``attn_implementation="kvcache_ext"``.
     """
 
-    def __init__(self, config, max_cache_len: int, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    def __init__(self, config, max_cache_len: int, chunk_size: int = DEFAULT_CHUNK_SIZE, kv_dtype=None):
         for name, value in (("max_cache_len", max_cache_len), ("chunk_size", chunk_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("NativeCache supports decoder-only models")
+        fmt = None if kv_dtype is None else kv_format(kv_dtype)
         text_config = config.get_text_config(decoder=True)
         window = getattr(text_config, "sliding_window", None)
         layer_types = getattr(text_config, "layer_types", None)
@@ -357,12 +410,13 @@ class NativeCache(Cache):
             )
         super().__init__(
             layers=[
-                NativeCacheLayer(max_cache_len, window if kind == "sliding_attention" else None, chunk_size)
+                NativeCacheLayer(max_cache_len, window if kind == "sliding_attention" else None, chunk_size, fmt)
                 for kind in layer_types[: text_config.num_hidden_layers]
             ]
         )
         self.max_cache_len = max_cache_len
         self.chunk_size = chunk_size
+        self.kv_dtype = fmt
 
     # -- saved caches -----------------------------------------------------------------------
     FORMAT_VERSION = 1
@@ -370,7 +424,8 @@ class NativeCache(Cache):
     def save(self, path, fingerprint: str = "") -> None:
         """Write the cache to ``path`` as safetensors (no pickle), between ``generate`` calls.
 
-        Saved: every layer's held slots (``keys.<i>``, ``values.<i>``) and per-row ``lengths``
+        Saved: every layer's held slots (``keys.<i>``, ``values.<i>``; with a ``kv_dtype`` the
+        codes, and their scales ``key_scales.<i>``, ``value_scales.<i>``) and per-row ``lengths``
         (``lengths.<i>``), and metadata with the format version, ``max_cache_len``, ``chunk_size``
         and per layer its window, slots, shapes, dtype and the counters transformers and
         :meth:`NativeCacheLayer.crop` read (``seen_tokens``: columns processed, padding included;
@@ -400,13 +455,16 @@ class NativeCache(Cache):
                 used = min(layer._high_water, layer.slots)  # slots never written hold nothing
                 tensors[f"keys.{i}"] = layer.keys[:, :, :used].contiguous().cpu()
                 tensors[f"values.{i}"] = layer.values[:, :, :used].contiguous().cpu()
+                if layer.kv_dtype is not None:
+                    tensors[f"key_scales.{i}"] = layer.key_scales[:, :, :used].contiguous().cpu()
+                    tensors[f"value_scales.{i}"] = layer.value_scales[:, :, :used].contiguous().cpu()
                 tensors[f"lengths.{i}"] = layer.lengths.cpu()
                 entry.update(
                     batch_size=layer.batch_size,
                     kv_heads=layer.num_heads,
                     head_dim=layer.head_dim,
                     used=used,
-                    dtype=str(layer.keys.dtype).removeprefix("torch."),
+                    dtype=str(layer.dtype).removeprefix("torch."),
                     lengths=tensors[f"lengths.{i}"].tolist(),
                 )
             layers.append(entry)
@@ -414,6 +472,7 @@ class NativeCache(Cache):
             "format_version": self.FORMAT_VERSION,
             "max_cache_len": self.max_cache_len,
             "chunk_size": self.chunk_size,
+            "kv_dtype": self.kv_dtype,
             "num_layers": len(self.layers),
             "layers": layers,
             "fingerprint": fingerprint,
@@ -439,7 +498,8 @@ class NativeCache(Cache):
         """
 
         def names_ok(names):
-            return all(n.split(".")[0] in ("keys", "values", "lengths") and n.split(".")[-1].isdigit() for n in names)
+            kinds = ("keys", "values", "key_scales", "value_scales", "lengths")
+            return all(n.split(".")[0] in kinds and n.split(".")[-1].isdigit() for n in names)
 
         meta, tensors = _read_saved_cache(
             path, key=SAVED_NATIVE_CACHE_KEY, names_ok=names_ok, expected="tensors keys.<i>, values.<i>, lengths.<i>"
@@ -463,7 +523,8 @@ class NativeCache(Cache):
         if not isinstance(saved, list) or len(saved) != meta["num_layers"]:
             raise ValueError(f"{path} is corrupt: {meta['num_layers']} layers but {len(saved)} layer entries")
         capacity = meta["max_cache_len"] if max_cache_len is None else max_cache_len
-        cache = cls(config, max_cache_len=capacity, chunk_size=meta["chunk_size"])  # validates both
+        kv_dtype = meta.get("kv_dtype")  # files from before quantized storage have none
+        cache = cls(config, max_cache_len=capacity, chunk_size=meta["chunk_size"], kv_dtype=kv_dtype)  # validates all
         if len(cache.layers) != len(saved):
             raise ValueError(f"{path} holds {len(saved)} layers; this config has {len(cache.layers)}")
         text_config = config.get_text_config(decoder=True)
@@ -508,11 +569,17 @@ class NativeCache(Cache):
             shape = (entry["batch_size"], entry["kv_heads"], entry["used"], entry["head_dim"])
             if entry["used"] != min(entry["high_water"], entry["slots"]):
                 raise ValueError(f"{path} is corrupt: layer {i} says {entry['used']} slots are used")
-            for name in (f"keys.{i}", f"values.{i}"):
+            stored = {f"keys.{i}": (shape, dtype), f"values.{i}": (shape, dtype)}
+            if cache.kv_dtype is not None:
+                codes = (quant.data_shape(cache.kv_dtype, shape), quant.storage_dtype(cache.kv_dtype))
+                scales = (quant.scale_shape(cache.kv_dtype, shape), quant.scale_dtype(cache.kv_dtype))
+                stored = {f"keys.{i}": codes, f"values.{i}": codes}
+                stored.update({f"key_scales.{i}": scales, f"value_scales.{i}": scales})
+            for name, (expected_shape, expected_dtype) in stored.items():
                 t = tensors.get(name)
-                if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                if t is None or tuple(t.shape) != tuple(expected_shape) or t.dtype != expected_dtype:
                     raise ValueError(
-                        f"{path}: {name} must be {entry['dtype']} of shape {shape}, got "
+                        f"{path}: {name} must be {expected_dtype} of shape {tuple(expected_shape)}, got "
                         f"{None if t is None else (t.dtype, tuple(t.shape))}"
                     )
             lengths = tensors.get(f"lengths.{i}")
@@ -528,7 +595,7 @@ class NativeCache(Cache):
                     f"{path}: lengths.{i} must be the {entry['batch_size']} non-negative row "
                     f"lengths recorded in its metadata"
                 )
-            expected_names |= {f"keys.{i}", f"values.{i}", f"lengths.{i}"}
+            expected_names |= {*stored, f"lengths.{i}"}
         if set(tensors) != expected_names:
             raise ValueError(f"{path}: expected tensors {sorted(expected_names)}, got {sorted(tensors)}")
         # Everything is checked: fill the new cache (a failure above left no cache behind).
@@ -547,10 +614,16 @@ class NativeCache(Cache):
                 torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
             )
             used = entry["used"]
-            layer.keys[:, :, :used] = tensors[f"keys.{i}"].to(device)
-            layer.values[:, :, :used] = tensors[f"values.{i}"].to(device)
+            for name in ("keys", "values", "key_scales", "value_scales"):
+                if f"{name}.{i}" in tensors:
+                    _raw(getattr(layer, name))[:, :, :used] = _raw(tensors[f"{name}.{i}"]).to(device)
             layer.lengths.copy_(tensors[f"lengths.{i}"].to(device))
         return cache
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """float8 codes as bytes: indexing and copies move them unchanged (float8 indexing is not implemented everywhere)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def native_attention_forward(

@@ -36,6 +36,21 @@ def kv_format(kv_dtype) -> str:
     return fmt
 
 
+def check_kv_format(fmt: str, dtype: torch.dtype, head_dim: int | None, device) -> None:
+    """Whether ``device``'s kernels store format ``fmt`` for queries/keys/values of ``dtype`` and
+    ``head_dim`` (None: not known yet), against the capability table."""
+    table = capabilities(device)
+    table.check_dtype(dtype, "the cache's dtype")
+    if fmt not in table.kv_formats:
+        raise TypeError(
+            f"kv_dtype {fmt!r} is not stored by the {table.kernels} on {torch.device(device or 'cpu')}"
+            f" (formats: {table.kv_formats or 'none'})"
+        )
+    if head_dim is not None:
+        table.check_head_dim(head_dim)
+        quant.check_head_dim(fmt, head_dim)
+
+
 class QuantizedKVCache(KVCache):
     """A :class:`KVCache` whose buffers hold quantized keys/values plus their scales.
 
@@ -60,16 +75,7 @@ class QuantizedKVCache(KVCache):
         kv_dtype="int8",
     ):
         fmt = kv_format(kv_dtype)
-        table = capabilities(device)
-        table.check_dtype(dtype, "KVCache dtype")
-        if fmt not in table.kv_formats:
-            raise TypeError(
-                f"kv_dtype {fmt!r} is not stored by the {table.kernels} on {torch.device(device or 'cpu')}"
-                f" (formats: {table.kv_formats or 'none'})"
-            )
-        if isinstance(head_dim, int):
-            table.check_head_dim(head_dim)
-            quant.check_head_dim(fmt, head_dim)
+        check_kv_format(fmt, dtype, head_dim if isinstance(head_dim, int) else None, device)
         # The base class allocates k and v as the code buffers: its head_dim is bytes per vector.
         code_bytes = quant.data_shape(fmt, (head_dim,))[0] if isinstance(head_dim, int) else head_dim
         PreallocatedCache.__init__(
@@ -84,7 +90,7 @@ class QuantizedKVCache(KVCache):
             dtype=quant.storage_dtype(fmt),
             device=device,
         )
-        table.check_slots(self.slots)
+        capabilities(device).check_slots(self.slots)
         self.head_dim, self.kv_dtype, self.dtype = head_dim, fmt, dtype
         scale_shape = quant.scale_shape(fmt, (num_layers, batch_size, kv_heads, self.slots, head_dim))
         for name in ("k_scale", "v_scale"):
