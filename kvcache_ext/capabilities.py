@@ -24,6 +24,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tokens one row may hold: the bound the native ops enforce (kMaxLength), kept by the pure-PyTorch
 # path too so that both behave alike.
 MAX_LENGTH = 2**62
+# Block sizes of paged pools (num_blocks, kv_heads, block_size, head_dim): powers of two up to
+# kMaxBlockSize (csrc/capabilities.h), so that a position's block and offset are a shift and a mask.
+# Every path takes exactly these, the python_ref fallback included, so a pool works on any device.
+PAGED_BLOCK_SIZES = tuple(2**i for i in range(9))
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,9 @@ class Capabilities:
     max_slots: int
     max_group: int | None
     kv_formats: tuple[str, ...]  # quantized cache formats (python_ref/quantize.py) stored natively
+    # Block sizes the native paged ops take on this device; empty: no paged kernel here, and the
+    # paged ops run python_ref's paged reference (same semantics and checks, PAGED_BLOCK_SIZES).
+    paged_block_sizes: tuple[int, ...]
 
     @property
     def native(self) -> bool:
@@ -96,6 +103,7 @@ def kernel_table(device_type: str) -> Capabilities:
         max_slots=table["max_slots"],
         max_group=table["max_group"],
         kv_formats=tuple(table["kv_formats"]),
+        paged_block_sizes=tuple(size for size in PAGED_BLOCK_SIZES if size <= table["paged_max_block_size"]),
     )
 
 
@@ -111,6 +119,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         max_slots=MAX_LENGTH,
         max_group=None,
         kv_formats=FORMATS,
+        paged_block_sizes=(),
     )
 
 
