@@ -127,12 +127,18 @@ def _power_of_two(n: int) -> str:
     return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"2^{(n + 1).bit_length() - 1} - 1"
 
 
+def _paged_sizes(sizes: tuple[int, ...]) -> str:
+    if not sizes:
+        return "none (python_ref's paged reference runs)"
+    return f"powers of two from {sizes[0]} to {sizes[-1]}"
+
+
 def limits_markdown() -> str:
     """README's limits table, rendered from the kernels' own tables (a test compares the two)."""
     rows = [
         "| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots "
-        "| quantized `kv_dtype` |",
-        "|---|---|---|---|---|---|---|",
+        "| quantized `kv_dtype` | paged `block_size` |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for table in (kernel_table("cpu"), kernel_table("cuda"), python_fallback_table("cpu")):
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in table.dtypes)
@@ -144,7 +150,8 @@ def limits_markdown() -> str:
         group = "any" if table.max_group is None else f"at most {table.max_group}"
         rows.append(
             f"| {table.kernels} | {dtypes} | {head_dim} | {group} | 0 to {_power_of_two(table.max_length)} "
-            f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} |"
+            f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} "
+            f"| {_paged_sizes(table.paged_block_sizes)} |"
         )
     return "\n".join(rows)
 
