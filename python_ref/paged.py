@@ -77,9 +77,9 @@ def _check_block_ids(block_tables, used, num_blocks, what) -> None:
         )
 
 
-def check_paged_append(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None) -> torch.Tensor:
-    """Everything ``paged_append_reference`` needs of its arguments, values included; returns the
-    number of tokens each row writes ((B,) int64). Raises ValueError/TypeError/IndexError."""
+def check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None) -> None:
+    """Shapes, dtypes and devices of ``paged_append_reference``'s arguments (not the values of
+    ``lengths``, ``new_counts`` and ``block_tables``: those need reading the tensors)."""
     _check_pool(k_pool, v_pool)
     num_blocks, H, block_size, D = k_pool.shape
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -92,14 +92,19 @@ def check_paged_append(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_
             raise TypeError(
                 f"{name} must be {k_pool.dtype} on {k_pool.device} like the pool, got {t.dtype} on {t.device}"
             )
-    B, _, T, _ = k_new.shape
+    B = k_new.shape[0]
     check_block_tables(block_tables, B, k_pool.device)
     _check_lengths(lengths, B, k_pool.device)
-    if new_counts is None:
-        counts = torch.full((B,), T, dtype=torch.long, device=k_pool.device)
-    else:
+    if new_counts is not None:
         _check_lengths(new_counts, B, k_pool.device, "new_counts")
-        counts = new_counts
+
+
+def _check_append_values(k_pool, k_new, block_tables, lengths, new_counts) -> torch.Tensor:
+    """The values of an append's lengths, counts and written table entries (the arguments checked
+    already); returns the number of tokens each row writes, (B,) int64."""
+    num_blocks, block_size = k_pool.shape[0], k_pool.shape[2]
+    B, T = k_new.shape[0], k_new.shape[2]
+    counts = torch.full((B,), T, dtype=torch.long, device=k_pool.device) if new_counts is None else new_counts
     capacity = block_tables.shape[1] * block_size
     row = _first_bad_row((lengths < 0) | (lengths > capacity))
     if row is not None:
@@ -155,7 +160,8 @@ def paged_append_reference(k_pool, v_pool, k_new, v_new, block_tables, lengths, 
     a written entry that is not a block id in ``[0, num_blocks)``, and two written positions that
     map to the same (block, offset) (a block shared by rows must be copied before it is written).
     """
-    counts = check_paged_append(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+    check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+    counts = _check_append_values(k_pool, k_new, block_tables, lengths, new_counts)
     block_size = k_pool.shape[2]
     T = k_new.shape[2]
     rows, t = (torch.arange(T, device=k_pool.device).view(1, -1) < counts.view(-1, 1)).nonzero(as_tuple=True)
@@ -166,8 +172,9 @@ def paged_append_reference(k_pool, v_pool, k_new, v_new, block_tables, lengths, 
     v_pool[blocks, :, offsets] = v_new[rows, :, t]
 
 
-def check_paged_attention(q, k_pool, v_pool, block_tables, lengths, window=None) -> None:
-    """Everything ``paged_attention_reference`` needs of its arguments, values included."""
+def check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, window=None) -> None:
+    """Shapes, dtypes and devices of ``paged_attention_reference``'s arguments (not the values of
+    ``lengths`` and ``block_tables``)."""
     _check_pool(k_pool, v_pool)
     num_blocks, H_kv, block_size, D = k_pool.shape
     if q.dim() != 4 or q.shape[3] != D:
@@ -183,6 +190,12 @@ def check_paged_attention(q, k_pool, v_pool, block_tables, lengths, window=None)
         raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
     check_block_tables(block_tables, B, k_pool.device)
     _check_lengths(lengths, B, k_pool.device)
+
+
+def _check_attention_values(q, k_pool, block_tables, lengths, window) -> None:
+    """The values of the lengths and of the table entries an attention reads."""
+    num_blocks, block_size = k_pool.shape[0], k_pool.shape[2]
+    T = q.shape[2]
     capacity = block_tables.shape[1] * block_size
     row = _first_bad_row((lengths < T) | (lengths > capacity))
     if row is not None:
@@ -226,7 +239,8 @@ def paged_attention_reference(
     max_blocks_per_row * block_size``. Only the blocks a query can see are read (with a window,
     earlier entries may be invalid ids); those must be block ids in ``[0, num_blocks)``.
     """
-    check_paged_attention(q, k_pool, v_pool, block_tables, lengths, window)
+    check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, window)
+    _check_attention_values(q, k_pool, block_tables, lengths, window)
     block_size = k_pool.shape[2]
     T = q.shape[2]
     blocks_needed = max(1, -(-int(lengths.max()) // block_size))

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="nati
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}
 SAME_DTYPE_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
-REFUSALS = (ValueError, TypeError, IndexError)
+REFUSALS = (ValueError, TypeError, IndexError)  # python_ref's, and the wrappers' checks of shapes
+# The wrappers leave the values of lengths, counts and table entries to the native binding, which
+# checks them before writing (RuntimeError), as it does for the contiguous ops' lengths.
+WRAPPER_REFUSALS = (*REFUSALS, RuntimeError)
 
 
 def paged_layout(k, v, lengths, block_size, spare_blocks=3, table_dtype=torch.int32, spare_entries=1):
@@ -143,6 +146,8 @@ def test_blocks_before_the_window_are_not_read():
     out = kvcache_ext.paged_decode_attention(q, k_pool, v_pool, released, lengths, window=window)
     assert torch.equal(out[0], expected[0])
     with pytest.raises(IndexError, match=r"block_tables\[0, 3\] = 1000000 is not a block id"):
+        paged_attention_reference(q, k_pool, v_pool, released, lengths, window=19)
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 3\] = 1000000 is not a block id"):
         kvcache_ext.paged_decode_attention(q, k_pool, v_pool, released, lengths, window=19)  # sees 30..49
 
 
@@ -254,15 +259,26 @@ BAD_APPENDS = {
 }
 
 
-def raw_append(case):
-    torch.ops.kvcache_ext.paged_append_kv(*case.values())
+# Limits of the kernels, not of the semantics: python_ref's reference takes any block size.
+KERNEL_LIMITS = {"block size not a power of two", "block size too large"}
+
+
+def append_callers(name):
+    """Every entry point with the exceptions it refuses with."""
+    callers = [
+        (lambda c: kvcache_ext.paged_append_kv(**c), WRAPPER_REFUSALS),
+        (lambda c: torch.ops.kvcache_ext.paged_append_kv(*c.values()), RuntimeError),
+    ]
+    if name not in KERNEL_LIMITS:
+        callers.append((lambda c: paged_append_reference(**c), REFUSALS))
+    return callers
 
 
 @pytest.mark.parametrize("name", list(BAD_APPENDS))
 def test_refused_append_changes_nothing(name):
     case = append_case(**BAD_APPENDS[name])
     before = [case["k_pool"].clone(), case["v_pool"].clone()]
-    for call, errors in ((lambda c: kvcache_ext.paged_append_kv(**c), REFUSALS), (raw_append, RuntimeError)):
+    for call, errors in append_callers(name):
         with pytest.raises(errors):
             call(case)
         assert torch.equal(case["k_pool"], before[0]) and torch.equal(case["v_pool"], before[1])
@@ -300,10 +316,14 @@ def test_refused_attention(name):
         scale=None,
     )
     case.update(BAD_ATTENTIONS[name])
-    with pytest.raises(REFUSALS):
+    with pytest.raises(WRAPPER_REFUSALS):
         kvcache_ext.paged_decode_attention(**case)
     with pytest.raises(RuntimeError):
         torch.ops.kvcache_ext.paged_decode_attention(*case.values())
+    # Like reference_attention, the reference computes with any scale and mixed dtypes.
+    if name not in ("non-finite scale", "q of another dtype"):
+        with pytest.raises(REFUSALS):
+            paged_attention_reference(**case)
 
 
 # ---- the op contract -------------------------------------------------------------------------------
@@ -392,8 +412,9 @@ def test_fuzz_append_block_tables(call):
     event("append accepted" if accepted else "append refused")
     before = k_pool.clone(), v_pool.clone()
     for call_op, errors in (
-        (kvcache_ext.paged_append_kv, REFUSALS),
+        (kvcache_ext.paged_append_kv, WRAPPER_REFUSALS),
         (torch.ops.kvcache_ext.paged_append_kv, RuntimeError),
+        (paged_append_reference, REFUSALS),
     ):
         pools = k_pool.clone(), v_pool.clone()
         if accepted:
@@ -453,7 +474,29 @@ def test_fuzz_attention_block_tables(call):
         torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(lse, reference_lse, atol=2e-5, rtol=1e-5)
     else:
-        with pytest.raises(REFUSALS):
+        with pytest.raises(WRAPPER_REFUSALS):
             kvcache_ext.paged_decode_attention(*args)
         with pytest.raises(RuntimeError):
             torch.ops.kvcache_ext.paged_decode_attention(*args)
+        with pytest.raises(REFUSALS):
+            paged_attention_reference(*args)
+
+
+def test_a_paged_step_compiles_without_graph_breaks():
+    """Append then attend under torch.compile(fullgraph=True): the wrappers' checks are shape checks
+    dynamo traces, and the fake implementations give the ops' results their shapes."""
+    B, H, D, block_size = 2, 2, 16, 4
+    k_pool, v_pool = torch.zeros(6, H, block_size, D), torch.zeros(6, H, block_size, D)
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32)
+    lengths, counts = torch.tensor([3, 6]), torch.tensor([2, 1])
+    k_new, v_new, q = torch.randn(B, H, 2, D), torch.randn(B, H, 2, D), torch.randn(B, 2 * H, 1, D)
+
+    def step(k_pool, v_pool):
+        kvcache_ext.paged_append_kv(k_pool, v_pool, k_new, v_new, table, lengths, counts)
+        return kvcache_ext.paged_decode_attention(q, k_pool, v_pool, table, lengths + counts)
+
+    eager_pools = k_pool.clone(), v_pool.clone()
+    expected = step(*eager_pools)
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(k_pool, v_pool)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+    assert torch.equal(k_pool, eager_pools[0]) and torch.equal(v_pool, eager_pools[1])
