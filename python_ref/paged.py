@@ -243,7 +243,7 @@ def paged_attention_reference(
     _check_attention_values(q, k_pool, block_tables, lengths, window)
     block_size = k_pool.shape[2]
     T = q.shape[2]
-    blocks_needed = max(1, -(-int(lengths.max()) // block_size))
+    blocks_needed = max(1, -(-int(lengths.max()) // block_size)) if len(lengths) else 1
     capacity = block_tables.shape[1] * block_size
     first, end = _read_range(lengths, T, window, capacity)
     j = torch.arange(blocks_needed, device=q.device).view(1, -1)

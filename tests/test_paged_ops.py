@@ -151,6 +151,36 @@ def test_blocks_before_the_window_are_not_read():
         kvcache_ext.paged_decode_attention(q, k_pool, v_pool, released, lengths, window=19)  # sees 30..49
 
 
+def test_an_empty_batch_gives_empty_outputs():
+    k_pool, v_pool = torch.randn(4, 2, 4, 16), torch.randn(4, 2, 4, 16)
+    table, lengths = torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.long)
+    out, lse = kvcache_ext.paged_decode_attention(torch.randn(0, 4, 1, 16), k_pool, v_pool, table, lengths)
+    assert out.shape == (0, 4, 1, 16) and lse.shape == (0, 4, 1)
+    before = k_pool.clone()
+    kvcache_ext.paged_append_kv(k_pool, v_pool, torch.randn(0, 2, 1, 16), torch.randn(0, 2, 1, 16), table, lengths)
+    assert torch.equal(k_pool, before)
+
+
+def test_block_tables_may_be_strided_views():
+    q, k, v, lengths = make_tokens(torch.float32, 3, 2, 2, 2, 32, [9, 30, 17], False)
+    k_pool, v_pool, table = paged_layout(k, v, lengths, 4, table_dtype=torch.int64)
+    expected = kvcache_ext.paged_decode_attention(q, k_pool, v_pool, table, lengths)
+    wide = torch.stack([table, -torch.ones_like(table)], dim=-1).flatten(1)  # every other entry
+    strided = wide[:, ::2]
+    assert not strided.is_contiguous()
+    out = kvcache_ext.paged_decode_attention(q, k_pool, v_pool, strided, lengths)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+    counts = torch.tensor([1, 0, 2])
+    k_new, v_new = torch.randn(3, 2, 2, 32), torch.randn(3, 2, 2, 32)
+    plain_pools = k_pool.nan_to_num(), v_pool.nan_to_num()
+    strided_pools = plain_pools[0].clone(), plain_pools[1].clone()
+    kvcache_ext.paged_append_kv(*plain_pools, k_new, v_new, table, lengths, counts)
+    kvcache_ext.paged_append_kv(
+        *strided_pools, k_new, v_new, strided, lengths[::1], torch.stack([counts, counts], 1)[:, 0]
+    )
+    assert torch.equal(strided_pools[0], plain_pools[0]) and torch.equal(strided_pools[1], plain_pools[1])
+
+
 def expected_append(k_pool, v_pool, k_new, v_new, table, lengths, counts):
     """The pools after an append, token by token from the definition."""
     k_pool, v_pool = k_pool.clone(), v_pool.clone()
