@@ -81,7 +81,7 @@ def check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, len
     """Shapes, dtypes and devices of ``paged_append_reference``'s arguments (not the values of
     ``lengths``, ``new_counts`` and ``block_tables``: those need reading the tensors)."""
     _check_pool(k_pool, v_pool)
-    num_blocks, H, block_size, D = k_pool.shape
+    H, D = k_pool.shape[1], k_pool.shape[3]
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if t.dim() != 4 or t.shape[1] != H or t.shape[3] != D or t.shape != k_new.shape:
             raise ValueError(
@@ -176,7 +176,7 @@ def check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, wi
     """Shapes, dtypes and devices of ``paged_attention_reference``'s arguments (not the values of
     ``lengths`` and ``block_tables``)."""
     _check_pool(k_pool, v_pool)
-    num_blocks, H_kv, block_size, D = k_pool.shape
+    H_kv, D = k_pool.shape[1], k_pool.shape[3]
     if q.dim() != 4 or q.shape[3] != D:
         raise ValueError(f"q must be (batch, q_heads, num_new, head_dim={D}), got shape {tuple(q.shape)}")
     if q.device != k_pool.device:
@@ -233,11 +233,11 @@ def paged_attention_reference(
 
     Semantics: exactly ``reference_attention`` (GQA, queries aligned bottom-right, causal,
     optional sliding ``window``, ``scale`` default ``1/sqrt(D)``, ``softcap``, ``sinks``) on a
-    contiguous cache whose slot
-    ``p`` holds position ``p`` of the row, gathered from the blocks. There is no ring: a row's
-    positions ``0 .. lengths[b] - 1`` all live in the table, so ``T <= lengths[b] <=
-    max_blocks_per_row * block_size``. Only the blocks a query can see are read (with a window,
-    earlier entries may be invalid ids); those must be block ids in ``[0, num_blocks)``.
+    contiguous cache whose slot ``p`` holds position ``p`` of the row, gathered from the blocks.
+    There is no ring: a row's positions ``0 .. lengths[b] - 1`` all live in the table, so
+    ``T <= lengths[b] <= max_blocks_per_row * block_size``. Only the blocks a query can see are
+    read (with a window, earlier entries may be invalid ids); those must be block ids in
+    ``[0, num_blocks)``.
     """
     check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, window)
     _check_attention_values(q, k_pool, block_tables, lengths, window)
