@@ -28,6 +28,7 @@ cpu_sources = [
     "csrc/ops.cpp",
     "csrc/cpu/ops_cpu.cpp",
     "csrc/cpu/gather_rows.cpp",
+    "csrc/cpu/paged_cpu.cpp",
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/decode_attention_baseline.cpp",
     "csrc/cpu/ops_quantized_cpu.cpp",

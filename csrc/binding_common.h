@@ -94,6 +94,49 @@ inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch
                   dtype_name(lengths.scalar_type()));
 }
 
+// The device-independent checks of a paged pool pair (num_blocks, kv_heads, block_size, head_dim):
+// shapes, dtypes, block size, layout. Returns log2(block_size).
+inline int64_t check_pool_layout(const torch::stable::Tensor& k_pool, const torch::stable::Tensor& v_pool) {
+  STD_TORCH_CHECK(k_pool.dim() == 4, "k_pool must be (num_blocks, kv_heads, block_size, head_dim), got shape ",
+                  shape_of(k_pool));
+  STD_TORCH_CHECK(v_pool.dim() == 4 && v_pool.sizes().equals(k_pool.sizes()), "v_pool must have k_pool's shape ",
+                  shape_of(k_pool), ", got ", shape_of(v_pool));
+  STD_TORCH_CHECK(v_pool.scalar_type() == k_pool.scalar_type(), "v_pool must be ", dtype_name(k_pool.scalar_type()),
+                  " like k_pool, got ", dtype_name(v_pool.scalar_type()));
+  elem_type_of(k_pool, "k_pool");
+  STD_TORCH_CHECK(head_dim_supported(k_pool.size(3)), "head_dim must be a multiple of ", kHeadDimMultiple, " between ",
+                  kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", k_pool.size(3));
+  const int64_t block_size = k_pool.size(2);
+  STD_TORCH_CHECK(block_size_supported(block_size),
+                  "block_size (k_pool's dimension 2) must be a power of two from 1 to ", kMaxBlockSize, ", got ",
+                  block_size);
+  STD_TORCH_CHECK(elements_distinct(k_pool) && elements_distinct(v_pool),
+                  "k_pool and v_pool must not be expanded or self-overlapping views (writes would collide)");
+  const auto* k_begin = static_cast<const char*>(k_pool.const_data_ptr());
+  const auto* v_begin = static_cast<const char*>(v_pool.const_data_ptr());
+  STD_TORCH_CHECK(
+      k_pool.numel() == 0 || k_begin + span_bytes(k_pool) <= v_begin || v_begin + span_bytes(v_pool) <= k_begin,
+      "k_pool and v_pool must not share memory");
+  STD_TORCH_CHECK(k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
+                  "k_pool and v_pool need a contiguous last (head_dim) dimension, got strides ", k_pool.stride(3),
+                  " and ", v_pool.stride(3));
+  int64_t shift = 0;
+  while ((int64_t{1} << shift) < block_size) ++shift;
+  return shift;
+}
+
+// block_tables (batch, max_blocks_per_row) int32 or int64, and every position of a table within
+// kMaxLength (so position arithmetic stays in int64).
+inline void check_block_tables(const torch::stable::Tensor& block_tables, int64_t batch, int64_t block_shift) {
+  using torch::headeronly::ScalarType;
+  STD_TORCH_CHECK(block_tables.scalar_type() == ScalarType::Int || block_tables.scalar_type() == ScalarType::Long,
+                  "block_tables must be int32 or int64, got ", dtype_name(block_tables.scalar_type()));
+  STD_TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch, "block_tables must be (batch=", batch,
+                  ", max_blocks_per_row), got shape ", shape_of(block_tables));
+  STD_TORCH_CHECK(block_tables.size(1) <= (kMaxLength >> block_shift), "block_tables has ", block_tables.size(1),
+                  " blocks per row: more positions than 2^62");
+}
+
 // Each row's length, read through lengths' stride (it may be a view), checked to lie in
 // [lowest, kMaxLength]: `what` says what a length counts, for the error. Reads lengths on the
 // host: for the CPU bindings only (the CUDA ones never read device memory).

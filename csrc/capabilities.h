@@ -19,6 +19,15 @@ constexpr int64_t kMaxLength = int64_t{1} << 62;
 constexpr int64_t kMaxSlotsCpu = kMaxLength;
 constexpr int64_t kMaxSlotsCuda = (int64_t{1} << 31) - 1;
 
+// Paged pools (num_blocks, kv_heads, block_size, head_dim): block_size a power of two from 1 to
+// kMaxBlockSize (a position's block and offset are a shift and a mask). Paged ops run on the CPU
+// kernels only for now; on CUDA the Python wrappers run python_ref's paged reference.
+constexpr int64_t kMaxBlockSize = 256;
+
+inline bool block_size_supported(int64_t block_size) {
+  return block_size >= 1 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0;
+}
+
 inline bool head_dim_supported(int64_t head_dim) {
   return head_dim >= kHeadDimMultiple && head_dim <= kMaxHeadDim && head_dim % kHeadDimMultiple == 0;
 }
@@ -31,7 +40,9 @@ inline std::string capabilities_json(bool cuda) {
          ", \"max_head_dim\": " + std::to_string(kMaxHeadDim) + ", \"max_length\": " + std::to_string(kMaxLength) +
          ", \"max_slots\": " + std::to_string(cuda ? kMaxSlotsCuda : kMaxSlotsCpu) + ", \"max_group\": null" +
          // Quantized cache formats (python_ref/quantize.py) the kernels store and attend over.
-         ", \"kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\", \"int4\"]") + "}";
+         ", \"kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\", \"int4\"]") +
+         // Block sizes of paged pools the kernels take (none: no paged kernel on the device).
+         ", \"paged_max_block_size\": " + (cuda ? "0" : std::to_string(kMaxBlockSize)) + "}";
 }
 
 }  // namespace kvcache_ext

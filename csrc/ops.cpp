@@ -29,6 +29,27 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // are staged in scratch memory, instead of copying the whole cache out and back.
   m.def("gather_rows(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_rows) -> ()");
 
+  // Paged storage (python_ref/paged.py is the reference): per layer, block pools k_pool/v_pool
+  // [num_blocks, kv_heads, block_size, head_dim] (block_size a power of two, capabilities.h) and
+  // block_tables [batch, max_blocks_per_row] int32 or int64: position p of row b lives in block
+  // block_tables[b, p / block_size] at offset p % block_size. Only the entries a call reads or
+  // writes must be block ids in [0, num_blocks); the others are ignored. No ring: every position
+  // of a row is in its table (lengths[b] <= max_blocks_per_row * block_size).
+  //
+  // paged_append_kv writes token t < new_counts[b] (default: all num_new) of k_new/v_new [batch,
+  // kv_heads, num_new, head_dim] to position lengths[b] + t of row b (lengths [batch] int64: the
+  // tokens held before; not changed). Refuses, writing nothing, two written positions that map to
+  // one (block, offset): a block shared between rows is copied by the caller before a write.
+  m.def(
+      "paged_append_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, "
+      "Tensor lengths, Tensor? new_counts=None) -> ()");
+  // decode_attention's semantics (lengths counting the new tokens, GQA, bottom-right causal,
+  // window, scale, softcap, sinks) over the positions the block tables hold; the same kernel in
+  // its block-table address mode. Blocks no query sees (before a window) are not read.
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor lengths, "
+      "int? window=None, float? scale=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+
   // The capability table of csrc/capabilities.h for device_type "cpu" or "cuda", as JSON: dtypes,
   // head_dim rule, limits on lengths and slots. Read by kvcache_ext.capabilities().
   m.def("capabilities(str device_type) -> str");

@@ -2,7 +2,8 @@
 
 ``KVCache`` drops into any model that speaks python_ref's cache protocol; ``append_kv`` and
 ``decode_attention`` are the ops behind it (``append_kv_quantized`` and
-``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``); ``capabilities(device)`` is the table of what the
+``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``; ``paged_append_kv`` and
+``paged_decode_attention`` for block pools); ``capabilities(device)`` is the table of what the
 kernels support. Without a loadable native library the package warns once and runs the same API
 on the pure-PyTorch reference path (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that an error).
 """
@@ -10,7 +11,15 @@ on the pure-PyTorch reference path (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that 
 from ._native import build_info
 from .cache import KVCache
 from .capabilities import Capabilities, capabilities, kernels_used, native_available
-from .ops import append_kv, append_kv_quantized, decode_attention, decode_attention_quantized, gather_rows
+from .ops import (
+    append_kv,
+    append_kv_quantized,
+    decode_attention,
+    decode_attention_quantized,
+    gather_rows,
+    paged_append_kv,
+    paged_decode_attention,
+)
 
 __all__ = [
     "KVCache",
@@ -19,6 +28,8 @@ __all__ = [
     "gather_rows",
     "append_kv_quantized",
     "decode_attention_quantized",
+    "paged_append_kv",
+    "paged_decode_attention",
     "build_info",
     "capabilities",
     "Capabilities",

@@ -24,6 +24,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tokens one row may hold: the bound the native ops enforce (kMaxLength), kept by the pure-PyTorch
 # path too so that both behave alike.
 MAX_LENGTH = 2**62
+# Block sizes of paged pools (num_blocks, kv_heads, block_size, head_dim): powers of two up to
+# kMaxBlockSize (csrc/capabilities.h), so that a position's block and offset are a shift and a mask.
+# Every path takes exactly these, the python_ref fallback included, so a pool works on any device.
+PAGED_BLOCK_SIZES = tuple(2**i for i in range(9))
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,9 @@ class Capabilities:
     max_slots: int
     max_group: int | None
     kv_formats: tuple[str, ...]  # quantized cache formats (python_ref/quantize.py) stored natively
+    # Block sizes the native paged ops take on this device; empty: no paged kernel here, and the
+    # paged ops run python_ref's paged reference (same semantics and checks, PAGED_BLOCK_SIZES).
+    paged_block_sizes: tuple[int, ...]
 
     @property
     def native(self) -> bool:
@@ -96,6 +103,7 @@ def kernel_table(device_type: str) -> Capabilities:
         max_slots=table["max_slots"],
         max_group=table["max_group"],
         kv_formats=tuple(table["kv_formats"]),
+        paged_block_sizes=tuple(size for size in PAGED_BLOCK_SIZES if size <= table["paged_max_block_size"]),
     )
 
 
@@ -111,6 +119,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         max_slots=MAX_LENGTH,
         max_group=None,
         kv_formats=FORMATS,
+        paged_block_sizes=(),
     )
 
 
@@ -118,12 +127,18 @@ def _power_of_two(n: int) -> str:
     return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"2^{(n + 1).bit_length() - 1} - 1"
 
 
+def _paged_sizes(sizes: tuple[int, ...]) -> str:
+    if not sizes:
+        return "none (python_ref's paged reference runs)"
+    return f"powers of two from {sizes[0]} to {sizes[-1]}"
+
+
 def limits_markdown() -> str:
     """README's limits table, rendered from the kernels' own tables (a test compares the two)."""
     rows = [
         "| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots "
-        "| quantized `kv_dtype` |",
-        "|---|---|---|---|---|---|---|",
+        "| quantized `kv_dtype` | paged `block_size` |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for table in (kernel_table("cpu"), kernel_table("cuda"), python_fallback_table("cpu")):
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in table.dtypes)
@@ -135,7 +150,8 @@ def limits_markdown() -> str:
         group = "any" if table.max_group is None else f"at most {table.max_group}"
         rows.append(
             f"| {table.kernels} | {dtypes} | {head_dim} | {group} | 0 to {_power_of_two(table.max_length)} "
-            f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} |"
+            f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} "
+            f"| {_paged_sizes(table.paged_block_sizes)} |"
         )
     return "\n".join(rows)
 

@@ -27,11 +27,12 @@ import os
 import torch
 
 from python_ref import reference_attention
+from python_ref import paged
 from python_ref import quantize as quant
 from python_ref.caches import append_to_slots
 
 from . import _native
-from .capabilities import MAX_LENGTH, SUPPORTED_DTYPES, capabilities
+from .capabilities import MAX_LENGTH, PAGED_BLOCK_SIZES, SUPPORTED_DTYPES, capabilities
 
 DEBUG_ENV = "KVCACHE_EXT_DEBUG"
 _INT64_MAX = 2**63 - 1
@@ -414,5 +415,109 @@ if _native.available:
         q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
     ):
         _check_one_device(q, k_data, k_scales, v_data, v_scales, lengths, sinks)
+        B, H_q, T, _ = q.shape
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+
+
+# ---- paged storage ---------------------------------------------------------------------------
+# Layout, semantics and the reference: python_ref/paged.py. Per layer, block pools k_pool/v_pool
+# (num_blocks, kv_heads, block_size, head_dim) and block_tables (B, max_blocks_per_row), int32 (what
+# the kernels read; int64 is taken too): position p of row b lives in block block_tables[b, p //
+# block_size] at offset p % block_size. Shapes, dtypes, devices and the block size are checked here
+# (ValueError, TypeError) and again by the binding. The values of lengths, new_counts and of each
+# table entry read or written are checked before anything is written by whatever reads them, as for
+# lengths in the contract above: the native CPU binding (RuntimeError), or python_ref's paged
+# reference where no paged kernel serves the device (ValueError, IndexError; on CUDA, for now, that
+# reads the tables on the host and synchronises). Checking them here as well would cost ~0.1 ms a
+# call (measured: 94 us against the op's 3 us for a one-token append of 8 rows) and a graph break
+# under torch.compile.
+
+
+def check_paged_pool(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    """Shape, dtype, block size, head_dim, layout and device of a pool pair."""
+    if k_pool.dim() != 4:
+        raise ValueError(
+            f"k_pool must be (num_blocks, kv_heads, block_size, head_dim), got shape {tuple(k_pool.shape)}"
+        )
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"v_pool must have k_pool's shape {tuple(k_pool.shape)}, got {tuple(v_pool.shape)}")
+    if v_pool.device != k_pool.device:
+        raise ValueError(f"k_pool and v_pool must be on one device, got {k_pool.device} and {v_pool.device}")
+    table = capabilities(k_pool.device)
+    if k_pool.dtype not in table.dtypes or v_pool.dtype != k_pool.dtype:
+        raise TypeError(f"k_pool and v_pool must share one of {table.dtypes}, got {k_pool.dtype} and {v_pool.dtype}")
+    table.check_head_dim(k_pool.shape[3])
+    if k_pool.shape[2] not in PAGED_BLOCK_SIZES:
+        raise ValueError(f"block_size (k_pool's dimension 2) must be one of {PAGED_BLOCK_SIZES}, got {k_pool.shape[2]}")
+    if k_pool.stride(3) != 1 or v_pool.stride(3) != 1:
+        raise ValueError("k_pool and v_pool need a contiguous last (head_dim) dimension")
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} must not be an expanded view (writes would collide)")
+
+
+def _paged_native(k_pool: torch.Tensor) -> bool:
+    return k_pool.shape[2] in capabilities(k_pool.device).paged_block_sizes
+
+
+def paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None) -> None:
+    """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` through the block tables, in place: token
+    ``t < new_counts[b]`` (default: every ``t < T``) of row ``b`` goes to position ``lengths[b] + t``
+    (``lengths`` (B,) int64: tokens held before the append; not changed). Semantics and refusals:
+    ``python_ref.paged.paged_append_reference`` (a written entry must be a block id in ``[0,
+    num_blocks)``; two written positions in one (block, offset) are refused: copy-on-write is the
+    caller's job)."""
+    check_paged_pool(k_pool, v_pool)
+    paged.check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+    if _paged_native(k_pool):
+        torch.ops.kvcache_ext.paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+    else:
+        paged.paged_append_reference(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+
+
+def paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None):
+    """``decode_attention`` over the positions the block tables hold: ``q`` ``(B, H_q, T, D)``,
+    ``lengths`` (B,) int64 counting each row's tokens, the ``T`` new ones included (``T <=
+    lengths[b] <= max_blocks_per_row * block_size``; no ring). Semantics:
+    ``python_ref.paged.paged_attention_reference``; only the blocks some query sees are read (and
+    must be valid ids). Returns ``(out, lse)`` like ``decode_attention``."""
+    check_paged_pool(k_pool, v_pool)
+    if q.dtype != k_pool.dtype:
+        raise TypeError(f"q must have the pool's dtype {k_pool.dtype}, got {q.dtype}")
+    paged.check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, window)
+    capacity = block_tables.shape[1] * k_pool.shape[2]  # positions a table holds
+    check_queries(
+        q, q.shape[0], k_pool.shape[1], capacity, k_pool.shape[3], k_pool.device, window, scale, softcap, sinks
+    )
+    if not _paged_native(k_pool):
+        out, lse = paged.paged_attention_reference(
+            q, k_pool, v_pool, block_tables, lengths, window, scale, return_lse=True, softcap=softcap, sinks=sinks
+        )
+        return out, lse.float()
+    return torch.ops.kvcache_ext.paged_decode_attention(
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        lengths,
+        window,
+        None if scale is None else float(scale),
+        None if softcap is None else float(softcap),
+        None if sinks is None else sinks.float(),
+    )
+
+
+if _native.available:
+
+    @torch.library.register_fake("kvcache_ext::paged_append_kv")
+    def _paged_append_kv_fake(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None):
+        _check_one_device(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+        return None
+
+    @torch.library.register_fake("kvcache_ext::paged_decode_attention")
+    def _paged_decode_attention_fake(
+        q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+    ):
+        _check_one_device(q, k_pool, v_pool, block_tables, lengths, sinks)
         B, H_q, T, _ = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)

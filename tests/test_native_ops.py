@@ -220,3 +220,9 @@ def test_opcheck_decode_attention_with_softcap_and_sinks():
     torch.library.opcheck(
         torch.ops.kvcache_ext.decode_attention.default, (q, k, v, lengths, 5, None, 10.0, torch.randn(4))
     )
+
+
+def test_an_empty_batch_gives_empty_outputs():
+    q, k, v, lengths = make_problem(torch.float32, 0, 2, 2, 1, 64, 10, [], False)
+    out, lse = kvcache_ext.decode_attention(q, k, v, lengths.long())
+    assert out.shape == (0, 4, 1, 64) and lse.shape == (0, 4, 1)

@@ -24,6 +24,15 @@ struct AttentionProblem {
   float softcap;       // 0: scores are not capped
   const float* sinks;  // [q_heads] sink logits (stride sinks_stride), or null
   int64_t sinks_stride;
+  // Address mode. block_ids null: row b's position p is slot p % slots of k_cache[b] (a ring once
+  // the row outgrows it). block_ids set (paged): k_cache/v_cache are block pools [num_blocks,
+  // kv_heads, block_size, head_dim] (k_stride/v_stride: block, head, offset in block) and position
+  // p of row b lives in block block_ids[b * blocks_per_row + (p >> block_shift)] at offset
+  // p & (block_size - 1); slots = blocks_per_row << block_shift holds every row (no ring), and
+  // the binding has checked every id a query can see.
+  const int64_t* block_ids;
+  int64_t blocks_per_row;
+  int64_t block_shift;  // block_size = 1 << block_shift
 };
 
 // First position visible to the earliest new query of row b (see reference_attention).

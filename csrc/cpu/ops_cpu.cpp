@@ -156,6 +156,7 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
   const int64_t chunk = std::max<int64_t>(1, kMaxRowsPerCall / heads_per_block);
   const int64_t chunks = (T + chunk - 1) / chunk;
   const int64_t groups = B * H_kv * head_blocks * chunks;
+  if (groups == 0) return;  // an empty batch: nothing to compute (and the split count divides by groups)
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b] - first_visible_position(p, b));
   // Split the sequence when there are too few groups to keep every thread busy (split-K).

@@ -1,0 +1,239 @@
+// paged_append_kv and paged_decode_attention on the CPU (schemas in csrc/ops.cpp). Every argument,
+// the values of lengths, new_counts and of each block table entry the call reads or writes
+// included, is checked before the first byte is written. The attention is the decode-attention
+// kernel (decode_attention_kernel.inc) in its paged address mode, under the shared schedule.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "../binding_common.h"
+#include "attention_problem.h"
+#include "attention_schedule.h"
+#include "cpu_isa.h"
+
+namespace kvcache_ext::cpu {
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+void check_cpu(const Tensor& t, const char* what) {
+  STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");
+}
+
+void check_row_vector(const Tensor& t, int64_t batch, const char* what) {
+  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == ScalarType::Long, what,
+                  " must be int64 of shape (", batch, ",), got ", dtype_name(t.scalar_type()), " of shape ",
+                  shape_of(t));
+  check_cpu(t, what);
+}
+
+// The block ids of the table entries that cover positions [first[b], end[b]) of each row, dense
+// [batch, width] (width: the most entries any row uses; entries outside a row's range stay 0 and
+// are never used), each checked to be a block id in [0, num_blocks). `what`: what the op does
+// with the block, for the error.
+struct UsedBlocks {
+  std::vector<int64_t> ids;
+  int64_t width;
+};
+
+UsedBlocks used_blocks(const Tensor& block_tables, const std::vector<int64_t>& first, const std::vector<int64_t>& end,
+                       int64_t shift, int64_t num_blocks, const char* what) {
+  const int64_t B = block_tables.size(0);
+  int64_t width = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (end[b] > first[b]) width = std::max(width, ((end[b] - 1) >> shift) + 1);
+  UsedBlocks used{std::vector<int64_t>(static_cast<size_t>(B * width), 0), width};
+  const bool wide = block_tables.scalar_type() == ScalarType::Long;
+  const void* data = block_tables.const_data_ptr();
+  for (int64_t b = 0; b < B; ++b) {
+    if (end[b] <= first[b]) continue;
+    for (int64_t j = first[b] >> shift; j <= (end[b] - 1) >> shift; ++j) {
+      const int64_t at = b * block_tables.stride(0) + j * block_tables.stride(1);
+      const int64_t id = wide ? static_cast<const int64_t*>(data)[at] : static_cast<const int32_t*>(data)[at];
+      STD_TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id, " is not a block id in [0, ",
+                      num_blocks, ") but row ", b, " ", what, " it");
+      used.ids[b * width + j] = id;
+    }
+  }
+  return used;
+}
+
+// Refuses two written positions in one (block, offset): rows writing a shared block would race
+// (copy-on-write is the caller's job). Each used entry writes one range of offsets of its block.
+void check_distinct_writes(const UsedBlocks& written, const std::vector<int64_t>& first,
+                           const std::vector<int64_t>& end, int64_t shift) {
+  struct Span {
+    int64_t block, begin, end, row, entry;  // offsets [begin, end) within the block
+  };
+  std::vector<Span> spans;
+  for (int64_t b = 0; b < static_cast<int64_t>(first.size()); ++b) {
+    if (end[b] <= first[b]) continue;
+    for (int64_t j = first[b] >> shift; j <= (end[b] - 1) >> shift; ++j) {
+      const int64_t base = j << shift;
+      spans.push_back({written.ids[b * written.width + j], std::max(first[b], base) - base,
+                       std::min(end[b], base + (int64_t{1} << shift)) - base, b, j});
+    }
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& x, const Span& y) { return x.block != y.block ? x.block < y.block : x.begin < y.begin; });
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const Span &a = spans[i - 1], &c = spans[i];
+    STD_TORCH_CHECK(a.block != c.block || c.begin >= a.end, "block ", c.block, " would be written twice: by row ",
+                    a.row, " (table entry ", a.entry, ") and row ", c.row, " (table entry ", c.entry,
+                    "); give each written block one owner (copy-on-write is the caller's job)");
+  }
+}
+
+void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths,
+                     std::optional<Tensor> new_counts) {
+  const int64_t shift = check_pool_layout(k_pool, v_pool);
+  const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1), D = k_pool.size(3);
+  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == D && t->sizes().equals(k_new.sizes()),
+                    "k_new and v_new must both be (batch, kv_heads=", H, ", num_new, head_dim=", D, "), got ",
+                    shape_of(k_new), " and ", shape_of(v_new));
+    STD_TORCH_CHECK(t->scalar_type() == k_pool.scalar_type(), name, " must be ", dtype_name(k_pool.scalar_type()),
+                    " like the pool, got ", dtype_name(t->scalar_type()));
+    check_cpu(*t, name);
+  }
+  check_cpu(k_pool, "k_pool");
+  check_cpu(v_pool, "v_pool");
+  const int64_t B = k_new.size(0), T = k_new.size(2);
+  check_block_tables(block_tables, B, shift);
+  check_cpu(block_tables, "block_tables");
+  check_row_vector(lengths, B, "lengths");
+  if (new_counts.has_value()) check_row_vector(*new_counts, B, "new_counts");
+
+  const int64_t capacity = block_tables.size(1) << shift;
+  std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
+  std::vector<int64_t> end(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    STD_TORCH_CHECK(len[b] <= capacity, "lengths must count the tokens already in each row: at most ", capacity,
+                    " (max_blocks_per_row x block_size), got ", len[b], " for row ", b);
+    const int64_t count = new_counts.has_value() ? new_counts->const_data_ptr<int64_t>()[b * new_counts->stride(0)] : T;
+    STD_TORCH_CHECK(count >= 0 && count <= T && count <= capacity - len[b], "row ", b, " holds ", len[b], " of the ",
+                    capacity, " positions its table has room for and cannot take ", count,
+                    " new tokens (new tokens per row: between 0 and ", T, ", within the table)");
+    end[b] = len[b] + count;
+  }
+  const UsedBlocks written = used_blocks(block_tables, len, end, shift, num_blocks, "writes");
+  check_distinct_writes(written, len, end, shift);
+
+  const int64_t elem = static_cast<int64_t>(k_pool.element_size()), in_block = (int64_t{1} << shift) - 1;
+  struct Side {
+    char* pool;
+    const char* src;
+    int64_t pool_stride[3];
+    int64_t src_stride[4];
+  };
+  const Side sides[2] = {
+      {static_cast<char*>(k_pool.mutable_data_ptr()),
+       static_cast<const char*>(k_new.const_data_ptr()),
+       {k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},
+       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)}},
+      {static_cast<char*>(v_pool.mutable_data_ptr()),
+       static_cast<const char*>(v_new.const_data_ptr()),
+       {v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)},
+       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
+  };
+  // One work item per (K or V, row, head); the distinct-writes check makes the items' writes disjoint.
+  torch::stable::parallel_for(
+      0, 2 * B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t stop) {
+        for (int64_t item = begin; item < stop; ++item) {
+          const Side& side = sides[item / (B * H)];
+          const int64_t b = (item % (B * H)) / H, h = item % H;
+          for (int64_t pos = len[b]; pos < end[b]; ++pos) {
+            const int64_t block = written.ids[b * written.width + (pos >> shift)], t = pos - len[b];
+            char* dst =
+                side.pool +
+                (block * side.pool_stride[0] + h * side.pool_stride[1] + (pos & in_block) * side.pool_stride[2]) * elem;
+            const char* src =
+                side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
+            if (side.src_stride[3] == 1) {
+              std::memcpy(dst, src, D * elem);
+            } else {
+              for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
+            }
+          }
+        }
+      });
+}
+
+std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables,
+                                                  Tensor lengths, std::optional<int64_t> window,
+                                                  std::optional<double> scale, std::optional<double> softcap,
+                                                  std::optional<Tensor> sinks) {
+  const int64_t shift = check_pool_layout(k_pool, v_pool);
+  const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
+  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
+                  shape_of(q));
+  STD_TORCH_CHECK(q.scalar_type() == k_pool.scalar_type(), "q must have the pool's dtype ",
+                  dtype_name(k_pool.scalar_type()), ", got ", dtype_name(q.scalar_type()));
+  const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
+                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  check_block_tables(block_tables, B, shift);
+  check_row_vector(lengths, B, "lengths");
+  check_cpu(q, "q");
+  check_cpu(k_pool, "k_pool");
+  check_cpu(v_pool, "v_pool");
+  check_cpu(block_tables, "block_tables");
+  check_softcap_and_sinks(softcap, sinks, q);
+  const float checked = checked_scale(scale, D);
+
+  const int64_t capacity = block_tables.size(1) << shift;
+  const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
+  // Positions some query of a row sees: [first, len). Blocks before first are never read (a
+  // sliding-window cache may have released them).
+  const int64_t reach = std::min(window.value_or(capacity), capacity);
+  std::vector<int64_t> first(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    STD_TORCH_CHECK(len[b] <= capacity, "lengths must count the tokens of each row: at most ", capacity,
+                    " (max_blocks_per_row x block_size), got ", len[b], " for row ", b);
+    first[b] = std::max<int64_t>(0, len[b] - T - reach + 1);
+  }
+  const UsedBlocks read = used_blocks(block_tables, first, len, shift, num_blocks, "reads");
+
+  AttentionProblem p{};
+  p.elem = elem_type_of(q, "q");
+  p.q = q.const_data_ptr();
+  p.k_cache = k_pool.const_data_ptr();
+  p.v_cache = v_pool.const_data_ptr();
+  p.lengths = len.data();
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = capacity;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = k_pool.stride(i), p.v_stride[i] = v_pool.stride(i);
+  p.window = std::min(window.value_or(0), kMaxLength);
+  p.scale = checked;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  p.block_ids = read.ids.data();
+  p.blocks_per_row = read.width;
+  p.block_shift = shift;
+
+  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
+  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
+  schedule_decode_attention(p, partial_attention_kernel(), out.mutable_data_ptr(),
+                            static_cast<int64_t>(q.element_size()), lse.mutable_data_ptr<float>());
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace kvcache_ext::cpu
+
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
+  m.impl("paged_append_kv", TORCH_BOX(&kvcache_ext::cpu::paged_append_kv));
+  m.impl("paged_decode_attention", TORCH_BOX(&kvcache_ext::cpu::paged_decode_attention));
+}

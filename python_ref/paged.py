@@ -1,0 +1,259 @@
+"""Reference paged KV storage: append through a block table, attention by gathering the blocks.
+
+Written for clarity, not speed. The native ``paged_append_kv`` and ``paged_decode_attention`` are
+tested against these functions; the attention is ``reference_attention`` on the gathered tokens,
+so a paged cache and a contiguous one holding the same logical tokens agree by construction.
+
+Layout (per layer, vLLM-like):
+
+    k_pool, v_pool:  (num_blocks, H_kv, block_size, D)  every sequence's keys/values, in blocks
+    block_tables:    (B, max_blocks_per_row) int32 or int64, row ``b``'s block ids in order
+    lengths:         (B,) int64, tokens a row holds
+
+Token position ``p`` of row ``b`` lives in block ``block_tables[b, p // block_size]`` at offset
+``p % block_size``. Only the entries a call reads or writes must be valid block ids (in
+``[0, num_blocks)``); the others are ignored and may hold anything (-1 for "no block", a freed id).
+The checks below run before anything is written, so a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import reference_attention
+
+BLOCK_TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+def check_block_tables(block_tables: torch.Tensor, batch: int, device: torch.device) -> None:
+    """Shape, dtype and device of ``block_tables`` (not its values)."""
+    if block_tables.dtype not in BLOCK_TABLE_DTYPES:
+        raise TypeError(f"block_tables must be int32 or int64, got {block_tables.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must be (batch={batch}, max_blocks_per_row), got shape {tuple(block_tables.shape)}"
+        )
+    if block_tables.device != device:
+        raise ValueError(f"block_tables must be on the pool's device {device}, got {block_tables.device}")
+
+
+def _check_pool(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
+        raise ValueError(
+            "k_pool and v_pool must both be (num_blocks, kv_heads, block_size, head_dim), got shapes "
+            f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+        )
+    if v_pool.dtype != k_pool.dtype or v_pool.device != k_pool.device:
+        raise ValueError(
+            f"k_pool and v_pool must share dtype and device, got {k_pool.dtype} on {k_pool.device} and "
+            f"{v_pool.dtype} on {v_pool.device}"
+        )
+    if k_pool.shape[2] < 1:
+        raise ValueError(f"block_size (k_pool's dimension 2) must be at least 1, got {k_pool.shape[2]}")
+
+
+def _check_lengths(lengths: torch.Tensor, batch: int, device: torch.device, name: str = "lengths") -> None:
+    if lengths.dtype != torch.long or lengths.shape != (batch,):
+        raise ValueError(
+            f"{name} must be int64 of shape ({batch},), got {lengths.dtype} of shape {tuple(lengths.shape)}"
+        )
+    if lengths.device != device:
+        raise ValueError(f"{name} must be on the pool's device {device}, got {lengths.device}")
+
+
+def _first_bad_row(bad: torch.Tensor) -> int | None:
+    rows = bad.nonzero()
+    return int(rows[0, 0]) if len(rows) else None
+
+
+def _check_block_ids(block_tables, used, num_blocks, what) -> None:
+    """Every entry of ``block_tables`` where ``used`` holds must be a block id in [0, num_blocks)."""
+    ids = block_tables.long()
+    bad = (used & ((ids < 0) | (ids >= num_blocks))).nonzero()
+    if len(bad):
+        b, j = int(bad[0, 0]), int(bad[0, 1])
+        raise IndexError(
+            f"block_tables[{b}, {j}] = {int(ids[b, j])} is not a block id in [0, {num_blocks}) but row {b} {what} it"
+        )
+
+
+def check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None) -> None:
+    """Shapes, dtypes and devices of ``paged_append_reference``'s arguments (not the values of
+    ``lengths``, ``new_counts`` and ``block_tables``: those need reading the tensors)."""
+    _check_pool(k_pool, v_pool)
+    H, D = k_pool.shape[1], k_pool.shape[3]
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t.dim() != 4 or t.shape[1] != H or t.shape[3] != D or t.shape != k_new.shape:
+            raise ValueError(
+                f"k_new and v_new must both be (batch, kv_heads={H}, num_new, head_dim={D}), got "
+                f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"
+            )
+        if t.dtype != k_pool.dtype or t.device != k_pool.device:
+            raise TypeError(
+                f"{name} must be {k_pool.dtype} on {k_pool.device} like the pool, got {t.dtype} on {t.device}"
+            )
+    B = k_new.shape[0]
+    check_block_tables(block_tables, B, k_pool.device)
+    _check_lengths(lengths, B, k_pool.device)
+    if new_counts is not None:
+        _check_lengths(new_counts, B, k_pool.device, "new_counts")
+
+
+def _check_append_values(k_pool, k_new, block_tables, lengths, new_counts) -> torch.Tensor:
+    """The values of an append's lengths, counts and written table entries (the arguments checked
+    already); returns the number of tokens each row writes, (B,) int64."""
+    num_blocks, block_size = k_pool.shape[0], k_pool.shape[2]
+    B, T = k_new.shape[0], k_new.shape[2]
+    counts = torch.full((B,), T, dtype=torch.long, device=k_pool.device) if new_counts is None else new_counts
+    capacity = block_tables.shape[1] * block_size
+    row = _first_bad_row((lengths < 0) | (lengths > capacity))
+    if row is not None:
+        raise ValueError(
+            f"lengths must count the tokens already in each row: between 0 and {capacity} (max_blocks_per_row "
+            f"{block_tables.shape[1]} x block_size {block_size}), got {int(lengths[row])} for row {row}"
+        )
+    row = _first_bad_row((counts < 0) | (counts > T) | (counts > capacity - lengths))
+    if row is not None:
+        raise ValueError(
+            f"row {row} holds {int(lengths[row])} of the {capacity} positions its table has room for and cannot "
+            f"take {int(counts[row])} new tokens (new tokens per row: between 0 and {T}, within the table)"
+        )
+    # Entry j of a row is written iff the written positions [lengths, lengths + counts) meet block j.
+    j = torch.arange(block_tables.shape[1], device=k_pool.device).view(1, -1)
+    start, end = lengths.view(-1, 1), (lengths + counts).view(-1, 1)
+    written = (j * block_size < end) & ((j + 1) * block_size > start) & (end > start)
+    _check_block_ids(block_tables, written, num_blocks, "writes")
+    # Two writes to one (block, offset) would race in a kernel: refuse a table that shares a
+    # written block's offsets between entries (copy-on-write is the caller's job).
+    rows, cols = written.nonzero(as_tuple=True)
+    if len(rows) > 1:
+        ids = block_tables[rows, cols].long()
+        first = torch.maximum(start[rows, 0], cols * block_size) - cols * block_size
+        last = torch.minimum(end[rows, 0], (cols + 1) * block_size) - cols * block_size  # exclusive
+        order = torch.argsort(ids * (block_size + 1) + first)
+        ids, first, last, rows, cols = ids[order], first[order], last[order], rows[order], cols[order]
+        clash = ((ids[1:] == ids[:-1]) & (first[1:] < last[:-1])).nonzero()
+        if len(clash):
+            i = int(clash[0, 0])
+            raise ValueError(
+                f"block {int(ids[i])} would be written twice: by row {int(rows[i])} (table entry {int(cols[i])}) and "
+                f"row {int(rows[i + 1])} (table entry {int(cols[i + 1])}); give each written block one owner "
+                "(copy-on-write is the caller's job)"
+            )
+    return counts
+
+
+def paged_append_reference(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None) -> None:
+    """Write the new tokens of each row through its block table, in place.
+
+    Shapes:
+        k_pool, v_pool:  (num_blocks, H_kv, block_size, D)
+        k_new, v_new:    (B, H_kv, T, D)  the pools' dtype
+        block_tables:    (B, max_blocks_per_row) int32 or int64
+        lengths:         (B,) int64, tokens each row holds BEFORE the append (not changed)
+        new_counts:      (B,) int64 in [0, T], or None for T: row ``b`` stores only its first
+                         ``new_counts[b]`` new tokens (the rest are padding and are not stored)
+
+    Token ``t < new_counts[b]`` of row ``b`` is position ``p = lengths[b] + t`` and goes to block
+    ``block_tables[b, p // block_size]``, offset ``p % block_size``. Refused (ValueError,
+    TypeError, IndexError, nothing written): a position beyond ``max_blocks_per_row * block_size``,
+    a written entry that is not a block id in ``[0, num_blocks)``, and two written positions that
+    map to the same (block, offset) (a block shared by rows must be copied before it is written).
+    """
+    check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+    counts = _check_append_values(k_pool, k_new, block_tables, lengths, new_counts)
+    block_size = k_pool.shape[2]
+    T = k_new.shape[2]
+    rows, t = (torch.arange(T, device=k_pool.device).view(1, -1) < counts.view(-1, 1)).nonzero(as_tuple=True)
+    positions = lengths[rows] + t
+    blocks = block_tables[rows, positions // block_size].long()
+    offsets = positions % block_size
+    k_pool[blocks, :, offsets] = k_new[rows, :, t]
+    v_pool[blocks, :, offsets] = v_new[rows, :, t]
+
+
+def check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, window=None) -> None:
+    """Shapes, dtypes and devices of ``paged_attention_reference``'s arguments (not the values of
+    ``lengths`` and ``block_tables``)."""
+    _check_pool(k_pool, v_pool)
+    H_kv, D = k_pool.shape[1], k_pool.shape[3]
+    if q.dim() != 4 or q.shape[3] != D:
+        raise ValueError(f"q must be (batch, q_heads, num_new, head_dim={D}), got shape {tuple(q.shape)}")
+    if q.device != k_pool.device:
+        raise ValueError(f"q must be on the pool's device {k_pool.device}, got {q.device}")
+    B, H_q, T, _ = q.shape
+    if H_kv == 0 or H_q == 0 or H_q % H_kv:
+        raise ValueError(f"query heads ({H_q}) must be a positive multiple of KV heads ({H_kv})")
+    if T < 1:
+        raise ValueError("q must hold at least one new token")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
+    check_block_tables(block_tables, B, k_pool.device)
+    _check_lengths(lengths, B, k_pool.device)
+
+
+def _check_attention_values(q, k_pool, block_tables, lengths, window) -> None:
+    """The values of the lengths and of the table entries an attention reads."""
+    num_blocks, block_size = k_pool.shape[0], k_pool.shape[2]
+    T = q.shape[2]
+    capacity = block_tables.shape[1] * block_size
+    row = _first_bad_row((lengths < T) | (lengths > capacity))
+    if row is not None:
+        raise ValueError(
+            f"lengths must count the tokens of each row, the {T} new ones included: between {T} and {capacity} "
+            f"(max_blocks_per_row {block_tables.shape[1]} x block_size {block_size}), got {int(lengths[row])} "
+            f"for row {row}"
+        )
+    first, end = _read_range(lengths, T, window, capacity)
+    j = torch.arange(block_tables.shape[1], device=k_pool.device).view(1, -1)
+    read = (j * block_size < end.view(-1, 1)) & ((j + 1) * block_size > first.view(-1, 1))
+    _check_block_ids(block_tables, read, num_blocks, "reads")
+
+
+def _read_range(lengths, T, window, capacity):
+    """Positions [first, end) that some query of each row sees: blocks outside are never read."""
+    first = torch.zeros_like(lengths)
+    if window is not None:  # window clamped: a longer one than any row changes nothing
+        first = (lengths - T - min(window, capacity) + 1).clamp(min=0)
+    return first, lengths
+
+
+def paged_attention_reference(
+    q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, return_lse=False, softcap=None, sinks=None
+):
+    """``reference_attention`` over the tokens a block table holds.
+
+    Shapes:
+        q:               (B, H_q, T, D)  queries of the T newest tokens of each row
+        k_pool, v_pool:  (num_blocks, H_kv, block_size, D)
+        block_tables:    (B, max_blocks_per_row) int32 or int64
+        lengths:         (B,) int64, tokens each row holds, the T new ones included
+        returns:         (B, H_q, T, D) in q's dtype, and with ``return_lse`` the natural-log
+                         softmax denominator (B, H_q, T) float32
+
+    Semantics: exactly ``reference_attention`` (GQA, queries aligned bottom-right, causal,
+    optional sliding ``window``, ``scale`` default ``1/sqrt(D)``, ``softcap``, ``sinks``) on a
+    contiguous cache whose slot ``p`` holds position ``p`` of the row, gathered from the blocks.
+    There is no ring: a row's positions ``0 .. lengths[b] - 1`` all live in the table, so
+    ``T <= lengths[b] <= max_blocks_per_row * block_size``. Only the blocks a query can see are
+    read (with a window, earlier entries may be invalid ids); those must be block ids in
+    ``[0, num_blocks)``.
+    """
+    check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, window)
+    _check_attention_values(q, k_pool, block_tables, lengths, window)
+    block_size = k_pool.shape[2]
+    T = q.shape[2]
+    blocks_needed = max(1, -(-int(lengths.max()) // block_size)) if len(lengths) else 1
+    capacity = block_tables.shape[1] * block_size
+    first, end = _read_range(lengths, T, window, capacity)
+    j = torch.arange(blocks_needed, device=q.device).view(1, -1)
+    read = (j * block_size < end.view(-1, 1)) & ((j + 1) * block_size > first.view(-1, 1))
+    ids = torch.where(read, block_tables[:, :blocks_needed].long(), 0)
+    # (B, blocks, H_kv, block_size, D) -> (B, H_kv, blocks * block_size, D). Positions no query
+    # sees (before the window, past the row's end) are zeroed rather than read: they may hold
+    # anything, NaN included, and a masked NaN would still poison the weighted sum.
+    position = torch.arange(blocks_needed * block_size, device=q.device).view(1, 1, -1, 1)
+    seen = (position >= first.view(-1, 1, 1, 1)) & (position < end.view(-1, 1, 1, 1))
+    k = torch.where(seen, k_pool[ids].transpose(1, 2).flatten(2, 3), 0)
+    v = torch.where(seen, v_pool[ids].transpose(1, 2).flatten(2, 3), 0)
+    return reference_attention(q, k, v, lengths, window, scale, return_lse=return_lse, softcap=softcap, sinks=sinks)
