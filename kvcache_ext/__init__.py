@@ -3,17 +3,24 @@
 ``KVCache`` drops into any model that speaks python_ref's cache protocol; ``append_kv`` and
 ``decode_attention`` are the ops behind it (``append_kv_quantized`` and
 ``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``); ``capabilities(device)`` is the table of what the
-kernels support. Without a loadable native library the package warns once and runs the same API
+kernels support. ``PagedKVCache`` keeps many sequences in one pool of blocks (shared copy-on-write, prompt
+prefixes cached); ``Engine`` serves many requests at once on it (continuous batching). Without a loadable native library the package warns once and runs the same API
 on the pure-PyTorch reference path (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that an error).
 """
 
 from ._native import build_info
 from .cache import KVCache
+from .engine import Engine
 from .capabilities import Capabilities, capabilities, kernels_used, native_available
 from .ops import append_kv, append_kv_quantized, decode_attention, decode_attention_quantized, gather_rows
+from .paged import BlockPool, PagedKVCache, PoolExhaustedError
 
 __all__ = [
     "KVCache",
+    "PagedKVCache",
+    "BlockPool",
+    "PoolExhaustedError",
+    "Engine",
     "append_kv",
     "decode_attention",
     "gather_rows",

@@ -1,0 +1,204 @@
+"""Continuous batching over python_ref models with a :class:`~kvcache_ext.paged.PagedKVCache`.
+
+Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further:
+the requests that are decoding (one new token each) together in one forward pass, the requests still
+reading their prompt one chunk of at most ``chunk_size`` tokens each, in forward passes grouped by
+chunk length (a pass adds the same number of tokens to each of its rows; rows may hold different
+lengths, and the cache gives each row its own positions). A request that finishes frees its blocks at
+once; a request added between steps joins at the next one.
+
+When the pool runs out of blocks, the newest running request is preempted: its blocks are freed and
+it goes back to the front of the queue, keeping the tokens it generated, to be recomputed when
+readmitted (cheaply, where the prefix cache still holds its full blocks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .paged import PagedKVCache, PoolExhaustedError
+
+
+@dataclass(eq=False)  # requests are compared by identity
+class _Request:
+    request_id: int
+    tokens: list[int]  # the prompt, then the generated tokens
+    prompt_length: int
+    max_new_tokens: int
+    computed: int = 0  # tokens whose keys/values the cache holds
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_new_tokens
+
+
+class Engine:
+    """Serves many greedy generation requests at once on ``model`` (a python_ref GPT-2 or Llama) with
+    ``cache``; each request's tokens are those it would get alone.
+
+    ``chunk_size``: the most prompt tokens a request reads per step. ``max_batch_size``: the most
+    requests running at once (None: as many as the pool holds). ``eos_id``: a request that generates
+    it stops there.
+    """
+
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        chunk_size: int = 64,
+        max_batch_size: int | None = None,
+        eos_id: int | None = None,
+    ):
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be a positive int or None, got {max_batch_size!r}")
+        if cache.pool.sequences:
+            raise ValueError("the cache must hold no sequences: the engine names them by its request ids")
+        self.model, self.cache = model.eval(), cache
+        self.chunk_size, self.max_batch_size, self.eos_id = chunk_size, max_batch_size, eos_id
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # in order of admission
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self.preemptions = 0  # how often a request was preempted so far
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+        """Queue a request; it joins the batch at the next :meth:`step`. Returns its id."""
+        prompt = list(prompt)
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt must be a non-empty sequence of int token ids, got {prompt!r}")
+        vocab = self.model.cfg.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {prompt}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        # The last generated token is never fed back: the model reads prompt + max_new_tokens - 1.
+        fed = len(prompt) + max_new_tokens - 1
+        if fed > self.model.cfg.context_length:
+            raise ValueError(
+                f"the model has {self.model.cfg.context_length} positions: a prompt of {len(prompt)} tokens "
+                f"with max_new_tokens={max_new_tokens} needs {fed}"
+            )
+        capacity = self.cache.pool.num_blocks * self.cache.block_size
+        if fed > capacity:
+            raise ValueError(f"the request needs room for {fed} tokens, the whole pool holds {capacity}")
+        request = _Request(self._next_id, prompt, len(prompt), max_new_tokens)
+        self._next_id += 1
+        self._requests[request.request_id] = request
+        if not request.done:
+            self._waiting.append(request)
+        return request.request_id
+
+    def output(self, request_id: int) -> list[int]:
+        """The tokens request ``request_id`` has generated so far."""
+        return list(self._requests[request_id].generated)
+
+    def is_finished(self, request_id: int) -> bool:
+        return self._requests[request_id].done
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # -- running ---------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
+        """The greedy continuation of each prompt (generated tokens only), served together.
+        ``max_new_tokens``: one for all, or one per prompt."""
+        request_ids = self._add_all(prompts, max_new_tokens)
+        while self.has_unfinished:
+            self.step()
+        return [self._requests.pop(request_id).generated for request_id in request_ids]
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]
+    ) -> Iterator[tuple[int, int]]:
+        """Like :meth:`generate`, yielding ``(request_id, token)`` as each token is chosen; request ids
+        are consecutive, in the order of ``prompts``."""
+        self._add_all(prompts, max_new_tokens)
+        while self.has_unfinished:
+            yield from self.step()
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, int]]:
+        """Admit waiting requests, run every running one a piece further; returns the tokens chosen,
+        as ``(request_id, token)`` in order."""
+        self._admit()
+        decoding = [r for r in self._running if len(r.tokens) - r.computed == 1]
+        by_chunk: dict[int, list[_Request]] = {}
+        for request in self._running:
+            pending = len(request.tokens) - request.computed
+            if pending > 1:
+                by_chunk.setdefault(min(pending, self.chunk_size), []).append(request)
+        events = []
+        for group in [decoding, *by_chunk.values()]:
+            events += self._forward(group)
+        return events
+
+    def _add_all(self, prompts, max_new_tokens) -> list[int]:
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(counts) != len(prompts):
+            raise ValueError(f"max_new_tokens must be an int or one per prompt ({len(prompts)}), got {len(counts)}")
+        return [self.add_request(prompt, count) for prompt, count in zip(prompts, counts)]
+
+    def _admit(self) -> None:
+        pool = self.cache.pool
+        while self._waiting and (self.max_batch_size is None or len(self._running) < self.max_batch_size):
+            request = self._waiting[0]
+            first_chunk = min(len(request.tokens), self.chunk_size)
+            # Room for its first chunk and a token for each running request, or nothing to run at all.
+            wanted = -(-first_chunk // self.cache.block_size) + len(self._running)
+            if self._running and pool.num_free_blocks < wanted:
+                break
+            self._waiting.popleft()
+            request.computed = self.cache.add_sequence(request.request_id, request.tokens)
+            self._running.append(request)
+
+    def _forward(self, group: list[_Request]) -> list[tuple[int, int]]:
+        group = [r for r in group if r in self._running]  # an earlier pass of this step may have preempted some
+        while group:
+            count = min(len(group[0].tokens) - group[0].computed, self.chunk_size)  # the same for every row
+            new_tokens = [r.tokens[r.computed : r.computed + count] for r in group]
+            self.cache.schedule([r.request_id for r in group], new_tokens)
+            try:
+                logits = self.model(torch.tensor(new_tokens, device=self.cache.k.device), self.cache)
+                break
+            except PoolExhaustedError:  # raised before the pass changed anything
+                victim = max(self._running, key=lambda r: r.request_id)  # the newest request
+                self._preempt(victim)
+                group = [r for r in group if r is not victim]
+        else:
+            return []
+        events = []
+        last_logits = logits[:, -1]
+        for row, request in enumerate(group):
+            request.computed += count
+            if request.computed < len(request.tokens):
+                continue  # more of the prompt to read
+            token = int(last_logits[row].argmax())
+            request.tokens.append(token)
+            events.append((request.request_id, token))
+            if token == self.eos_id:
+                request.max_new_tokens = len(request.generated)
+            if request.done:
+                self.cache.free(request.request_id)
+                self._running.remove(request)
+        return events
+
+    def _preempt(self, request: _Request) -> None:
+        self.cache.free(request.request_id)
+        self._running.remove(request)
+        request.computed = 0
+        self._waiting.appendleft(request)
+        self.preemptions += 1
