@@ -72,6 +72,7 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
         self.preemptions = 0  # how often a request was preempted so far
+        self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
@@ -163,6 +164,7 @@ class Engine:
                 break
             self._waiting.popleft()
             request.computed = self.cache.add_sequence(request.request_id, request.tokens)
+            self.reused_tokens += request.computed
             self._running.append(request)
 
     def _forward(self, group: list[_Request]) -> list[tuple[int, int]]:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .capabilities import capabilities
 from ._paged_fallback import paged_append_kv, paged_decode_attention
 
 
@@ -154,13 +155,17 @@ class BlockPool:
     def blocks_needed(self, counts: dict) -> int:
         """Free blocks that :meth:`reserve` would take for ``counts`` (sequence id -> new tokens)."""
         needed = 0
+        writers = Counter()  # shared, partly filled blocks that this step writes into -> how many writers
         for seq_id, count in counts.items():
             sequence = self._sequence(seq_id)
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
                 raise ValueError(f"the count of new tokens of {seq_id!r} must be an int >= 0, got {count!r}")
             needed += math.ceil((sequence.length + count) / self.block_size) - len(sequence.blocks)
             if count and self._copy_on_write_needed(sequence):
-                needed += 1
+                writers[sequence.blocks[-1]] += 1
+        for block, count in writers.items():
+            # Every writer copies the block, except the last one if no other sequence still reads it.
+            needed += count - (self._ref_counts[block] == count)
         return needed
 
     def reserve(self, counts: dict) -> list[tuple[int, int]]:
@@ -270,6 +275,9 @@ class PagedKVCache:
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        table = capabilities(device)
+        table.check_dtype(dtype, "PagedKVCache dtype")
+        table.check_head_dim(head_dim)
         self.pool = BlockPool(num_blocks, block_size)
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
         shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
