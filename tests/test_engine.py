@@ -1,0 +1,94 @@
+"""Engine: continuous batching on a PagedKVCache gives every request the tokens it gets alone."""
+
+import random
+
+import pytest
+import torch
+
+import kvcache_ext
+from kvcache_ext import Engine, PagedKVCache
+from python_ref import build_gpt2, build_llama, generate
+
+MODELS = {"gpt2": lambda: build_gpt2("tiny", seed=0), "llama": lambda: build_llama("llama-tiny", seed=0)}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def paged_cache(model, num_blocks, block_size=4):
+    kv = model.kv_shape
+    return PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks, block_size=block_size)
+
+
+def alone(model, prompt, max_new_tokens):
+    """The greedy continuation of one prompt, run by itself on the contiguous cache."""
+    cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=len(prompt) + max_new_tokens)
+    return generate(model, torch.tensor([prompt]), max_new_tokens, cache=cache)[0, len(prompt) :].tolist()
+
+
+def workload(count, seed):
+    """Prompts of 1-40 tokens, half of them after a shared 24-token system prompt, and 1-10 new tokens."""
+    rng = random.Random(seed)
+    system = [rng.randrange(50257) for _ in range(24)]
+    prompts = []
+    for i in range(count):
+        own = [rng.randrange(50257) for _ in range(rng.randrange(1, 17))]
+        prompts.append(system + own if i % 2 else own + own)
+    return prompts, [rng.randrange(1, 11) for _ in prompts]
+
+
+def test_every_request_gets_the_tokens_it_gets_alone(model):
+    prompts, max_new = workload(34, seed=0)
+    # 30 blocks of 4 tokens hold a few requests at a time: requests queue and get preempted.
+    engine = Engine(model, paged_cache(model, num_blocks=30), chunk_size=8)
+    outputs = engine.generate(prompts, max_new)
+    assert engine.preemptions > 0 and engine.reused_tokens > 0
+    assert outputs == [alone(model, p, n) for p, n in zip(prompts, max_new)]
+    assert engine.cache.pool.sequences == [] and engine.cache.pool.num_free_blocks == 30
+
+
+def test_streamed_tokens_and_requests_that_join_between_steps():
+    model = MODELS["gpt2"]()
+    prompts, max_new = workload(6, seed=1)
+    engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=16)
+    streamed = {}
+    for request_id, token in engine.stream(prompts[:3], max_new[:3]):
+        streamed.setdefault(request_id, []).append(token)
+        if len(streamed) == 1 and len(streamed[request_id]) == 1:  # join while the others run
+            late = [engine.add_request(p, n) for p, n in zip(prompts[3:], max_new[3:])]
+    assert late == [3, 4, 5]
+    assert [streamed[i] for i in range(6)] == [alone(model, p, n) for p, n in zip(prompts, max_new)]
+    assert all(engine.is_finished(i) and engine.output(i) == streamed[i] for i in range(6))
+
+
+def test_a_request_stops_at_eos():
+    model = MODELS["gpt2"]()
+    prompt = [5, 6, 7]
+    expected = alone(model, prompt, 8)
+    eos = expected[3]
+    engine = Engine(model, paged_cache(model, num_blocks=8), eos_id=eos)
+    assert engine.generate([prompt, prompt], [8, 0]) == [expected[: expected.index(eos) + 1], []]
+
+
+def test_bad_requests_are_refused_and_queue_nothing():
+    model = MODELS["gpt2"]()  # 128 positions
+    engine = Engine(model, paged_cache(model, num_blocks=8))  # 32 tokens
+    for prompt, max_new, message in [
+        ([], 1, "non-empty"),
+        ([1, 50257], 1, r"\[0, 50257\)"),
+        ([1.0], 1, "int token ids"),
+        ([1], -1, "max_new_tokens"),
+        ([1] * 120, 10, "128 positions"),
+        ([1] * 30, 4, "whole pool holds 32"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, max_new)
+    assert not engine.has_unfinished and engine.step() == []
+    with pytest.raises(ValueError, match="one per prompt"):
+        engine.generate([[1], [2]], [3])
+    with pytest.raises(ValueError, match="chunk_size"):
+        Engine(model, paged_cache(model, 8), chunk_size=0)
+    with pytest.raises(TypeError, match="PagedKVCache"):
+        Engine(model, kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=8))
