@@ -154,18 +154,20 @@ class Engine:
         return [self.add_request(prompt, count) for prompt, count in zip(prompts, counts)]
 
     def _admit(self) -> None:
-        pool = self.cache.pool
+        # Admit a request only if the free blocks hold all its tokens so far, a block to grow into,
+        # and a block for each running request; else it would just preempt others (or be
+        # preempted) before its prompt is read. Alone, a request always fits (add_request checks).
+        free = self.cache.pool.num_free_blocks
         while self._waiting and (self.max_batch_size is None or len(self._running) < self.max_batch_size):
             request = self._waiting[0]
-            first_chunk = min(len(request.tokens), self.chunk_size)
-            # Room for its first chunk and a token for each running request, or nothing to run at all.
-            wanted = -(-first_chunk // self.cache.block_size) + len(self._running)
-            if self._running and pool.num_free_blocks < wanted:
+            wanted = -(-len(request.tokens) // self.cache.block_size) + 1
+            if self._running and free < wanted + len(self._running):
                 break
             self._waiting.popleft()
             request.computed = self.cache.add_sequence(request.request_id, request.tokens)
             self.reused_tokens += request.computed
             self._running.append(request)
+            free -= wanted
 
     def _forward(self, group: list[_Request]) -> list[tuple[int, int]]:
         group = [r for r in group if r in self._running]  # an earlier pass of this step may have preempted some

@@ -9,12 +9,26 @@ import kvcache_ext
 from kvcache_ext import Engine, PagedKVCache
 from python_ref import build_gpt2, build_llama, generate
 
-MODELS = {"gpt2": lambda: build_gpt2("tiny", seed=0), "llama": lambda: build_llama("llama-tiny", seed=0)}
+# A small vocabulary: the output head is most of a tiny model's work.
+VOCAB = 512
+MODELS = {
+    "gpt2": lambda: build_gpt2("tiny", seed=0, vocab_size=VOCAB),
+    "llama": lambda: build_llama("llama-tiny", seed=0, vocab_size=VOCAB),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request):
     return MODELS[request.param]()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: a second thread only waits on a loaded machine (and slows these tests many-fold)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def paged_cache(model, num_blocks, block_size=4):
@@ -29,24 +43,25 @@ def alone(model, prompt, max_new_tokens):
 
 
 def workload(count, seed):
-    """Prompts of 1-40 tokens, half of them after a shared 24-token system prompt, and 1-10 new tokens."""
+    """Prompts of 1-40 tokens, half of them after a shared 24-token system prompt, and 1-10 new tokens
+    (40 for every eighth request: long outputs that outgrow a small pool)."""
     rng = random.Random(seed)
-    system = [rng.randrange(50257) for _ in range(24)]
+    system = [rng.randrange(VOCAB) for _ in range(24)]
     prompts = []
     for i in range(count):
-        own = [rng.randrange(50257) for _ in range(rng.randrange(1, 17))]
+        own = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 17))]
         prompts.append(system + own if i % 2 else own + own)
-    return prompts, [rng.randrange(1, 11) for _ in prompts]
+    return prompts, [40 if i % 8 == 0 else rng.randrange(1, 11) for i in range(count)]
 
 
 def test_every_request_gets_the_tokens_it_gets_alone(model):
     prompts, max_new = workload(34, seed=0)
-    # 30 blocks of 4 tokens hold a few requests at a time: requests queue and get preempted.
-    engine = Engine(model, paged_cache(model, num_blocks=30), chunk_size=8)
+    # 20 blocks of 4 tokens hold a few requests at a time: requests queue, long outputs outgrow the pool.
+    engine = Engine(model, paged_cache(model, num_blocks=20), chunk_size=8)
     outputs = engine.generate(prompts, max_new)
     assert engine.preemptions > 0 and engine.reused_tokens > 0
     assert outputs == [alone(model, p, n) for p, n in zip(prompts, max_new)]
-    assert engine.cache.pool.sequences == [] and engine.cache.pool.num_free_blocks == 30
+    assert engine.cache.pool.sequences == [] and engine.cache.pool.num_free_blocks == 20
 
 
 def test_streamed_tokens_and_requests_that_join_between_steps():
@@ -77,7 +92,7 @@ def test_bad_requests_are_refused_and_queue_nothing():
     engine = Engine(model, paged_cache(model, num_blocks=8))  # 32 tokens
     for prompt, max_new, message in [
         ([], 1, "non-empty"),
-        ([1, 50257], 1, r"\[0, 50257\)"),
+        ([1, VOCAB], 1, rf"\[0, {VOCAB}\)"),
         ([1.0], 1, "int token ids"),
         ([1], -1, "max_new_tokens"),
         ([1] * 120, 10, "128 positions"),

@@ -11,6 +11,15 @@ from kvcache_ext import BlockPool, PagedKVCache, PoolExhaustedError
 from python_ref import build_gpt2, build_llama, generate, reference_attention
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: a second thread only waits on a loaded machine (and slows these tests many-fold)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def pool_state(pool):
     """Everything a refused call must leave as it was."""
     return (
