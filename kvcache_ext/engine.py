@@ -30,6 +30,7 @@ class _Request:
     prompt_length: int
     max_new_tokens: int
     computed: int = 0  # tokens whose keys/values the cache holds
+    stopped: bool = False  # it generated the end-of-sequence token
 
     @property
     def generated(self) -> list[int]:
@@ -37,7 +38,7 @@ class _Request:
 
     @property
     def done(self) -> bool:
-        return len(self.generated) >= self.max_new_tokens
+        return self.stopped or len(self.generated) >= self.max_new_tokens
 
 
 class Engine:
@@ -193,8 +194,7 @@ class Engine:
             token = int(last_logits[row].argmax())
             request.tokens.append(token)
             events.append((request.request_id, token))
-            if token == self.eos_id:
-                request.max_new_tokens = len(request.generated)
+            request.stopped = token == self.eos_id
             if request.done:
                 self.cache.free(request.request_id)
                 self._running.remove(request)

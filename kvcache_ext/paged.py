@@ -255,7 +255,8 @@ class PagedKVCache:
     protocol of ``python_ref/caches.py`` then works as with ``KVCache``: ``start_step(T)`` reserves room
     for T tokens in every row (copying shared blocks about to be written) and returns each row's
     positions; ``attend`` writes the layer's keys/values through the block table and attends over the
-    row's tokens; ``finish_step`` records them. Rows of one step may hold different numbers of tokens.
+    row's tokens; ``finish_step`` records them. A step adds T tokens to every row, whatever each row
+    holds already: each row gets its own positions.
 
     Without ``schedule`` (``python_ref.generate`` knows nothing of sequences), a cache holding no
     sequence takes its rows from the first step: ``B`` new sequences with ids ``0 .. B-1``.
@@ -333,7 +334,8 @@ class PagedKVCache:
         return max((self.pool.length(seq_id) for seq_id in self._rows), default=0)
 
     def start_step(self, num_new: int) -> torch.Tensor:
-        self._check_between_steps("start_step")
+        # A step that failed part-way may be started again (as with PreallocatedCache): the room it
+        # reserved is still there, and what it wrote lies past every row's length.
         if not isinstance(num_new, int) or isinstance(num_new, bool) or num_new < 1:
             raise ValueError(f"a step adds at least one token, got {num_new!r}")
         if self._new_tokens is not None and len(self._new_tokens[0]) != num_new:
