@@ -107,3 +107,38 @@ def test_bad_requests_are_refused_and_queue_nothing():
         Engine(model, paged_cache(model, 8), chunk_size=0)
     with pytest.raises(TypeError, match="PagedKVCache"):
         Engine(model, kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=8))
+
+
+def test_a_long_prompt_is_read_in_chunks_while_others_decode():
+    model = MODELS["llama"]()
+    engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=8)
+    short = engine.add_request([1, 2, 3], 20)
+    engine.step()
+    long_prompt = list(range(100, 160))
+    late = engine.add_request(long_prompt, 3)
+    steps = [dict(engine.step()) for _ in range(8)]
+    # 60 prompt tokens in chunks of 8: 8 steps to read, every one of them decoding the short request too.
+    assert all(short in events for events in steps)
+    assert [late in events for events in steps] == [False] * 7 + [True]
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.output(short) == alone(model, [1, 2, 3], 20)
+    assert engine.output(late) == alone(model, long_prompt, 3)
+
+
+def test_the_newest_request_is_preempted_when_the_pool_runs_out():
+    model = MODELS["gpt2"]()
+    # 6 blocks of 4 tokens; each request grows to 4 + 11 = 15 tokens (4 blocks): both start, not both fit.
+    engine = Engine(model, paged_cache(model, num_blocks=6), chunk_size=8)
+    for prompt in ([1, 2, 3, 4], [5, 6, 7, 8]):
+        engine.add_request(prompt, 12)
+    finished_at = {}
+    step = 0
+    while engine.has_unfinished:
+        step += 1
+        for request_id, _ in engine.step():
+            if engine.is_finished(request_id):
+                finished_at[request_id] = step
+    # Request 1 gave its blocks to request 0 and was recomputed after it: it finishes later.
+    assert engine.preemptions >= 1 and finished_at[0] < finished_at[1]
+    assert [engine.output(i) for i in (0, 1)] == [alone(model, [1, 2, 3, 4], 12), alone(model, [5, 6, 7, 8], 12)]
