@@ -105,9 +105,13 @@ def test_prefix_cache_reuses_full_blocks_of_identical_prefixes():
         blocks = pool.block_table(i)
         assert len(blocks) == reused // 4 and pool.length(i) == reused
         pool.free(i)
-    # A block is found by its tokens and everything before them: equal second blocks after
-    # different first blocks are different prefixes.
-    assert pool.add_sequence("shifted", [9, 9, 9, 9] + cached[0][4:]) == 0
+    # A block is found by its tokens and everything before them: a second block equal to another
+    # prompt's second block, after a different first block, is a different prefix.
+    pool = BlockPool(8, block_size=4)
+    filled(pool, "first", [1, 1, 1, 1, 2, 2, 2, 2, 0])
+    filled(pool, "second", [3, 3, 3, 3, 4, 4, 4, 4, 0])
+    assert pool.add_sequence("mixed", [3, 3, 3, 3, 2, 2, 2, 2, 0]) == 4
+    assert pool.block_table("mixed") == pool.block_table("second")[:1]
 
 
 def test_unused_cached_blocks_are_recycled_least_recently_freed_first():
@@ -165,6 +169,57 @@ def test_bad_arguments_are_refused_and_change_nothing():
     with pytest.raises(TypeError, match="token ids"):
         pool.add_sequence("b", [1.5])
     assert pool_state(pool) == before
+
+
+def test_random_operations_keep_every_sequence_reading_its_own_tokens():
+    """A simulated pool (one token id per slot) under random adds with prompts, forks, steps and
+    frees: reading a sequence's slots through its block table gives exactly its tokens, whether
+    its blocks came from the prefix cache, a fork or a copy; reference counts and free blocks
+    match the tables."""
+    rng = random.Random(2)
+    block_size, num_blocks = 4, 40
+    pool = BlockPool(num_blocks, block_size)
+    slots = [[None] * block_size for _ in range(num_blocks)]
+    tokens = {}  # sequence -> the tokens it holds: the expectation
+    for name in range(400):
+        live = list(tokens)
+        action = rng.random()
+        if action < 0.25 or not live:
+            prompt = rng.choices(range(3), k=rng.randrange(1, 14))  # few ids: prefixes repeat
+            reused = pool.add_sequence(name, prompt)
+            tokens[name] = prompt[:reused]
+        elif action < 0.4:
+            source = rng.choice(live)
+            pool.fork(source, name)
+            tokens[name] = list(tokens[source])
+        elif action < 0.55:
+            gone = rng.choice(live)
+            pool.free(gone)
+            del tokens[gone]
+        else:
+            rows = rng.sample(live, rng.randrange(1, min(len(live), 3) + 1))
+            new = {seq: rng.choices(range(3), k=rng.randrange(1, 6)) for seq in rows}
+            try:
+                copies = pool.reserve({seq: len(t) for seq, t in new.items()})
+            except PoolExhaustedError:
+                continue
+            for source, target in copies:
+                slots[target] = list(slots[source])
+            for seq, new_tokens in new.items():
+                table = pool.block_table(seq)
+                for position, token in enumerate(new_tokens, start=len(tokens[seq])):
+                    block = table[position // block_size]
+                    assert pool.ref_count(block) == 1, "a write into a block another sequence reads"
+                    slots[block][position % block_size] = token
+                pool.commit(seq, len(new_tokens), new_tokens)
+                tokens[seq] += new_tokens
+        tables = {seq: pool.block_table(seq) for seq in tokens}
+        for seq, held in tokens.items():
+            assert pool.length(seq) == len(held) and len(tables[seq]) == -(-len(held) // block_size)
+            assert [slots[tables[seq][p // block_size]][p % block_size] for p in range(len(held))] == held
+        uses = [block for table in tables.values() for block in table]
+        assert [pool.ref_count(b) for b in range(num_blocks)] == [uses.count(b) for b in range(num_blocks)]
+        assert pool.num_free_blocks == num_blocks - len(set(uses))
 
 
 # -- PagedKVCache -------------------------------------------------------------------------------
