@@ -20,15 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
+from python_ref.generate import choose_next_token
+
 from .paged import PagedKVCache, PoolExhaustedError
 
 
 @dataclass(eq=False)  # requests are compared by identity
 class _Request:
-    request_id: int
+    request_id: int  # -1 until queued
     tokens: list[int]  # the prompt, then the generated tokens
     prompt_length: int
     max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    generator: torch.Generator | None
     computed: int = 0  # tokens whose keys/values the cache holds
     stopped: bool = False  # it generated the end-of-sequence token
 
@@ -42,8 +47,9 @@ class _Request:
 
 
 class Engine:
-    """Serves many greedy generation requests at once on ``model`` (a python_ref GPT-2 or Llama) with
-    ``cache``; each request's tokens are those it would get alone.
+    """Serves many generation requests at once on ``model`` (a python_ref GPT-2 or Llama) with
+    ``cache``; each request's tokens are those ``python_ref.generate`` gives it alone (greedy, or
+    sampled with the request's own generator).
 
     ``chunk_size``: the most prompt tokens a request reads per step. ``max_batch_size``: the most
     requests running at once (None: as many as the pool holds). ``eos_id``: a request that generates
@@ -76,8 +82,19 @@ class Engine:
         self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
 
     # -- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
-        """Queue a request; it joins the batch at the next :meth:`step`. Returns its id."""
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> int:
+        """Queue a request; it joins the batch at the next :meth:`step`. Returns its id.
+        ``temperature``, ``top_k``, ``generator``: as for ``python_ref.generate`` (0: greedy)."""
+        return self._enqueue([self._checked_request(prompt, max_new_tokens, temperature, top_k, generator)])[0]
+
+    def _checked_request(self, prompt, max_new_tokens, temperature, top_k, generator) -> _Request:
         prompt = list(prompt)
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError(f"prompt must be a non-empty sequence of int token ids, got {prompt!r}")
@@ -86,6 +103,10 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {prompt}")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
         # The last generated token is never fed back: the model reads prompt + max_new_tokens - 1.
         fed = len(prompt) + max_new_tokens - 1
         if fed > self.model.cfg.context_length:
@@ -96,12 +117,17 @@ class Engine:
         capacity = self.cache.pool.num_blocks * self.cache.block_size
         if fed > capacity:
             raise ValueError(f"the request needs room for {fed} tokens, the whole pool holds {capacity}")
-        request = _Request(self._next_id, prompt, len(prompt), max_new_tokens)
-        self._next_id += 1
-        self._requests[request.request_id] = request
-        if not request.done:
-            self._waiting.append(request)
-        return request.request_id
+        return _Request(-1, prompt, len(prompt), max_new_tokens, temperature, top_k, generator)
+
+    def _enqueue(self, requests: list[_Request]) -> list[int]:
+        """Queue requests already checked, numbering them."""
+        for request in requests:
+            request.request_id = self._next_id
+            self._next_id += 1
+            self._requests[request.request_id] = request
+            if not request.done:
+                self._waiting.append(request)
+        return [request.request_id for request in requests]
 
     def output(self, request_id: int) -> list[int]:
         """The tokens request ``request_id`` has generated so far."""
@@ -115,20 +141,23 @@ class Engine:
         return bool(self._waiting or self._running)
 
     # -- running ---------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
-        """The greedy continuation of each prompt (generated tokens only), served together.
-        ``max_new_tokens``: one for all, or one per prompt."""
-        request_ids = self._add_all(prompts, max_new_tokens)
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], **sampling
+    ) -> list[list[int]]:
+        """The continuation of each prompt (generated tokens only), served together.
+        ``max_new_tokens``: one for all, or one per prompt; ``sampling``: ``temperature``, ``top_k``
+        (for all) and ``generators`` (one per prompt), as :meth:`add_request` takes them."""
+        request_ids = self._add_all(prompts, max_new_tokens, **sampling)
         while self.has_unfinished:
             self.step()
         return [self._requests.pop(request_id).generated for request_id in request_ids]
 
     def stream(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], **sampling
     ) -> Iterator[tuple[int, int]]:
         """Like :meth:`generate`, yielding ``(request_id, token)`` as each token is chosen; request ids
         are consecutive, in the order of ``prompts``."""
-        self._add_all(prompts, max_new_tokens)
+        self._add_all(prompts, max_new_tokens, **sampling)
         while self.has_unfinished:
             yield from self.step()
 
@@ -148,11 +177,19 @@ class Engine:
             events += self._forward(group)
         return events
 
-    def _add_all(self, prompts, max_new_tokens) -> list[int]:
+    def _add_all(self, prompts, max_new_tokens, temperature=0.0, top_k=None, generators=None) -> list[int]:
         counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(counts) != len(prompts):
-            raise ValueError(f"max_new_tokens must be an int or one per prompt ({len(prompts)}), got {len(counts)}")
-        return [self.add_request(prompt, count) for prompt, count in zip(prompts, counts)]
+        generators = [None] * len(prompts) if generators is None else list(generators)
+        for name, values in (("max_new_tokens", counts), ("generators", generators)):
+            if len(values) != len(prompts):
+                raise ValueError(f"{name} must be one per prompt ({len(prompts)}), got {len(values)}")
+        # Every request is checked before the first is queued: a refused call queues nothing.
+        return self._enqueue(
+            [
+                self._checked_request(prompt, count, temperature, top_k, generator)
+                for prompt, count, generator in zip(prompts, counts, generators)
+            ]
+        )
 
     def _admit(self) -> None:
         # Admit a request only if the free blocks hold all its tokens so far, a block to grow into,
@@ -191,7 +228,11 @@ class Engine:
             request.computed += count
             if request.computed < len(request.tokens):
                 continue  # more of the prompt to read
-            token = int(last_logits[row].argmax())
+            token = int(
+                choose_next_token(
+                    last_logits[row : row + 1].float(), request.temperature, request.top_k, request.generator
+                )
+            )
             request.tokens.append(token)
             events.append((request.request_id, token))
             request.stopped = token == self.eos_id

@@ -36,10 +36,11 @@ def paged_cache(model, num_blocks, block_size=4):
     return PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks, block_size=block_size)
 
 
-def alone(model, prompt, max_new_tokens):
-    """The greedy continuation of one prompt, run by itself on the contiguous cache."""
+def alone(model, prompt, max_new_tokens, **sampling):
+    """The continuation of one prompt (greedy unless ``sampling``), run by itself on the contiguous cache."""
     cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=len(prompt) + max_new_tokens)
-    return generate(model, torch.tensor([prompt]), max_new_tokens, cache=cache)[0, len(prompt) :].tolist()
+    out = generate(model, torch.tensor([prompt]), max_new_tokens, cache=cache, **sampling)
+    return out[0, len(prompt) :].tolist()
 
 
 def workload(count, seed):
@@ -78,6 +79,23 @@ def test_streamed_tokens_and_requests_that_join_between_steps():
     assert all(engine.is_finished(i) and engine.output(i) == streamed[i] for i in range(6))
 
 
+def test_sampled_requests_draw_from_their_own_generators():
+    model = MODELS["llama"]()
+    prompts, max_new = workload(8, seed=2)
+
+    def generators():
+        return [torch.Generator().manual_seed(seed) for seed in range(len(prompts))]
+
+    engine = Engine(model, paged_cache(model, num_blocks=24), chunk_size=8)
+    outputs = engine.generate(prompts, max_new, temperature=0.9, top_k=50, generators=generators())
+    assert engine.preemptions > 0  # a recomputed request keeps its generator's state
+    expected = [
+        alone(model, p, n, temperature=0.9, top_k=50, generator=g) for p, n, g in zip(prompts, max_new, generators())
+    ]
+    assert outputs == expected
+    assert outputs != engine.generate(prompts, max_new)  # greedy differs: the sampling was used
+
+
 def test_a_request_stops_at_eos():
     model = MODELS["gpt2"]()
     prompt = [5, 6, 7]
@@ -100,9 +118,17 @@ def test_bad_requests_are_refused_and_queue_nothing():
     ]:
         with pytest.raises(ValueError, match=message):
             engine.add_request(prompt, max_new)
-    assert not engine.has_unfinished and engine.step() == []
+    for bad in [dict(temperature=-1.0), dict(top_k=0)]:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            engine.add_request([1], 1, **bad)
     with pytest.raises(ValueError, match="one per prompt"):
         engine.generate([[1], [2]], [3])
+    with pytest.raises(ValueError, match="one per prompt"):
+        engine.generate([[1], [2]], 3, generators=[None])
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.generate([[1], [2], []], 3)  # the valid ones before it are not queued either
+    assert not engine.has_unfinished and engine.step() == []
+    assert engine.add_request([1], 1) == 0  # no refused request took an id
     with pytest.raises(ValueError, match="chunk_size"):
         Engine(model, paged_cache(model, 8), chunk_size=0)
     with pytest.raises(TypeError, match="PagedKVCache"):
