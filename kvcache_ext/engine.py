@@ -7,6 +7,9 @@ chunk length (a pass adds the same number of tokens to each of its rows; rows ma
 lengths, and the cache gives each row its own positions). A request that finishes frees its blocks at
 once; a request added between steps joins at the next one.
 
+A waiting request whose prompt starts with full blocks that a running request is still computing
+waits until they are stored: then it takes them from the prefix cache instead of computing them too.
+
 When the pool runs out of blocks, the newest running request is preempted: its blocks are freed and
 it goes back to the front of the queue, keeping the tokens it generated, to be recomputed when
 readmitted (cheaply, where the prefix cache still holds its full blocks).
@@ -196,16 +199,38 @@ class Engine:
         # and a block for each running request; else it would just preempt others (or be
         # preempted) before its prompt is read. Alone, a request always fits (add_request checks).
         free = self.cache.pool.num_free_blocks
-        while self._waiting and (self.max_batch_size is None or len(self._running) < self.max_batch_size):
-            request = self._waiting[0]
+        for request in list(self._waiting):
+            if self.max_batch_size is not None and len(self._running) >= self.max_batch_size:
+                break
+            if self._prefix_in_flight(request):
+                continue  # admitted once a running request has stored (and registered) the prefix
             wanted = -(-len(request.tokens) // self.cache.block_size) + 1
             if self._running and free < wanted + len(self._running):
                 break
-            self._waiting.popleft()
+            self._waiting.remove(request)
             request.computed = self.cache.add_sequence(request.request_id, request.tokens)
             self.reused_tokens += request.computed
             self._running.append(request)
             free -= wanted
+
+    def _prefix_in_flight(self, request: _Request) -> bool:
+        """Whether a running request is still computing a full block that ``request`` could reuse:
+        requests with a common system prompt arriving together would otherwise all compute it."""
+        block_size = self.cache.block_size
+        first_block = request.tokens[:block_size]
+        if len(request.tokens) <= block_size:
+            return False  # add_sequence leaves at least one token to compute: nothing to reuse
+        for other in self._running:
+            if other.computed >= len(other.tokens) - 1 or other.tokens[:block_size] != first_block:
+                continue
+            common = 0
+            while common < min(len(request.tokens) - 1, len(other.tokens)) and (
+                request.tokens[common] == other.tokens[common]
+            ):
+                common += 1
+            if common // block_size * block_size > other.computed:
+                return True
+        return False
 
     def _forward(self, group: list[_Request]) -> list[tuple[int, int]]:
         group = [r for r in group if r in self._running]  # an earlier pass of this step may have preempted some

@@ -135,6 +135,16 @@ def test_bad_requests_are_refused_and_queue_nothing():
         Engine(model, kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=8))
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    model = MODELS["gpt2"]()
+    system = list(range(10, 22))  # 3 blocks of 4
+    prompts = [system + [100 + i, 7, 8] for i in range(8)]
+    engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=4)
+    outputs = engine.generate(prompts, 5)
+    assert engine.reused_tokens == 7 * len(system)  # the first request computes it, 7 take its blocks
+    assert outputs == [alone(model, p, 5) for p in prompts]
+
+
 def test_a_long_prompt_is_read_in_chunks_while_others_decode():
     model = MODELS["llama"]()
     engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=8)
