@@ -151,6 +151,21 @@ class BlockPool:
         for block in reversed(sequence.blocks):  # the prefix's first block is recycled last
             self._release(block)
 
+    def rewind(self, seq_id, count: int) -> None:
+        """Drop the last ``count`` tokens of a sequence (speculative decoding's rejected drafts, going
+        back to a common prefix); blocks it no longer needs go back to the pool."""
+        sequence = self._sequence(seq_id)
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= sequence.length:
+            raise ValueError(f"count must be an int in [0, {sequence.length}] (tokens held), got {count!r}")
+        sequence.length -= count
+        kept_blocks = -(-sequence.length // self.block_size)
+        for block in reversed(sequence.blocks[kept_blocks:]):
+            self._release(block)
+        del sequence.blocks[kept_blocks:]
+        del sequence.hashes[sequence.length // self.block_size :]
+        if sequence.tokens is not None:
+            del sequence.tokens[sequence.length :]
+
     # -- a step: room first, then the new tokens -------------------------------------------------
     def blocks_needed(self, counts: dict) -> int:
         """Free blocks that :meth:`reserve` would take for ``counts`` (sequence id -> new tokens)."""
@@ -164,8 +179,9 @@ class BlockPool:
             if count and self._copy_on_write_needed(sequence):
                 writers[sequence.blocks[-1]] += 1
         for block, count in writers.items():
-            # Every writer copies the block, except the last one if no other sequence still reads it.
-            needed += count - (self._ref_counts[block] == count)
+            # Every writer copies the block, except the last one if no other sequence still reads it
+            # and the prefix cache does not vouch for its contents.
+            needed += count - (self._ref_counts[block] == count and block not in self._hash_of_block)
         return needed
 
     def reserve(self, counts: dict) -> list[tuple[int, int]]:
@@ -220,8 +236,13 @@ class BlockPool:
 
     # -- blocks ---------------------------------------------------------------------------------
     def _copy_on_write_needed(self, sequence: _SequenceBlocks) -> bool:
-        # Only a partly filled last block is written into; full shared blocks stay as they are.
-        return sequence.length % self.block_size != 0 and self._ref_counts[sequence.blocks[-1]] > 1
+        # Only a partly filled last block is written into (full blocks stay as they are): copied if
+        # another sequence reads it, or if it is registered, full, in the prefix cache (a rewound
+        # sequence ends inside it).
+        if sequence.length % self.block_size == 0:
+            return False
+        last = sequence.blocks[-1]
+        return self._ref_counts[last] > 1 or last in self._hash_of_block
 
     def _take_free_block(self) -> int:
         if self._never_registered:
@@ -250,8 +271,8 @@ class PagedKVCache:
     """Keys/values of many sequences in per-layer pools of blocks, ``k[layer]`` and ``v[layer]`` of shape
     ``(num_blocks, kv_heads, block_size, head_dim)``, managed by a :class:`BlockPool` (``.pool``).
 
-    Sequences are added (``add_sequence``, which reuses cached prompt prefixes), forked and freed by
-    id; ``schedule(seq_ids)`` says which of them are the rows of the next forward passes. The cache
+    Sequences are added (``add_sequence``, which reuses cached prompt prefixes), forked, rewound and
+    freed by id; ``schedule(seq_ids)`` says which of them are the rows of the next forward passes. The cache
     protocol of ``python_ref/caches.py`` then works as with ``KVCache``: ``start_step(T)`` reserves room
     for T tokens in every row (copying shared blocks about to be written) and returns each row's
     positions; ``attend`` writes the layer's keys/values through the block table and attends over the
@@ -298,6 +319,11 @@ class PagedKVCache:
         """``new_seq_id`` shares ``seq_id``'s tokens, copy-on-write (see :meth:`BlockPool.fork`)."""
         self._check_between_steps("fork")
         self.pool.fork(seq_id, new_seq_id)
+
+    def rewind(self, seq_id, count: int) -> None:
+        """Drop the last ``count`` tokens of a sequence (see :meth:`BlockPool.rewind`)."""
+        self._check_between_steps("rewind")
+        self.pool.rewind(seq_id, count)
 
     def free(self, seq_id) -> None:
         """Remove a sequence (and its row, if scheduled); its blocks return to the pool."""

@@ -64,6 +64,24 @@ def test_reference_counts_fork_and_copy_on_write():
     assert pool.sequences == [] and pool.num_free_blocks == 10
 
 
+def test_rewinding_into_a_cached_block_copies_it_before_writing():
+    pool = BlockPool(6, block_size=4)
+    filled(pool, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    blocks = pool.block_table("a")
+    pool.rewind("a", 2)  # now ends inside its second block, which the prefix cache vouches for
+    assert pool.block_table("a") == blocks and pool.length("a") == 6
+    assert pool.reserve({"a": 1}) == [(blocks[1], 2)]  # a copy: the cached block keeps its tokens
+    pool.commit("a", 1, [0])
+    assert pool.add_sequence("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    assert pool.block_table("b") == blocks
+    pool.rewind("a", 4)  # 3 tokens left: its second block goes back, the first is still b's too
+    assert pool.block_table("a") == [blocks[0]] and pool.ref_count(blocks[0]) == 2
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        pool.rewind("a", 4)
+    pool.rewind("a", 3)
+    assert pool.block_table("a") == [] and pool.length("a") == 0 and pool.ref_count(blocks[0]) == 1
+
+
 def test_two_writers_of_one_shared_block_need_one_copy():
     pool = BlockPool(3, block_size=4)
     filled(pool, "a", [1, 2])
@@ -172,8 +190,8 @@ def test_bad_arguments_are_refused_and_change_nothing():
 
 
 def test_random_operations_keep_every_sequence_reading_its_own_tokens():
-    """A simulated pool (one token id per slot) under random adds with prompts, forks, steps and
-    frees: reading a sequence's slots through its block table gives exactly its tokens, whether
+    """A simulated pool (one token id per slot) under random adds with prompts, forks, steps,
+    rewinds and frees: reading a sequence's slots through its block table gives exactly its tokens, whether
     its blocks came from the prefix cache, a fork or a copy; reference counts and free blocks
     match the tables."""
     rng = random.Random(2)
@@ -192,10 +210,15 @@ def test_random_operations_keep_every_sequence_reading_its_own_tokens():
             source = rng.choice(live)
             pool.fork(source, name)
             tokens[name] = list(tokens[source])
-        elif action < 0.55:
+        elif action < 0.5:
             gone = rng.choice(live)
             pool.free(gone)
             del tokens[gone]
+        elif action < 0.6:
+            seq = rng.choice(live)
+            count = rng.randrange(0, len(tokens[seq]) + 1)
+            pool.rewind(seq, count)
+            del tokens[seq][len(tokens[seq]) - count :]
         else:
             rows = rng.sample(live, rng.randrange(1, min(len(live), 3) + 1))
             new = {seq: rng.choices(range(3), k=rng.randrange(1, 6)) for seq in rows}
@@ -253,12 +276,12 @@ def run_step(cache, rows, num_new, held, gen):
     cache.finish_step()
 
 
-def test_attention_matches_contiguous_keys_through_forks_and_frees():
+def test_attention_matches_contiguous_keys_through_forks_rewinds_and_frees():
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     cache = make_cache(num_blocks=256)
     empty = torch.zeros(KV_HEADS, 0, HEAD_DIM)
     held = {}  # sequence -> per layer (keys, values) as a contiguous cache would hold them
-    for name in range(40):
+    for name in range(60):
         live = list(held)
         action = rng.random()
         if action < 0.2 or not live:
@@ -272,6 +295,11 @@ def test_attention_matches_contiguous_keys_through_forks_and_frees():
             gone = rng.choice(live)
             cache.free(gone)
             del held[gone]
+        elif action < 0.6:
+            seq = rng.choice(live)
+            kept = rng.randrange(0, held[seq][0][0].shape[1] + 1)
+            cache.rewind(seq, held[seq][0][0].shape[1] - kept)
+            held[seq] = [(keys[:, :kept], values[:, :kept]) for keys, values in held[seq]]
         else:
             rows = rng.sample(live, rng.randrange(1, len(live) + 1))
             run_step(cache, rows, rng.randrange(1, 6), held, gen)
