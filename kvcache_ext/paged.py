@@ -40,8 +40,17 @@ class PoolExhaustedError(RuntimeError):
 def _block_hash(previous: bytes, tokens: Sequence[int]) -> bytes:
     # sha256, not Python's hash(): a collision would silently give a sequence another prompt's keys.
     digest = hashlib.sha256(previous)
-    digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    digest.update(b"".join(t.to_bytes(8, "little") for t in tokens))
     return digest.digest()
+
+
+def _checked_token_ids(tokens, what: str) -> list[int]:
+    tokens = list(tokens)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise TypeError(f"{what} must be a sequence of int token ids, got {tokens!r}")
+    if not all(0 <= t < 2**63 for t in tokens):  # hashed as 8-byte integers
+        raise ValueError(f"{what} must be token ids in [0, 2**63), got {tokens!r}")
+    return tokens
 
 
 @dataclass
@@ -85,6 +94,8 @@ class BlockPool:
         return list(self._sequences)
 
     def ref_count(self, block: int) -> int:
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise IndexError(f"block must be an id in [0, {self.num_blocks}), got {block!r}")
         return self._ref_counts[block]
 
     def block_table(self, seq_id) -> list[int]:
@@ -111,9 +122,7 @@ class BlockPool:
         if seq_id in self._sequences:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if prompt is not None:
-            prompt = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise TypeError(f"prompt must be a sequence of int token ids, got {prompt!r}")
+            prompt = _checked_token_ids(prompt, "prompt")
         sequence = _SequenceBlocks(tokens=[] if prompt is not None else None)
         previous = b""
         for start in range(0, len(prompt or ()) - self.block_size, self.block_size):
@@ -210,8 +219,12 @@ class BlockPool:
         one, into room :meth:`reserve` gave. Blocks they fill are registered in the prefix cache
         while every token of the sequence is known."""
         sequence = self._sequence(seq_id)
-        if tokens is not None and len(tokens) != count:
-            raise ValueError(f"tokens must hold the {count} new token ids, got {len(tokens)}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if tokens is not None:
+            tokens = _checked_token_ids(tokens, "tokens")
+            if len(tokens) != count:
+                raise ValueError(f"tokens must hold the {count} new token ids, got {len(tokens)}")
         if sequence.length + count > len(sequence.blocks) * self.block_size:
             raise ValueError(
                 f"sequence {seq_id!r} has room for {len(sequence.blocks) * self.block_size - sequence.length} "
@@ -221,7 +234,7 @@ class BlockPool:
         if sequence.tokens is None or tokens is None:
             sequence.tokens = None
             return
-        sequence.tokens.extend(int(t) for t in tokens)
+        sequence.tokens.extend(tokens)
         while (len(sequence.hashes) + 1) * self.block_size <= sequence.length:
             index = len(sequence.hashes)
             previous = sequence.hashes[-1] if sequence.hashes else b""
@@ -346,7 +359,7 @@ class PagedKVCache:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a sequence can be only one row of a step, got {seq_ids}")
         if new_tokens is not None:
-            new_tokens = [list(tokens) for tokens in new_tokens]
+            new_tokens = [_checked_token_ids(tokens, "new_tokens") for tokens in new_tokens]
             if len(new_tokens) != len(seq_ids) or len({len(tokens) for tokens in new_tokens}) > 1:
                 raise ValueError(
                     f"new_tokens must hold one list of tokens per row ({len(seq_ids)}), all of one length, "

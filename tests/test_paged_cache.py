@@ -186,6 +186,16 @@ def test_bad_arguments_are_refused_and_change_nothing():
         pool.commit("a", 2)
     with pytest.raises(TypeError, match="token ids"):
         pool.add_sequence("b", [1.5])
+    with pytest.raises(ValueError, match="token ids"):
+        pool.add_sequence("b", [2**63])
+    with pytest.raises(ValueError, match="token ids"):
+        pool.commit("a", 1, [-1])
+    with pytest.raises(ValueError, match="count"):
+        pool.commit("a", -1)
+    with pytest.raises(ValueError, match="count"):
+        pool.rewind("a", 4)
+    with pytest.raises(IndexError, match="block"):
+        pool.ref_count(-1)
     assert pool_state(pool) == before
 
 
@@ -340,6 +350,8 @@ def test_bad_schedules_are_refused():
         cache.schedule(["a", "a"])
     with pytest.raises(ValueError, match="one list of tokens per row"):
         cache.schedule(["a"], [[1], [2]])
+    with pytest.raises(ValueError, match="token ids"):
+        cache.schedule(["a"], [[-5]])
     cache.schedule(["a"], [[1, 2]])
     with pytest.raises(ValueError, match="announced 2 new tokens"):
         cache.start_step(3)
@@ -372,3 +384,15 @@ def test_generate_gives_the_tokens_of_the_contiguous_cache(model_name, block_siz
     cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks, block_size=block_size)
     assert torch.equal(generate(model, prompt, 20, cache=cache), expected)
     assert torch.equal(generate(model, prompt, 20, cache=cache), expected)  # reset() freed the rows
+
+
+def test_generate_on_a_pool_too_small_for_the_batch_raises_and_creates_nothing():
+    model = MODELS["gpt2"]()
+    kv = model.kv_shape
+    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks=2, block_size=4)
+    with pytest.raises(PoolExhaustedError):
+        generate(model, torch.randint(0, 50257, (3, 7)), 5, cache=cache)  # 3 rows of 2 blocks
+    assert cache.pool.sequences == [] and cache.pool.num_free_blocks == 2
+    prompt = torch.tensor([[1, 2, 3]])
+    expected = generate(model, prompt, 5, cache=kvcache_ext.KVCache(**kv, batch_size=1, max_cache_len=8))
+    assert torch.equal(generate(model, prompt, 5, cache=cache), expected)  # 7 tokens: 2 blocks
