@@ -133,6 +133,27 @@ def test_bad_requests_are_refused_and_queue_nothing():
         Engine(model, paged_cache(model, 8), chunk_size=0)
     with pytest.raises(TypeError, match="PagedKVCache"):
         Engine(model, kvcache_ext.KVCache(**model.kv_shape, batch_size=1, max_cache_len=8))
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Engine(model, paged_cache(model, 8), max_batch_size=0)
+    used = paged_cache(model, 8)
+    used.add_sequence("someone else's")
+    with pytest.raises(ValueError, match="no sequences"):
+        Engine(model, used)
+
+
+def test_at_most_max_batch_size_requests_run_at_once():
+    model = MODELS["gpt2"]()
+    prompts, max_new = workload(6, seed=3)
+    engine = Engine(model, paged_cache(model, num_blocks=64), max_batch_size=2)
+    for prompt, count in zip(prompts, max_new):
+        engine.add_request(prompt, count)
+    streamed = {}
+    while engine.has_unfinished:
+        events = engine.step()
+        assert len(events) <= 2  # a running request chooses at most one token per step
+        for request_id, token in events:
+            streamed.setdefault(request_id, []).append(token)
+    assert [streamed[i] for i in range(6)] == [alone(model, p, n) for p, n in zip(prompts, max_new)]
 
 
 def test_requests_arriving_together_compute_a_shared_prefix_once():
