@@ -4,12 +4,15 @@
 ``decode_attention`` are the ops behind it (``append_kv_quantized`` and
 ``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``; ``paged_append_kv`` and
 ``paged_decode_attention`` for block pools); ``capabilities(device)`` is the table of what the
-kernels support. Without a loadable native library the package warns once and runs the same API
+kernels support. ``PagedKVCache`` keeps many sequences in one pool of blocks (shared
+copy-on-write, prompt prefixes cached); ``Engine`` serves many requests at once on it
+(continuous batching). Without a loadable native library the package warns once and runs the same API
 on the pure-PyTorch reference path (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that an error).
 """
 
 from ._native import build_info
 from .cache import KVCache
+from .engine import Engine
 from .capabilities import Capabilities, capabilities, kernels_used, native_available
 from .ops import (
     append_kv,
@@ -20,9 +23,14 @@ from .ops import (
     paged_append_kv,
     paged_decode_attention,
 )
+from .paged import BlockPool, PagedKVCache, PoolExhaustedError
 
 __all__ = [
     "KVCache",
+    "PagedKVCache",
+    "BlockPool",
+    "PoolExhaustedError",
+    "Engine",
     "append_kv",
     "decode_attention",
     "gather_rows",

@@ -1,6 +1,6 @@
 """Key/value caches that a model talks to through one small protocol.
 
-The protocol (every cache here and ``kvcache_ext.KVCache`` implement it):
+The protocol (every cache here, ``kvcache_ext.KVCache`` and ``kvcache_ext.PagedKVCache`` implement it):
 
     cache.seq_length          -> int     tokens held by the longest row (host-side, no sync)
     cache.start_step(T)       -> Tensor  positions of the T new tokens, (B, T) or (1, T) long;

@@ -45,7 +45,7 @@ def generate(
     recompute = cache is None or isinstance(cache, NoCache)  # no cache: re-run the whole sequence
     for step in range(max_new_tokens):
         logits = model(idx if recompute or step == 0 else idx[:, -1:], cache)
-        next_token = _choose(logits[:, -1].float(), temperature, top_k, generator)
+        next_token = choose_next_token(logits[:, -1].float(), temperature, top_k, generator)
         if eos_id is not None:
             next_token = torch.where(finished, torch.full_like(next_token, eos_id), next_token)
             finished |= next_token == eos_id
@@ -57,7 +57,9 @@ def generate(
     return idx
 
 
-def _choose(logits, temperature, top_k, generator):
+def choose_next_token(logits, temperature=0.0, top_k=None, generator=None):
+    """The next token of each row of ``logits`` ``(B, vocab)``: greedy for ``temperature=0``, else
+    sampled as :func:`generate` describes (``kvcache_ext.Engine`` chooses its tokens here too)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature

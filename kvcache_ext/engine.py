@@ -1,0 +1,274 @@
+"""Continuous batching over python_ref models with a :class:`~kvcache_ext.paged.PagedKVCache`.
+
+Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further:
+the requests that are decoding (one new token each) together in one forward pass, the requests still
+reading their prompt one chunk of at most ``chunk_size`` tokens each, in forward passes grouped by
+chunk length (a pass adds the same number of tokens to each of its rows; rows may hold different
+lengths, and the cache gives each row its own positions). A request that finishes frees its blocks at
+once; a request added between steps joins at the next one.
+
+A waiting request whose prompt starts with full blocks that a running request is still computing
+waits until they are stored: then it takes them from the prefix cache instead of computing them too.
+
+When the pool runs out of blocks, the newest running request is preempted: its blocks are freed and
+it goes back to the front of the queue, keeping the tokens it generated, to be recomputed when
+readmitted (cheaply, where the prefix cache still holds its full blocks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from python_ref.generate import choose_next_token
+
+from .paged import PagedKVCache, PoolExhaustedError
+
+
+@dataclass(eq=False)  # requests are compared by identity
+class _Request:
+    request_id: int  # -1 until queued
+    tokens: list[int]  # the prompt, then the generated tokens
+    prompt_length: int
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    generator: torch.Generator | None
+    computed: int = 0  # tokens whose keys/values the cache holds
+    stopped: bool = False  # it generated the end-of-sequence token
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or len(self.generated) >= self.max_new_tokens
+
+
+class Engine:
+    """Serves many generation requests at once on ``model`` (a python_ref GPT-2 or Llama) with
+    ``cache``; each request's tokens are those ``python_ref.generate`` gives it alone (greedy, or
+    sampled with the request's own generator).
+
+    ``chunk_size``: the most prompt tokens a request reads per step. ``max_batch_size``: the most
+    requests running at once (None: as many as the pool holds). ``eos_id``: a request that generates
+    it stops there.
+    """
+
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        chunk_size: int = 64,
+        max_batch_size: int | None = None,
+        eos_id: int | None = None,
+    ):
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be a positive int or None, got {max_batch_size!r}")
+        if cache.pool.sequences:
+            raise ValueError("the cache must hold no sequences: the engine names them by its request ids")
+        self.model, self.cache = model.eval(), cache
+        self.chunk_size, self.max_batch_size, self.eos_id = chunk_size, max_batch_size, eos_id
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # in order of admission
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self.preemptions = 0  # how often a request was preempted so far
+        self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> int:
+        """Queue a request; it joins the batch at the next :meth:`step`. Returns its id.
+        ``temperature``, ``top_k``, ``generator``: as for ``python_ref.generate`` (0: greedy)."""
+        return self._enqueue([self._checked_request(prompt, max_new_tokens, temperature, top_k, generator)])[0]
+
+    def _checked_request(self, prompt, max_new_tokens, temperature, top_k, generator) -> _Request:
+        prompt = list(prompt)
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt must be a non-empty sequence of int token ids, got {prompt!r}")
+        vocab = self.model.cfg.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {prompt}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        # The last generated token is never fed back: the model reads prompt + max_new_tokens - 1.
+        fed = len(prompt) + max_new_tokens - 1
+        if fed > self.model.cfg.context_length:
+            raise ValueError(
+                f"the model has {self.model.cfg.context_length} positions: a prompt of {len(prompt)} tokens "
+                f"with max_new_tokens={max_new_tokens} needs {fed}"
+            )
+        capacity = self.cache.pool.num_blocks * self.cache.block_size
+        if fed > capacity:
+            raise ValueError(f"the request needs room for {fed} tokens, the whole pool holds {capacity}")
+        return _Request(-1, prompt, len(prompt), max_new_tokens, temperature, top_k, generator)
+
+    def _enqueue(self, requests: list[_Request]) -> list[int]:
+        """Queue requests already checked, numbering them."""
+        for request in requests:
+            request.request_id = self._next_id
+            self._next_id += 1
+            self._requests[request.request_id] = request
+            if not request.done:
+                self._waiting.append(request)
+        return [request.request_id for request in requests]
+
+    def output(self, request_id: int) -> list[int]:
+        """The tokens request ``request_id`` has generated so far."""
+        return list(self._requests[request_id].generated)
+
+    def is_finished(self, request_id: int) -> bool:
+        return self._requests[request_id].done
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # -- running ---------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], **sampling
+    ) -> list[list[int]]:
+        """The continuation of each prompt (generated tokens only), served together.
+        ``max_new_tokens``: one for all, or one per prompt; ``sampling``: ``temperature``, ``top_k``
+        (for all) and ``generators`` (one per prompt), as :meth:`add_request` takes them."""
+        request_ids = self._add_all(prompts, max_new_tokens, **sampling)
+        while self.has_unfinished:
+            self.step()
+        return [self._requests.pop(request_id).generated for request_id in request_ids]
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], **sampling
+    ) -> Iterator[tuple[int, int]]:
+        """Like :meth:`generate`, yielding ``(request_id, token)`` as each token is chosen; request ids
+        are consecutive, in the order of ``prompts``."""
+        self._add_all(prompts, max_new_tokens, **sampling)
+        while self.has_unfinished:
+            yield from self.step()
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, int]]:
+        """Admit waiting requests, run every running one a piece further; returns the tokens chosen,
+        as ``(request_id, token)`` in order."""
+        self._admit()
+        decoding = [r for r in self._running if len(r.tokens) - r.computed == 1]
+        by_chunk: dict[int, list[_Request]] = {}
+        for request in self._running:
+            pending = len(request.tokens) - request.computed
+            if pending > 1:
+                by_chunk.setdefault(min(pending, self.chunk_size), []).append(request)
+        events = []
+        for group in [decoding, *by_chunk.values()]:
+            events += self._forward(group)
+        return events
+
+    def _add_all(self, prompts, max_new_tokens, temperature=0.0, top_k=None, generators=None) -> list[int]:
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        generators = [None] * len(prompts) if generators is None else list(generators)
+        for name, values in (("max_new_tokens", counts), ("generators", generators)):
+            if len(values) != len(prompts):
+                raise ValueError(f"{name} must be one per prompt ({len(prompts)}), got {len(values)}")
+        # Every request is checked before the first is queued: a refused call queues nothing.
+        return self._enqueue(
+            [
+                self._checked_request(prompt, count, temperature, top_k, generator)
+                for prompt, count, generator in zip(prompts, counts, generators)
+            ]
+        )
+
+    def _admit(self) -> None:
+        # Admit a request only if the free blocks hold all its tokens so far, a block to grow into,
+        # and a block for each running request; else it would just preempt others (or be
+        # preempted) before its prompt is read. Alone, a request always fits (add_request checks).
+        free = self.cache.pool.num_free_blocks
+        for request in list(self._waiting):
+            if self.max_batch_size is not None and len(self._running) >= self.max_batch_size:
+                break
+            if self._prefix_in_flight(request):
+                continue  # admitted once a running request has stored (and registered) the prefix
+            wanted = -(-len(request.tokens) // self.cache.block_size) + 1
+            if self._running and free < wanted + len(self._running):
+                break
+            self._waiting.remove(request)
+            request.computed = self.cache.add_sequence(request.request_id, request.tokens)
+            self.reused_tokens += request.computed
+            self._running.append(request)
+            free -= wanted
+
+    def _prefix_in_flight(self, request: _Request) -> bool:
+        """Whether a running request is still computing a full block that ``request`` could reuse:
+        requests with a common system prompt arriving together would otherwise all compute it."""
+        block_size = self.cache.block_size
+        first_block = request.tokens[:block_size]
+        if len(request.tokens) <= block_size:
+            return False  # add_sequence leaves at least one token to compute: nothing to reuse
+        for other in self._running:
+            if other.computed >= len(other.tokens) - 1 or other.tokens[:block_size] != first_block:
+                continue
+            common = 0
+            while common < min(len(request.tokens) - 1, len(other.tokens)) and (
+                request.tokens[common] == other.tokens[common]
+            ):
+                common += 1
+            if common // block_size * block_size > other.computed:
+                return True
+        return False
+
+    def _forward(self, group: list[_Request]) -> list[tuple[int, int]]:
+        group = [r for r in group if r in self._running]  # an earlier pass of this step may have preempted some
+        while group:
+            count = min(len(group[0].tokens) - group[0].computed, self.chunk_size)  # the same for every row
+            new_tokens = [r.tokens[r.computed : r.computed + count] for r in group]
+            self.cache.schedule([r.request_id for r in group], new_tokens)
+            try:
+                logits = self.model(torch.tensor(new_tokens, device=self.cache.k.device), self.cache)
+                break
+            except PoolExhaustedError:  # raised before the pass changed anything
+                victim = max(self._running, key=lambda r: r.request_id)  # the newest request
+                self._preempt(victim)
+                group = [r for r in group if r is not victim]
+        else:
+            return []
+        events = []
+        last_logits = logits[:, -1]
+        for row, request in enumerate(group):
+            request.computed += count
+            if request.computed < len(request.tokens):
+                continue  # more of the prompt to read
+            token = int(
+                choose_next_token(
+                    last_logits[row : row + 1].float(), request.temperature, request.top_k, request.generator
+                )
+            )
+            request.tokens.append(token)
+            events.append((request.request_id, token))
+            request.stopped = token == self.eos_id
+            if request.done:
+                self.cache.free(request.request_id)
+                self._running.remove(request)
+        return events
+
+    def _preempt(self, request: _Request) -> None:
+        self.cache.free(request.request_id)
+        self._running.remove(request)
+        request.computed = 0
+        self._waiting.appendleft(request)
+        self.preemptions += 1

@@ -1,0 +1,469 @@
+"""A paged KV cache: one pool of fixed-size blocks serves every sequence, as in vLLM's PagedAttention.
+
+A sequence holds a list of block ids (its block table); position ``p`` lives in block
+``table[p // block_size]`` at offset ``p % block_size``. Block ids are handed out once per sequence and
+mean the same block in every layer's pool tensors, so the bookkeeping (:class:`BlockPool`) is
+host-side Python and knows nothing of layers; :class:`PagedKVCache` adds the tensors and speaks the
+cache protocol of ``python_ref/caches.py``.
+
+Sharing. Blocks are reference counted. ``fork`` gives a new sequence the same blocks (parallel
+sampling, beam search); a sequence about to write into a shared block gets a private copy first
+(copy-on-write). A full block whose tokens are known is also registered under a hash of its tokens and
+of the hash of every block before it (so a hash names a whole prefix, not just 16 tokens); a new
+sequence whose prompt starts with the same tokens takes those blocks instead of computing them again
+(prefix caching). A registered block no sequence uses stays in the pool, still findable, and is
+recycled least recently freed first when the pool needs room.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter, OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .capabilities import PAGED_BLOCK_SIZES, capabilities
+from .ops import paged_append_kv, paged_decode_attention
+
+
+class PoolExhaustedError(RuntimeError):
+    """The block pool has fewer free blocks than a request needs; nothing was changed."""
+
+    def __init__(self, needed: int, free: int):
+        super().__init__(f"the block pool needs {needed} free blocks for this request but has {free}")
+        self.needed, self.free = needed, free
+
+
+def _block_hash(previous: bytes, tokens: Sequence[int]) -> bytes:
+    # sha256, not Python's hash(): a collision would silently give a sequence another prompt's keys.
+    digest = hashlib.sha256(previous)
+    digest.update(b"".join(t.to_bytes(8, "little") for t in tokens))
+    return digest.digest()
+
+
+def _checked_token_ids(tokens, what: str) -> list[int]:
+    tokens = list(tokens)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise TypeError(f"{what} must be a sequence of int token ids, got {tokens!r}")
+    if not all(0 <= t < 2**63 for t in tokens):  # hashed as 8-byte integers
+        raise ValueError(f"{what} must be token ids in [0, 2**63), got {tokens!r}")
+    return tokens
+
+
+@dataclass
+class _SequenceBlocks:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose keys/values are stored
+    # The tokens at positions [0, length) while all of them are known; None once one is not (only
+    # blocks of known tokens can be found by later prompts).
+    tokens: list[int] | None = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # of the sequence's first len(hashes) blocks
+
+
+class BlockPool:
+    """Block tables, reference counts and the prefix cache of ``num_blocks`` blocks of ``block_size``
+    tokens; sequences are named by any hashable id.
+
+    Every method checks its arguments and the room it needs before it changes anything, so a refused
+    call (ValueError, KeyError, :class:`PoolExhaustedError`) leaves the pool as it was.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._ref_counts = [0] * num_blocks
+        self._never_registered = deque(range(num_blocks))  # unused, no hash: taken first
+        self._cached_unused = OrderedDict()  # unused registered block -> its hash, least recently freed first
+        self._hash_of_block: dict[int, bytes] = {}
+        self._block_of_hash: dict[bytes, int] = {}
+        self._sequences: dict[Hashable, _SequenceBlocks] = {}
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that no sequence uses (registered ones included: they are recycled on demand)."""
+        return len(self._never_registered) + len(self._cached_unused)
+
+    @property
+    def sequences(self) -> list:
+        return list(self._sequences)
+
+    def ref_count(self, block: int) -> int:
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise IndexError(f"block must be an id in [0, {self.num_blocks}), got {block!r}")
+        return self._ref_counts[block]
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self._sequence(seq_id).blocks)
+
+    def length(self, seq_id) -> int:
+        return self._sequence(seq_id).length
+
+    def is_cached(self, block: int) -> bool:
+        """Whether ``block`` is registered in the prefix cache (findable by a later prompt)."""
+        return block in self._hash_of_block
+
+    def _sequence(self, seq_id) -> _SequenceBlocks:
+        try:
+            return self._sequences[seq_id]
+        except KeyError:
+            raise KeyError(f"no sequence {seq_id!r} in the pool (sequences: {list(self._sequences)})") from None
+
+    # -- sequences ------------------------------------------------------------------------------
+    def add_sequence(self, seq_id, prompt: Sequence[int] | None = None) -> int:
+        """A new, empty sequence. With its ``prompt`` tokens, it takes the cached blocks of the longest
+        prefix of the prompt held as full blocks (never the whole prompt: the last token must still be
+        computed to give logits) and returns how many tokens it then holds; these need no computing."""
+        if seq_id in self._sequences:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if prompt is not None:
+            prompt = _checked_token_ids(prompt, "prompt")
+        sequence = _SequenceBlocks(tokens=[] if prompt is not None else None)
+        previous = b""
+        for start in range(0, len(prompt or ()) - self.block_size, self.block_size):
+            previous = _block_hash(previous, prompt[start : start + self.block_size])
+            block = self._block_of_hash.get(previous)
+            if block is None:
+                break
+            self._retain(block)
+            sequence.blocks.append(block)
+            sequence.hashes.append(previous)
+            sequence.tokens.extend(prompt[start : start + self.block_size])
+            sequence.length += self.block_size
+        self._sequences[seq_id] = sequence
+        return sequence.length
+
+    def fork(self, seq_id, new_seq_id) -> None:
+        """``new_seq_id`` becomes a sequence holding the same tokens as ``seq_id``, sharing its blocks;
+        whichever writes first into a shared, partly filled block gets its own copy of it."""
+        source = self._sequence(seq_id)
+        if new_seq_id in self._sequences:
+            raise ValueError(f"sequence {new_seq_id!r} already exists")
+        for block in source.blocks:
+            self._retain(block)
+        self._sequences[new_seq_id] = _SequenceBlocks(
+            blocks=list(source.blocks),
+            length=source.length,
+            tokens=None if source.tokens is None else list(source.tokens),
+            hashes=list(source.hashes),
+        )
+
+    def free(self, seq_id) -> None:
+        """Remove a sequence; its blocks go back to the pool once no other sequence uses them."""
+        sequence = self._sequence(seq_id)
+        del self._sequences[seq_id]
+        for block in reversed(sequence.blocks):  # the prefix's first block is recycled last
+            self._release(block)
+
+    def rewind(self, seq_id, count: int) -> None:
+        """Drop the last ``count`` tokens of a sequence (speculative decoding's rejected drafts, going
+        back to a common prefix); blocks it no longer needs go back to the pool."""
+        sequence = self._sequence(seq_id)
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= sequence.length:
+            raise ValueError(f"count must be an int in [0, {sequence.length}] (tokens held), got {count!r}")
+        sequence.length -= count
+        kept_blocks = -(-sequence.length // self.block_size)
+        for block in reversed(sequence.blocks[kept_blocks:]):
+            self._release(block)
+        del sequence.blocks[kept_blocks:]
+        del sequence.hashes[sequence.length // self.block_size :]
+        if sequence.tokens is not None:
+            del sequence.tokens[sequence.length :]
+
+    # -- a step: room first, then the new tokens -------------------------------------------------
+    def blocks_needed(self, counts: dict) -> int:
+        """Free blocks that :meth:`reserve` would take for ``counts`` (sequence id -> new tokens)."""
+        needed = 0
+        writers = Counter()  # shared, partly filled blocks that this step writes into -> how many writers
+        for seq_id, count in counts.items():
+            sequence = self._sequence(seq_id)
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ValueError(f"the count of new tokens of {seq_id!r} must be an int >= 0, got {count!r}")
+            needed += math.ceil((sequence.length + count) / self.block_size) - len(sequence.blocks)
+            if count and self._copy_on_write_needed(sequence):
+                writers[sequence.blocks[-1]] += 1
+        for block, count in writers.items():
+            # Every writer copies the block, except the last one if no other sequence still reads it
+            # and the prefix cache does not vouch for its contents.
+            needed += count - (self._ref_counts[block] == count and block not in self._hash_of_block)
+        return needed
+
+    def reserve(self, counts: dict) -> list[tuple[int, int]]:
+        """Give each sequence room for ``counts[seq_id]`` more tokens, all or nothing: raises
+        :class:`PoolExhaustedError`, changing nothing, if the free blocks do not suffice.
+
+        Returns the copies ``(source block, new block)`` the caller must make in every layer before
+        writing: a sequence about to write into a partly filled block it shares gets a new one."""
+        needed, free = self.blocks_needed(counts), self.num_free_blocks
+        if needed > free:
+            raise PoolExhaustedError(needed, free)
+        copies = []
+        for seq_id, count in counts.items():
+            sequence = self._sequences[seq_id]
+            if count and self._copy_on_write_needed(sequence):
+                shared = sequence.blocks[-1]
+                sequence.blocks[-1] = self._take_free_block()
+                self._release(shared)
+                copies.append((shared, sequence.blocks[-1]))
+            while len(sequence.blocks) * self.block_size < sequence.length + count:
+                sequence.blocks.append(self._take_free_block())
+        return copies
+
+    def commit(self, seq_id, count: int, tokens: Sequence[int] | None = None) -> None:
+        """``count`` tokens (with ids ``tokens``, if known) were written after the sequence's last
+        one, into room :meth:`reserve` gave. Blocks they fill are registered in the prefix cache
+        while every token of the sequence is known."""
+        sequence = self._sequence(seq_id)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if tokens is not None:
+            tokens = _checked_token_ids(tokens, "tokens")
+            if len(tokens) != count:
+                raise ValueError(f"tokens must hold the {count} new token ids, got {len(tokens)}")
+        if sequence.length + count > len(sequence.blocks) * self.block_size:
+            raise ValueError(
+                f"sequence {seq_id!r} has room for {len(sequence.blocks) * self.block_size - sequence.length} "
+                f"more tokens, not {count}: reserve() first"
+            )
+        sequence.length += count
+        if sequence.tokens is None or tokens is None:
+            sequence.tokens = None
+            return
+        sequence.tokens.extend(tokens)
+        while (len(sequence.hashes) + 1) * self.block_size <= sequence.length:
+            index = len(sequence.hashes)
+            previous = sequence.hashes[-1] if sequence.hashes else b""
+            block_tokens = sequence.tokens[index * self.block_size : (index + 1) * self.block_size]
+            block_hash = _block_hash(previous, block_tokens)
+            sequence.hashes.append(block_hash)
+            block = sequence.blocks[index]
+            # A prefix computed twice at once stays registered under its first block only.
+            if block_hash not in self._block_of_hash and block not in self._hash_of_block:
+                self._block_of_hash[block_hash] = block
+                self._hash_of_block[block] = block_hash
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def _copy_on_write_needed(self, sequence: _SequenceBlocks) -> bool:
+        # Only a partly filled last block is written into (full blocks stay as they are): copied if
+        # another sequence reads it, or if it is registered, full, in the prefix cache (a rewound
+        # sequence ends inside it).
+        if sequence.length % self.block_size == 0:
+            return False
+        last = sequence.blocks[-1]
+        return self._ref_counts[last] > 1 or last in self._hash_of_block
+
+    def _take_free_block(self) -> int:
+        if self._never_registered:
+            block = self._never_registered.popleft()
+        else:  # evict the least recently freed cached block: forget its hash
+            block, block_hash = self._cached_unused.popitem(last=False)
+            del self._block_of_hash[block_hash], self._hash_of_block[block]
+        self._ref_counts[block] = 1
+        return block
+
+    def _retain(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            del self._cached_unused[block]  # only registered blocks are found while unused
+        self._ref_counts[block] += 1
+
+    def _release(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            if block in self._hash_of_block:
+                self._cached_unused[block] = self._hash_of_block[block]
+            else:
+                self._never_registered.append(block)
+
+
+class PagedKVCache:
+    """Keys/values of many sequences in per-layer pools of blocks, ``k[layer]`` and ``v[layer]`` of shape
+    ``(num_blocks, kv_heads, block_size, head_dim)``, managed by a :class:`BlockPool` (``.pool``).
+
+    Sequences are added (``add_sequence``, which reuses cached prompt prefixes), forked, rewound and
+    freed by id; ``schedule(seq_ids)`` says which of them are the rows of the next forward passes. The cache
+    protocol of ``python_ref/caches.py`` then works as with ``KVCache``: ``start_step(T)`` reserves room
+    for T tokens in every row (copying shared blocks about to be written) and returns each row's
+    positions; ``attend`` writes the layer's keys/values through the block table and attends over the
+    row's tokens; ``finish_step`` records them. A step adds T tokens to every row, whatever each row
+    holds already: each row gets its own positions.
+
+    Without ``schedule`` (``python_ref.generate`` knows nothing of sequences), a cache holding no
+    sequence takes its rows from the first step: ``B`` new sequences with ids ``0 .. B-1``.
+    ``reset()`` frees every sequence (cached prefixes stay findable).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        table = capabilities(device)
+        table.check_dtype(dtype, "PagedKVCache dtype")
+        table.check_head_dim(head_dim)
+        if block_size not in PAGED_BLOCK_SIZES:  # what the paged ops take, on every device
+            raise ValueError(f"block_size must be one of {PAGED_BLOCK_SIZES}, got {block_size!r}")
+        self.pool = BlockPool(num_blocks, block_size)
+        self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
+        shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._rows: list = []
+        self._new_tokens: list[list[int]] | None = None  # what the next step feeds each row, if known
+        self._step = None  # during a step: (T, block tables, lengths before) on the device
+
+    # -- sequences ------------------------------------------------------------------------------
+    def add_sequence(self, seq_id, prompt: Sequence[int] | None = None) -> int:
+        """See :meth:`BlockPool.add_sequence`: returns how many prompt tokens cached blocks already hold."""
+        self._check_between_steps("add_sequence")
+        return self.pool.add_sequence(seq_id, prompt)
+
+    def fork(self, seq_id, new_seq_id) -> None:
+        """``new_seq_id`` shares ``seq_id``'s tokens, copy-on-write (see :meth:`BlockPool.fork`)."""
+        self._check_between_steps("fork")
+        self.pool.fork(seq_id, new_seq_id)
+
+    def rewind(self, seq_id, count: int) -> None:
+        """Drop the last ``count`` tokens of a sequence (see :meth:`BlockPool.rewind`)."""
+        self._check_between_steps("rewind")
+        self.pool.rewind(seq_id, count)
+
+    def free(self, seq_id) -> None:
+        """Remove a sequence (and its row, if scheduled); its blocks return to the pool."""
+        self._check_between_steps("free")
+        self.pool.free(seq_id)
+        if seq_id in self._rows:
+            row = self._rows.index(seq_id)
+            del self._rows[row]
+            if self._new_tokens is not None:
+                del self._new_tokens[row]
+
+    def schedule(self, seq_ids: Sequence, new_tokens: Sequence[Sequence[int]] | None = None) -> None:
+        """The sequences the next forward passes compute, in row order. ``new_tokens``, if given, are
+        the token ids the next pass feeds each row; recording them lets the blocks they fill be found
+        by later prompts (prefix caching)."""
+        self._check_between_steps("schedule")
+        seq_ids = list(seq_ids)
+        for seq_id in seq_ids:
+            self.pool.length(seq_id)  # raises KeyError for an unknown sequence
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence can be only one row of a step, got {seq_ids}")
+        if new_tokens is not None:
+            new_tokens = [_checked_token_ids(tokens, "new_tokens") for tokens in new_tokens]
+            if len(new_tokens) != len(seq_ids) or len({len(tokens) for tokens in new_tokens}) > 1:
+                raise ValueError(
+                    f"new_tokens must hold one list of tokens per row ({len(seq_ids)}), all of one length, "
+                    f"got lengths {[len(tokens) for tokens in new_tokens]}"
+                )
+        self._rows, self._new_tokens = seq_ids, new_tokens
+
+    # -- the cache protocol ---------------------------------------------------------------------
+    @property
+    def seq_length(self) -> int:
+        return max((self.pool.length(seq_id) for seq_id in self._rows), default=0)
+
+    def start_step(self, num_new: int) -> torch.Tensor:
+        # A step that failed part-way may be started again (as with PreallocatedCache): the room it
+        # reserved is still there, and what it wrote lies past every row's length.
+        if not isinstance(num_new, int) or isinstance(num_new, bool) or num_new < 1:
+            raise ValueError(f"a step adds at least one token, got {num_new!r}")
+        if self._new_tokens is not None and len(self._new_tokens[0]) != num_new:
+            raise ValueError(
+                f"schedule() announced {len(self._new_tokens[0])} new tokens per row, the step has {num_new}"
+            )
+        if not self._rows:
+            if self.pool.sequences:
+                raise RuntimeError("no rows scheduled: call schedule(seq_ids) before a step")
+            # Rows are created by the first attend, which sees the batch size.
+            self._step = (num_new, None, None)
+            return torch.arange(num_new, device=self.k.device).unsqueeze(0)
+        self._reserve(num_new)
+        return self._step[2].unsqueeze(1) + torch.arange(num_new, device=self.k.device)
+
+    def attend(self, layer, q, k, v, scale=None):
+        if self._step is None:
+            raise RuntimeError("attend() called outside a step: call start_step(T) first")
+        num_new, block_tables, lengths_before = self._step
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        batch = len(self._rows) if block_tables is not None else k.shape[0]
+        expected = (batch, self.kv_heads, num_new, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {expected}, got {tuple(t.shape)}")
+            if t.dtype != self.k.dtype or t.device != self.k.device:
+                raise TypeError(f"{name} must be {self.k.dtype} on {self.k.device}, got {t.dtype} on {t.device}")
+        if q.dim() != 4 or q.shape[0] != batch or q.shape[2:] != (num_new, self.head_dim) or q.shape[1] % self.kv_heads:
+            raise ValueError(
+                f"q must have shape (B={batch}, H_q (a multiple of {self.kv_heads}), T={num_new}, "
+                f"D={self.head_dim}), got {tuple(q.shape)}"
+            )
+        if block_tables is None:  # the first step of an unscheduled cache: one new sequence per row
+            needed = batch * math.ceil(num_new / self.block_size)
+            if needed > self.pool.num_free_blocks:
+                raise PoolExhaustedError(needed, self.pool.num_free_blocks)
+            for seq_id in range(batch):
+                self.pool.add_sequence(seq_id)
+            self._rows = list(range(batch))
+            self._reserve(num_new)
+            num_new, block_tables, lengths_before = self._step
+        paged_append_kv(self.k[layer], self.v[layer], k, v, block_tables, lengths_before)
+        out, _ = paged_decode_attention(
+            q, self.k[layer], self.v[layer], block_tables, lengths_before + num_new, scale=scale
+        )
+        return out
+
+    def finish_step(self) -> None:
+        if self._step is None:
+            raise RuntimeError("finish_step() without start_step()")
+        num_new = self._step[0]
+        for row, seq_id in enumerate(self._rows):
+            self.pool.commit(seq_id, num_new, None if self._new_tokens is None else self._new_tokens[row])
+        self._step, self._new_tokens = None, None
+
+    def reset(self) -> None:
+        """Free every sequence; blocks registered in the prefix cache stay findable until recycled."""
+        for seq_id in self.pool.sequences:
+            self.pool.free(seq_id)
+        self._rows, self._new_tokens, self._step = [], None, None
+
+    # -- memory ---------------------------------------------------------------------------------
+    def bytes_allocated(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def bytes_used(self) -> int:
+        """Bytes of the blocks sequences use (each shared block counted once)."""
+        in_use = self.pool.num_blocks - self.pool.num_free_blocks
+        return self.bytes_allocated() // self.pool.num_blocks * in_use
+
+    # -------------------------------------------------------------------------------------------
+    def _check_between_steps(self, operation: str) -> None:
+        if self._step is not None:
+            raise RuntimeError(f"{operation}() inside a step: call it before start_step() or after finish_step()")
+
+    def _reserve(self, num_new: int) -> None:
+        """Room for ``num_new`` tokens in every row (or PoolExhaustedError, nothing changed), shared
+        blocks about to be written copied, and the step's block tables and lengths on the device."""
+        copies = self.pool.reserve({seq_id: num_new for seq_id in self._rows})
+        if copies:
+            sources, targets = (torch.tensor(ids, device=self.k.device) for ids in zip(*copies))
+            self.k[:, targets] = self.k[:, sources]
+            self.v[:, targets] = self.v[:, sources]
+        tables = [self.pool.block_table(seq_id) for seq_id in self._rows]
+        width = max(len(table) for table in tables)
+        # Entries past a row's last block are never read: any valid id will do.
+        block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
+        lengths = torch.tensor([self.pool.length(seq_id) for seq_id in self._rows], dtype=torch.long)
+        self._step = (num_new, block_tables.to(self.k.device), lengths.to(self.k.device))
