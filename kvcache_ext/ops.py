@@ -53,10 +53,12 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     table.check_head_dim(k_cache.shape[3])
     table.check_slots(k_cache.shape[2])
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+    k_strides, v_strides = k_cache.stride(), v_cache.stride()
+    if k_strides[3] != 1 or v_strides[3] != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+    # Checked on every call: the scan over dimensions runs only when some stride is 0.
+    for name, t, strides in (("k_cache", k_cache, k_strides), ("v_cache", v_cache, v_strides)):
+        if 0 in strides and any(stride == 0 and size > 1 for stride, size in zip(strides, t.shape)):
             raise ValueError(f"{name} must not be an expanded view (writes would collide)")
 
 

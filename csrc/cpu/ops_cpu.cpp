@@ -158,13 +158,24 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
   const int64_t groups = B * H_kv * head_blocks * chunks;
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b] - first_visible_position(p, b));
-  // Split the sequence when there are too few groups to keep every thread busy (split-K).
-  constexpr int64_t kMinPositionsPerSplit = 256;
+  const int64_t rows_per_item = heads_per_block * std::min(chunk, T);
+  // Hand work to other threads only in pieces big enough to repay waking them (~100 us).
+  constexpr int64_t kMinRowPositionsPerTask = 16384;
+  // Tasks worth running: four per thread, fewer when the whole call is small, one with one thread.
+  // The product of sizes is taken in double, where it cannot overflow.
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  const double row_positions = static_cast<double>(groups) * static_cast<double>(rows_per_item) * longest;
+  const int64_t tasks =
+      threads <= 1 ? 1
+                   : static_cast<int64_t>(std::min<double>(
+                         4 * threads, std::floor(row_positions / static_cast<double>(kMinRowPositionsPerTask))));
+  // Split the sequence when there are fewer groups than tasks (split-K): each split costs a share
+  // of a merge pass, so never more splits than tasks (none when one thread does everything).
+  constexpr int64_t kMinPositionsPerSplit = 256;
   int64_t splits = 1;
-  if (groups < 4 * threads)
-    splits = std::clamp<int64_t>((4 * threads + groups - 1) / groups, 1,
-                                 std::max<int64_t>(1, longest / kMinPositionsPerSplit));
+  if (groups < tasks)
+    splits =
+        std::clamp<int64_t>((tasks + groups - 1) / groups, 1, std::max<int64_t>(1, longest / kMinPositionsPerSplit));
 
   const StoreRowFn store = store_row_kernel();
   const int64_t rows_max = heads_per_block * chunk;
@@ -211,12 +222,9 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
     }
   };
 
-  // Hand work to other threads only in pieces big enough to repay waking them (~100 us).
-  constexpr int64_t kMinRowPositionsPerTask = 16384;
-  const int64_t rows_per_item = heads_per_block * std::min(chunk, T);
   const int64_t row_positions_per_item = std::max<int64_t>(1, rows_per_item * ((longest + splits - 1) / splits));
   const int64_t grain = std::max<int64_t>(1, kMinRowPositionsPerTask / row_positions_per_item);
-  torch::stable::parallel_for(0, groups * splits, grain, [&](int64_t begin, int64_t end) {
+  auto run_items = [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
     float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
     for (int64_t item = begin; item < end; ++item) {
@@ -233,7 +241,10 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
                 part + rows_max * D, part + rows_max * (D + 1));
       }
     }
-  });
+  };
+  // Below one task of work, the calling thread runs it all: no parallel region to open.
+  if (tasks <= 1) return run_items(0, groups);
+  torch::stable::parallel_for(0, groups * splits, grain, run_items);
   if (splits == 1) return;
 
   // Merge the splits of each group: rescale every partial to the common maximum.

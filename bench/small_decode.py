@@ -1,0 +1,109 @@
+"""Decode attention at the small points of the decode grid (B=1, L=256/1024), native vs SDPA.
+
+    python bench/small_decode.py [--rounds N] [--calls N] [--layers]
+
+Fixed costs (Python checks, dispatch, thread wake-ups, output allocation) dominate there, so each
+timing is a batch of ``--calls`` back-to-back calls, and native and SDPA batches alternate round
+by round: on a machine shared with other jobs the load then weighs on both alike and the ratio of
+the medians stays meaningful where the absolute times do not. ``--layers`` also times the layers
+of a native call at B=1 L=256: the public wrapper, the raw ``torch.ops`` op, and the ``out=``
+variant into preallocated tensors.
+"""
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kvcache_ext
+
+SHAPES = {"gpt2": (12, 12, 64), "llama8b": (32, 8, 128)}  # query heads, KV heads, head_dim
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def per_call_seconds(fn, calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def alternating_medians(fns, rounds, calls):
+    """Median per-call seconds of each of ``fns``, their batches interleaved round by round."""
+    for fn in fns.values():
+        per_call_seconds(fn, max(1, calls // 4))  # warm-up
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(per_call_seconds(fn, calls))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def inputs(shape, dtype, batch, context):
+    q_heads, kv_heads, head_dim = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, q_heads, 1, head_dim, generator=g).to(DTYPES[dtype])
+    k = torch.randn(batch, kv_heads, context, head_dim, generator=g).to(DTYPES[dtype])
+    v = torch.randn(batch, kv_heads, context, head_dim, generator=g).to(DTYPES[dtype])
+    lengths = torch.full((batch,), context, dtype=torch.long)
+    return q, k, v, lengths
+
+
+def cpu_model():
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--layers", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"CPU {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'point':34s} {'native us':>10s} {'sdpa us':>10s} {'ratio':>6s}")
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            for context in (256, 1024):
+                q, k, v, lengths = inputs(shape, dtype, 1, context)
+                gqa = q.shape[1] != k.shape[1]
+                medians = alternating_medians(
+                    {
+                        "native": lambda: kvcache_ext.decode_attention(q, k, v, lengths),
+                        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
+                    },
+                    args.rounds,
+                    args.calls,
+                )
+                ratio = medians["sdpa"] / medians["native"]
+                print(
+                    f"{shape + '-' + dtype + '-B1-L' + str(context):34s} {medians['native'] * 1e6:10.1f} "
+                    f"{medians['sdpa'] * 1e6:10.1f} {ratio:6.2f}x"
+                )
+    if args.layers:
+        q, k, v, lengths = inputs("gpt2", "float32", 1, 256)
+        fns = {
+            "wrapper": lambda: kvcache_ext.decode_attention(q, k, v, lengths),
+            "raw op": lambda: torch.ops.kvcache_ext.decode_attention(q, k, v, lengths),
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+        }
+        if hasattr(torch.ops.kvcache_ext.decode_attention, "out"):
+            out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+            fns["raw op out="] = lambda: torch.ops.kvcache_ext.decode_attention.out(q, k, v, lengths, out=out, lse=lse)
+        fns["empty x2"] = lambda: (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32))
+        medians = alternating_medians(fns, args.rounds, args.calls)
+        print("layers of gpt2-float32-B1-L256 (us per call):")
+        for name, seconds in medians.items():
+            print(f"  {name:14s} {seconds * 1e6:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
