@@ -6,8 +6,10 @@ Fixed costs (Python checks, dispatch, thread wake-ups, output allocation) domina
 timing is a batch of ``--calls`` back-to-back calls, and native and SDPA batches alternate round
 by round: on a machine shared with other jobs the load then weighs on both alike and the ratio of
 the medians stays meaningful where the absolute times do not. ``--layers`` also times the layers
-of a native call at B=1 L=256: the public wrapper, the raw ``torch.ops`` op, and the ``out=``
-variant into preallocated tensors.
+of a native call at B=1 L=256: the public wrapper, its checks, the raw ``torch.ops`` op, and the
+allocation of two tensors like its outputs. ``--cpu-time`` counts the calling thread's CPU time
+(``time.thread_time``) instead of wall time: with ``--threads 1`` both run on that thread alone, so
+the time other jobs take from it is left out, which steadies the ratios on a loaded machine.
 """
 
 import argparse
@@ -19,26 +21,27 @@ import torch
 import torch.nn.functional as F
 
 import kvcache_ext
+import kvcache_ext.ops
 
 SHAPES = {"gpt2": (12, 12, 64), "llama8b": (32, 8, 128)}  # query heads, KV heads, head_dim
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def per_call_seconds(fn, calls):
-    start = time.perf_counter()
+def per_call_seconds(fn, calls, clock=time.perf_counter):
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
-def alternating_medians(fns, rounds, calls):
+def alternating_medians(fns, rounds, calls, clock=time.perf_counter):
     """Median per-call seconds of each of ``fns``, their batches interleaved round by round."""
     for fn in fns.values():
         per_call_seconds(fn, max(1, calls // 4))  # warm-up
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(per_call_seconds(fn, calls))
+            times[name].append(per_call_seconds(fn, calls, clock))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -65,10 +68,15 @@ def main():
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--layers", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--cpu-time", action="store_true", help="the calling thread's CPU time (with --threads 1)")
     args = parser.parse_args()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"CPU {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"CPU {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{'thread CPU time' if args.cpu_time else 'wall time'}"
+    )
     print(f"{'point':34s} {'native us':>10s} {'sdpa us':>10s} {'ratio':>6s}")
     for shape in SHAPES:
         for dtype in DTYPES:
@@ -82,6 +90,7 @@ def main():
                     },
                     args.rounds,
                     args.calls,
+                    clock,
                 )
                 ratio = medians["sdpa"] / medians["native"]
                 print(
@@ -92,14 +101,12 @@ def main():
         q, k, v, lengths = inputs("gpt2", "float32", 1, 256)
         fns = {
             "wrapper": lambda: kvcache_ext.decode_attention(q, k, v, lengths),
+            "checks": lambda: kvcache_ext.ops.check_decode_attention(q, k, v, lengths),
             "raw op": lambda: torch.ops.kvcache_ext.decode_attention(q, k, v, lengths),
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
         }
-        if hasattr(torch.ops.kvcache_ext.decode_attention, "out"):
-            out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-            fns["raw op out="] = lambda: torch.ops.kvcache_ext.decode_attention.out(q, k, v, lengths, out=out, lse=lse)
         fns["empty x2"] = lambda: (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32))
-        medians = alternating_medians(fns, args.rounds, args.calls)
+        medians = alternating_medians(fns, args.rounds, args.calls, clock)
         print("layers of gpt2-float32-B1-L256 (us per call):")
         for name, seconds in medians.items():
             print(f"  {name:14s} {seconds * 1e6:8.1f}")

@@ -57,9 +57,10 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_strides[3] != 1 or v_strides[3] != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
     # Checked on every call: the scan over dimensions runs only when some stride is 0.
-    for name, t, strides in (("k_cache", k_cache, k_strides), ("v_cache", v_cache, v_strides)):
-        if 0 in strides and any(stride == 0 and size > 1 for stride, size in zip(strides, t.shape)):
-            raise ValueError(f"{name} must not be an expanded view (writes would collide)")
+    if 0 in k_strides or 0 in v_strides:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+                raise ValueError(f"{name} must not be an expanded view (writes would collide)")
 
 
 def check_lengths(lengths: torch.Tensor, batch: int, device: torch.device) -> None:
