@@ -180,11 +180,12 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b] - first_visible_position(p, b));
   const int64_t rows_per_item = heads_per_block * std::min(chunk, T);
-  // Hand work to other threads only in pieces big enough to repay waking them: 4096 query rows x
-  // positions are 25-35 us of work on a 2-core AMD EPYC (head_dim 64 and 128, float32), where a
-  // fork and join costs under 10 us (best of 40 batches, GPT-2 shape B=1 L=1024: 102 us on one
-  // thread, 59 us on two; 16384, the value before, kept that call on one thread).
-  constexpr int64_t kMinRowPositionsPerTask = 4096;
+  // Hand work to other threads only in pieces big enough to repay waking them. On a 2-core AMD
+  // EPYC, 1024 query rows x positions are 6-8 us of one core's work (float32, head_dim 64-128) and
+  // a fork and join costs under 10 us, so a call of two such tasks or more gains from a second
+  // thread: best of 30 batches on two threads, GPT-2 shape B=1 L=256 float32 takes 21 us (44 us
+  // on one thread, which a threshold of 4096 or more gave; SDPA 23.5 us), L=1024 64 us (SDPA 69).
+  constexpr int64_t kMinRowPositionsPerTask = 1024;
   // Tasks worth running: four per thread, fewer when the whole call is small, one with one thread.
   // The product of sizes is taken in double, where it cannot overflow.
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
