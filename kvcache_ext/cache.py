@@ -86,10 +86,14 @@ class KVCache(PreallocatedCache):
     def _check_step(self, layer, q, k, v, scale):
         super()._check_step(layer, q, k, v, scale)
         # The attention of a step runs after its keys/values are stored: check it first. A ring
-        # buffer takes a long step in pieces of chunk_size tokens; the first is the largest.
-        piece = slice(0, self.chunk_size)
-        ops.check_append_kv(self.k[layer], self.v[layer], k[:, :, piece], v[:, :, piece], self.lengths)
-        ops.check_decode_attention(q[:, :, piece], self.k[layer], self.v[layer], self.lengths, self.window, scale)
+        # buffer takes a long step in pieces of chunk_size tokens; the first is the largest (the
+        # views are made only then: a decode step's checks cost microseconds, per layer).
+        if self.window is not None and k.shape[2] > self.chunk_size:
+            piece = slice(0, self.chunk_size)
+            q, k, v = q[:, :, piece], k[:, :, piece], v[:, :, piece]
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        ops.check_append_kv(k_cache, v_cache, k, v, self.lengths)
+        ops.check_decode_attention(q, k_cache, v_cache, self.lengths, self.window, scale)
 
     def _append(self, layer, k, v, lengths):
         ops.run_append_kv(self.k[layer], self.v[layer], k, v, lengths)  # checked by _check_step

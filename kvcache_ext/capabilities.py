@@ -65,15 +65,21 @@ class Capabilities:
             raise ValueError(f"a cache on {self.device_type} holds at most {self.max_slots} slots, got {slots}")
 
 
-_tables: dict[str, Capabilities] = {}  # per device type, read once: the ops consult it on every call
+_tables: dict[str, Capabilities] = {}  # per device type, read once
+# The table of every device argument seen (a torch.device or a string; a handful per process):
+# the ops consult it on every call, and one dict lookup costs a tenth of parsing a device.
+_tables_by_device: dict[torch.device | str | None, Capabilities] = {}
 
 
 def capabilities(device: torch.device | str | None = "cpu") -> Capabilities:
     """The capability table of ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``)."""
-    device_type = torch.device(device).type if device is not None else "cpu"
-    table = _tables.get(device_type)
+    table = _tables_by_device.get(device)
     if table is None:
-        table = _tables[device_type] = _read_table(device_type)
+        device_type = torch.device(device).type if device is not None else "cpu"
+        table = _tables.get(device_type)
+        if table is None:
+            table = _tables[device_type] = _read_table(device_type)
+        _tables_by_device[device] = table
     return table
 
 

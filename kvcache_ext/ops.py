@@ -41,24 +41,27 @@ _MAX_ABS_SCALE = torch.finfo(torch.float32).max / 2  # as the kernels check it (
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Shape, dtype, head_dim, layout and device of a cache pair, against the capability table."""
-    if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be (batch, kv_heads, slots, head_dim), got shape {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if v_cache.device != k_cache.device:
-        raise ValueError(f"k_cache and v_cache must be on one device, got {k_cache.device} and {v_cache.device}")
-    table = capabilities(k_cache.device)
-    if k_cache.dtype not in table.dtypes or v_cache.dtype != k_cache.dtype:
-        raise TypeError(
-            f"k_cache and v_cache must share one of {table.dtypes}, got {k_cache.dtype} and {v_cache.dtype}"
-        )
-    table.check_head_dim(k_cache.shape[3])
-    table.check_slots(k_cache.shape[2])
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+    # Each tensor attribute read once: these checks run on every call.
+    shape, device, dtype = k_cache.shape, k_cache.device, k_cache.dtype
+    if len(shape) != 4:
+        raise ValueError(f"k_cache must be (batch, kv_heads, slots, head_dim), got shape {tuple(shape)}")
+    if v_cache.shape != shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(shape)}, got {tuple(v_cache.shape)}")
+    if v_cache.device != device:
+        raise ValueError(f"k_cache and v_cache must be on one device, got {device} and {v_cache.device}")
+    table = capabilities(device)
+    if dtype not in table.dtypes or v_cache.dtype != dtype:
+        raise TypeError(f"k_cache and v_cache must share one of {table.dtypes}, got {dtype} and {v_cache.dtype}")
+    table.check_head_dim(shape[3])
+    table.check_slots(shape[2])
+    k_strides, v_strides = k_cache.stride(), v_cache.stride()
+    if k_strides[3] != 1 or v_strides[3] != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
-            raise ValueError(f"{name} must not be an expanded view (writes would collide)")
+    # Checked on every call: the scan over dimensions runs only when some stride is 0.
+    if 0 in k_strides or 0 in v_strides:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+                raise ValueError(f"{name} must not be an expanded view (writes would collide)")
 
 
 def check_lengths(lengths: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -113,23 +116,25 @@ def check_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
 def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None) -> None:
     """Everything ``decode_attention`` needs of its arguments, values of ``lengths`` excepted."""
     check_cache_pair(k_cache, v_cache)
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q must have the cache's dtype {k_cache.dtype}, got {q.dtype}")
+    dtype, device = k_cache.dtype, k_cache.device
+    if q.dtype != dtype:
+        raise TypeError(f"q must have the cache's dtype {dtype}, got {q.dtype}")
     B, H_kv, S, D = k_cache.shape
-    check_queries(q, B, H_kv, S, D, k_cache.device, window, scale, softcap, sinks)
-    check_lengths(lengths, B, k_cache.device)
+    check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks)
+    check_lengths(lengths, B, device)
 
 
 def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> None:
     """The checks of q and the attention options, shared by the plain and the quantized cache."""
-    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D:
-        raise ValueError(f"q must be (batch={B}, q_heads, num_new, head_dim={D}), got {tuple(q.shape)}")
+    shape = q.shape
+    if len(shape) != 4 or shape[0] != B or shape[3] != D:
+        raise ValueError(f"q must be (batch={B}, q_heads, num_new, head_dim={D}), got {tuple(shape)}")
     if q.device != device:
         raise ValueError(f"q must be on the cache's device {device}, got {q.device}")
-    if H_kv == 0 or q.shape[1] % H_kv or q.shape[1] == 0:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of KV heads ({H_kv})")
-    if not 1 <= q.shape[2] <= S:
-        raise ValueError(f"q must hold between 1 and {S} (the cache's slots) new tokens, got {q.shape[2]}")
+    if H_kv == 0 or shape[1] % H_kv or shape[1] == 0:
+        raise ValueError(f"query heads ({shape[1]}) must be a positive multiple of KV heads ({H_kv})")
+    if not 1 <= shape[2] <= S:
+        raise ValueError(f"q must hold between 1 and {S} (the cache's slots) new tokens, got {shape[2]}")
     if window is not None and (not isinstance(window, int) or not 1 <= window <= _INT64_MAX):
         raise ValueError(f"window must be a positive number of tokens (at most 2^63 - 1) or None, got {window!r}")
     if scale is not None and not (

@@ -62,3 +62,15 @@ def test_cuda_table_without_a_gpu_says_what_runs():
     expected = "cuda library" if torch.cuda.is_available() else "python fallback"
     assert kvcache_ext.kernels_used("cuda") == expected
     assert kvcache_ext.native_available("cuda") == (expected == "cuda library")
+
+
+def test_every_spelling_of_a_device_gets_its_own_types_table():
+    # The tables are remembered per device argument (the ops look them up on every call): each
+    # spelling, asked in any order, must still map to its device type's table.
+    cuda_kernels = "cuda library" if torch.cuda.is_available() else "python fallback"
+    for spelling in ("cuda:1", "cpu", torch.device("cuda", 0), None, "cuda", torch.device("cpu"), "meta"):
+        device_type = torch.device(spelling).type if spelling is not None else "cpu"
+        table = kvcache_ext.capabilities(spelling)
+        assert table.device_type == device_type
+        assert table.kernels == {"cpu": "cpu library", "cuda": cuda_kernels}.get(device_type, "python fallback")
+        assert kvcache_ext.capabilities(spelling) is table

@@ -77,13 +77,15 @@ def test_every_cpu_code_path(isa, dtype):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_single_sequence_split_over_threads(threads):
-    """One row, one head, long context: the split-K path and its log-sum-exp merge."""
+    """One row, one KV head, long context: with two threads, enough work (16 query heads x 3000+
+    positions) for the split-K path and its log-sum-exp merge; with one thread, no split."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        q, k, v, lengths = make_problem(torch.float32, 1, 1, 1, 1, 64, 5000, [4999], False)
-        check_against_references(q, k, v, lengths, None)
-        check_against_references(q, k, v, lengths, 3000)
+        for group in (1, 16):
+            q, k, v, lengths = make_problem(torch.float32, 1, 1, group, 1, 64, 5000, [4999], False)
+            check_against_references(q, k, v, lengths, None)
+            check_against_references(q, k, v, lengths, 3000)
     finally:
         torch.set_num_threads(previous)
 

@@ -220,9 +220,16 @@ def test_every_cpu_code_path(isa, fmt):
 @native
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_split_k_softcap_and_sinks(fmt):
-    problem = _quantized_problem(fmt, torch.float32, 1, 1, 2, 1, 64, 6000, [6000])
-    _check_parity(fmt, *problem)
-    _check_parity(fmt, *problem, window=2500, softcap=5.0, sinks=torch.tensor([1.0, -2.0]))
+    # One row and KV head with 16 query heads over 6000 (2500 in the window) positions: with two
+    # threads, enough work to split the positions (split-K) and merge the splits.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        problem = _quantized_problem(fmt, torch.float32, 1, 1, 16, 1, 64, 6000, [6000])
+        _check_parity(fmt, *problem)
+        _check_parity(fmt, *problem, window=2500, softcap=5.0, sinks=torch.linspace(-2.0, 1.0, 16))
+    finally:
+        torch.set_num_threads(previous)
 
 
 @native

@@ -1,6 +1,7 @@
 // The thread schedule of decode attention, shared by every CPU decode-attention binding (plain
 // and quantized caches): split into work items, split-K over positions when there are too few
-// items for the threads, log-sum-exp merge of the splits, normalised output and lse.
+// items for the threads, log-sum-exp merge of the splits, normalised output and lse. A call with
+// less work than one task is worth runs on the calling thread alone, unsplit.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
 // CPU implementations of the ops catalogued in csrc/ops.cpp: input checks, the split of the
 // work over threads, and the merge of split-K partial results.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>  // aoti_torch_empty_strided
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <string>
@@ -25,6 +27,23 @@ namespace {
 
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
+
+// A new contiguous CPU tensor of dtype `dtype` (the C shim's code). Through the shim's
+// empty_strided rather than torch::stable::empty, which looks aten::empty up by name and goes
+// through the dispatcher on every call: a microsecond per tensor, a tenth of a small decode call.
+Tensor new_contiguous_cpu(std::initializer_list<int64_t> sizes, int32_t dtype) {
+  int64_t strides[4];
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  int64_t step = 1;
+  for (int64_t i = ndim - 1; i >= 0; --i) {
+    strides[i] = step;
+    step *= std::max<int64_t>(1, sizes.begin()[i]);
+  }
+  AtenTensorHandle handle = nullptr;
+  TORCH_ERROR_CODE_CHECK(
+      aoti_torch_empty_strided(ndim, sizes.begin(), strides, dtype, aoti_torch_device_type_cpu(), 0, &handle));
+  return Tensor(handle);
+}
 
 void check_cpu(const Tensor& t, const char* what) {
   STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");
@@ -121,8 +140,10 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
 
-  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
-  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
+  int32_t q_dtype = 0;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(q.get(), &q_dtype));
+  Tensor out = new_contiguous_cpu({B, H_q, T, D}, q_dtype);
+  Tensor lse = new_contiguous_cpu({B, H_q, T}, aoti_torch_dtype_float32());
   schedule_decode_attention(p, partial_attention_kernel(), out.mutable_data_ptr(),
                             static_cast<int64_t>(q.element_size()), lse.mutable_data_ptr<float>());
   return {out, lse};
@@ -159,13 +180,28 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
   if (groups == 0) return;  // an empty batch: nothing to compute (and the split count divides by groups)
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b] - first_visible_position(p, b));
-  // Split the sequence when there are too few groups to keep every thread busy (split-K).
-  constexpr int64_t kMinPositionsPerSplit = 256;
+  const int64_t rows_per_item = heads_per_block * std::min(chunk, T);
+  // Hand work to other threads only in pieces big enough to repay waking them. On a 2-core AMD
+  // EPYC, 1024 query rows x positions are 6-8 us of one core's work (float32, head_dim 64-128) and
+  // a fork and join costs under 10 us, so a call of two such tasks or more gains from a second
+  // thread: best of 30 batches on two threads, GPT-2 shape B=1 L=256 float32 takes 21 us (44 us
+  // on one thread, which a threshold of 4096 or more gave; SDPA 23.5 us), L=1024 64 us (SDPA 69).
+  constexpr int64_t kMinRowPositionsPerTask = 1024;
+  // Tasks worth running: four per thread, fewer when the whole call is small, one with one thread.
+  // The product of sizes is taken in double, where it cannot overflow.
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  const double row_positions = static_cast<double>(groups) * static_cast<double>(rows_per_item) * longest;
+  const int64_t tasks =
+      threads <= 1 ? 1
+                   : static_cast<int64_t>(std::min<double>(
+                         4 * threads, std::floor(row_positions / static_cast<double>(kMinRowPositionsPerTask))));
+  // Split the sequence when there are fewer groups than tasks (split-K): each split costs a share
+  // of a merge pass, so never more splits than tasks (none when one thread does everything).
+  constexpr int64_t kMinPositionsPerSplit = 256;
   int64_t splits = 1;
-  if (groups < 4 * threads)
-    splits = std::clamp<int64_t>((4 * threads + groups - 1) / groups, 1,
-                                 std::max<int64_t>(1, longest / kMinPositionsPerSplit));
+  if (groups < tasks)
+    splits =
+        std::clamp<int64_t>((tasks + groups - 1) / groups, 1, std::max<int64_t>(1, longest / kMinPositionsPerSplit));
 
   const StoreRowFn store = store_row_kernel();
   const int64_t rows_max = heads_per_block * chunk;
@@ -212,12 +248,9 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
     }
   };
 
-  // Hand work to other threads only in pieces big enough to repay waking them (~100 us).
-  constexpr int64_t kMinRowPositionsPerTask = 16384;
-  const int64_t rows_per_item = heads_per_block * std::min(chunk, T);
   const int64_t row_positions_per_item = std::max<int64_t>(1, rows_per_item * ((longest + splits - 1) / splits));
   const int64_t grain = std::max<int64_t>(1, kMinRowPositionsPerTask / row_positions_per_item);
-  torch::stable::parallel_for(0, groups * splits, grain, [&](int64_t begin, int64_t end) {
+  auto run_items = [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
     float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
     for (int64_t item = begin; item < end; ++item) {
@@ -234,7 +267,10 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
                 part + rows_max * D, part + rows_max * (D + 1));
       }
     }
-  });
+  };
+  // Below one task of work, the calling thread runs it all: no parallel region to open.
+  if (tasks <= 1) return run_items(0, groups);
+  torch::stable::parallel_for(0, groups * splits, grain, run_items);
   if (splits == 1) return;
 
   // Merge the splits of each group: rescale every partial to the common maximum.
