@@ -58,6 +58,27 @@ inline void choose_append_words(AppendKvParams& p, int64_t elem_bytes, int64_t h
 
 cudaError_t launch_append_kv(const AppendKvParams& p, cudaStream_t stream);
 
+// ---- append_kv_quantized ----------------------------------------------------------------------
+// Quantizes the new keys and values (float32/bfloat16/float16) into a quantized cache, bit for
+// bit python_ref.quantize.quantize, K and V in one launch. Strides in elements of each tensor
+// (data: bytes; scales: float32 or float16 values, an int4 token's groups contiguous). A row
+// whose length is outside [0, kMaxLength] is left untouched, as in append_kv.
+struct AppendKvQuantizedParams {
+  void* data[2];                // K, V codes: [batch, kv_heads, slots, head_dim bytes], bytes contiguous
+  void* scales[2];              // K, V scales: [batch, kv_heads, slots] or [..., slots, head_dim / 32]
+  const void* source[2];        // k_new, v_new: [batch, kv_heads, num_new, head_dim]
+  const int64_t* lengths;       // [batch] tokens already in each row (device memory)
+  int64_t lengths_stride;       // elements
+  int64_t data_stride[2][3];    // batch, head, slot
+  int64_t scale_stride[2][3];   // batch, head, slot
+  int64_t source_stride[2][4];  // batch, head, token, value
+  int64_t batch, kv_heads, num_new, slots, head_dim;
+  KvFormat format;
+  ElemType elem;  // of the sources
+};
+
+cudaError_t launch_append_kv_quantized(const AppendKvQuantizedParams& p, cudaStream_t stream);
+
 // ---- decode_attention -------------------------------------------------------------------------
 // A row whose length is below num_new or above kMaxLength (invalid, but only the device can see
 // it) gets zeros and a log-sum-exp of -inf and reads nothing of the cache.

@@ -28,6 +28,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "../binding_common.h"
 #include "../capabilities.h"
@@ -161,10 +162,62 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   return {out, lse};
 }
 
+// The quantized cache on the GPU: layout checks shared with the CPU binding, then devices and
+// the CUDA slot limit. Returns the format and head_dim.
+std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const Tensor& k_scales, const Tensor& v_data,
+                                                   const Tensor& v_scales, const Tensor& lengths) {
+  const auto format_and_head_dim = check_quantized_cache_layout(k_data, k_scales, v_data, v_scales, lengths);
+  STD_TORCH_CHECK(k_data.size(2) <= kMaxSlotsCuda, "k_data must have between 1 and ", kMaxSlotsCuda,
+                  " slots on CUDA, got ", k_data.size(2));
+  STD_TORCH_CHECK(k_data.is_cuda(), "k_data must be a CUDA tensor for the CUDA kernel");
+  check_on_device(k_scales, "k_scales", k_data);
+  check_on_device(v_data, "v_data", k_data);
+  check_on_device(v_scales, "v_scales", k_data);
+  check_on_device(lengths, "lengths", k_data);
+  return format_and_head_dim;
+}
+
+void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
+                         Tensor lengths) {
+  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
+  check_on_device(k_new, "k_new", k_data);
+  check_on_device(v_new, "v_new", k_data);
+  const int64_t B = k_data.size(0), H = k_data.size(1);
+  if (T == 0 || B == 0 || H == 0) return;
+
+  AppendKvQuantizedParams p{};
+  p.data[0] = k_data.mutable_data_ptr();
+  p.data[1] = v_data.mutable_data_ptr();
+  p.scales[0] = k_scales.mutable_data_ptr();
+  p.scales[1] = v_scales.mutable_data_ptr();
+  p.source[0] = k_new.const_data_ptr();
+  p.source[1] = v_new.const_data_ptr();
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.lengths_stride = lengths.stride(0);
+  const Tensor* data[2] = {&k_data, &v_data};
+  const Tensor* scales[2] = {&k_scales, &v_scales};
+  const Tensor* source[2] = {&k_new, &v_new};
+  for (int side = 0; side < 2; ++side) {
+    for (int i = 0; i < 3; ++i) {
+      p.data_stride[side][i] = data[side]->stride(i);
+      p.scale_stride[side][i] = scales[side]->stride(i);
+    }
+    for (int i = 0; i < 4; ++i) p.source_stride[side][i] = source[side]->stride(i);
+  }
+  p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = k_data.size(2), p.head_dim = D;
+  p.format = format;
+  p.elem = elem_type_of(k_new, "k_new");
+
+  torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
+  STD_CUDA_CHECK(launch_append_kv_quantized(p, current_stream(k_data.get_device_index())));
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cuda
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("append_kv", TORCH_BOX(&kvcache_ext::cuda::append_kv));
   m.impl("decode_attention", TORCH_BOX(&kvcache_ext::cuda::decode_attention));
+  m.impl("append_kv_quantized", TORCH_BOX(&kvcache_ext::cuda::append_kv_quantized));
 }

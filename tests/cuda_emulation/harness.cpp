@@ -1,6 +1,7 @@
 // C entry points that run csrc/cuda's kernels and host planning under the CPU emulation of
 // emu.h, for tests/test_cuda_emulation.py (loaded with ctypes; pointers are CPU tensors').
 #include "../../csrc/cuda/append_kv.cuh"
+#include "../../csrc/cuda/append_kv_quantized.cuh"
 #include "../../csrc/cuda/decode_attention.cu"  // plan_decode_attention, launch_decode_attention
 #include "../../csrc/cuda/decode_attention.cuh"
 
@@ -202,6 +203,36 @@ int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, con
         return emu::launch(kernel, grid, dim3(threads), chunk);
       },
       max_words_per_launch);
+}
+
+// What the CUDA binding does for append_kv_quantized after its checks. format: KvFormat; elem:
+// ElemType of the sources. data_stride, scale_stride: k's 3 then v's 3; source_stride: k_new's 4
+// then v_new's 4 (elements). sizes: batch, kv_heads, num_new, slots, head_dim. max_blocks: the
+// grid cap.
+int emu_append_kv_quantized(int format, int elem, void* k_data, void* k_scales, void* v_data, void* v_scales,
+                            const int64_t* data_stride, const int64_t* scale_stride, const void* k_new,
+                            const void* v_new, const int64_t* source_stride, const int64_t* lengths,
+                            int64_t lengths_stride, const int64_t* sizes, int64_t max_blocks) {
+  AppendKvQuantizedParams p{};
+  p.data[0] = k_data, p.data[1] = v_data, p.scales[0] = k_scales, p.scales[1] = v_scales;
+  p.source[0] = k_new, p.source[1] = v_new;
+  p.lengths = lengths, p.lengths_stride = lengths_stride;
+  for (int side = 0; side < 2; ++side) {
+    for (int i = 0; i < 3; ++i) {
+      p.data_stride[side][i] = data_stride[3 * side + i];
+      p.scale_stride[side][i] = scale_stride[3 * side + i];
+    }
+    for (int i = 0; i < 4; ++i) p.source_stride[side][i] = source_stride[4 * side + i];
+  }
+  p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3], p.head_dim = sizes[4];
+  p.format = static_cast<kvcache_ext::KvFormat>(format);
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  return dispatch_append_kv_quantized(
+      p,
+      [&](AppendQuantizedKernel kernel, int64_t blocks, int threads, const AppendKvQuantizedParams& params) {
+        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
+      },
+      max_blocks);
 }
 
 // Self-tests of the emulation. race: out[blocks * threads] gets what each thread read of a
