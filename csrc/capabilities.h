@@ -30,8 +30,9 @@ inline std::string capabilities_json(bool cuda) {
          "\"head_dim_multiple\": " + std::to_string(kHeadDimMultiple) +
          ", \"max_head_dim\": " + std::to_string(kMaxHeadDim) + ", \"max_length\": " + std::to_string(kMaxLength) +
          ", \"max_slots\": " + std::to_string(cuda ? kMaxSlotsCuda : kMaxSlotsCpu) + ", \"max_group\": null" +
-         // Quantized cache formats (python_ref/quantize.py) the kernels store and attend over.
-         ", \"kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\", \"int4\"]") + "}";
+         // Quantized cache formats (python_ref/quantize.py) the kernels store and attend over:
+         // the same on both devices.
+         ", \"kv_formats\": [\"int8\", \"fp8_e4m3\", \"int4\"]}";
 }
 
 }  // namespace kvcache_ext

@@ -716,6 +716,122 @@ def test_append_kv_quantized_strided_cache_and_grid_stride(emulator, fmt):
         assert torch.equal(bits(got), bits(want))
 
 
+# ---- quantized decode attention -----------------------------------------------------------------
+def emulated_quantized_attention(
+    lib, fmt, q, cache, lengths, window=None, softcap=None, sinks=None, sm_count=132, max_blocks=MAX_GRID_X
+):
+    """The CUDA binding's steps for decode_attention_quantized under emulation, every buffer
+    between guards (fp8 codes between NaN codes); checks guards and unchanged inputs."""
+    B, H_q, T, D = q.shape
+    H_kv, S = cache[0].shape[1], cache[0].shape[2]
+    out = Guarded(torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype))
+    lse = Guarded(torch.full((B, H_q, T), float("nan")))
+    names = ("k_data", "k_scales", "v_data", "v_scales")
+    inputs = {"q": Guarded(q), **{n: Guarded(t) for n, t in zip(names, cache)}, "lengths": Guarded(lengths)}
+    if sinks is not None:
+        inputs["sinks"] = Guarded(sinks.float().contiguous())
+    plan = (ctypes.c_int64 * 4)()
+    status = lib.emu_decode_attention_quantized(
+        FORMAT_CODE[fmt],
+        ELEM[q.dtype],
+        ptr(inputs["q"].view),
+        int64s(q.stride()),
+        *(ptr(inputs[n].view) for n in names),
+        int64s(list(cache[0].stride()[:3]) + list(cache[2].stride()[:3])),
+        int64s(list(cache[1].stride()[:3]) + list(cache[3].stride()[:3])),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        ptr(out.view),
+        ptr(lse.view),
+        int64s([B, H_q, H_kv, T, D, S]),
+        ctypes.c_int64(window or 0),
+        ctypes.c_double(1.0 / math.sqrt(D)),
+        ctypes.c_double(softcap or 0.0),
+        None if sinks is None else ptr(inputs["sinks"].view),
+        ctypes.c_int(sm_count),
+        ctypes.c_int64(max_blocks),
+        plan,
+    )
+    error = take_error(lib)
+    assert status == 0, f"emulated quantized launch failed with status {status}: {error}"
+    assert not error, error
+    plan = {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2], "vector_loads": bool(plan[3])}
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the kernels wrote into {name} or its guards ({plan})"
+    assert out.guards_intact() and lse.guards_intact(), f"the kernels wrote outside out or lse ({plan})"
+    return out.view, lse.view, plan
+
+
+def check_quantized_attention(lib, fmt, q, cache, lengths, window=None, softcap=None, sinks=None, **launch):
+    """Emulated decode over quantized bytes against python_ref's reference over the values they
+    stand for (float64), within twice plain PyTorch's error in q's dtype; invalid rows give zeros
+    and -inf."""
+    out, lse, plan = emulated_quantized_attention(lib, fmt, q, cache, lengths, window, softcap, sinks, **launch)
+    T = q.shape[2]
+    valid = torch.tensor([valid_for_decode(int(n), T) for n in lengths])
+    if valid.any():
+        rows = valid.nonzero().flatten()
+        k64 = qref.dequantize(cache[0][rows], cache[1][rows], fmt, torch.float64)
+        v64 = qref.dequantize(cache[2][rows], cache[3][rows], fmt, torch.float64)
+        extra = dict(window=window, softcap=softcap, sinks=sinks)
+        exact, exact_lse = reference_attention(q[rows].double(), k64, v64, lengths[rows], return_lse=True, **extra)
+        plain = reference_attention(q[rows], k64.to(q.dtype), v64.to(q.dtype), lengths[rows], **extra)
+        bound = 2 * max_error(plain, exact) + 1e-5
+        assert max_error(out[rows], exact) <= bound, (plan, max_error(out[rows], exact), bound)
+        torch.testing.assert_close(lse[rows].double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+    invalid = (~valid).nonzero().flatten()
+    assert torch.equal(out[invalid], torch.zeros_like(out[invalid]))
+    assert bool((lse[invalid] == float("-inf")).all())
+    return plan
+
+
+def quantized_problem(fmt, B, H_q, H_kv, T, D, S, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H_q, D, generator=g).to(dtype).transpose(1, 2)  # non-contiguous q
+    k_data, k_scales = qref.quantize(torch.randn(B, H_kv, S, D, generator=g) * 2, fmt)
+    v_data, v_scales = qref.quantize(torch.randn(B, H_kv, S, D, generator=g), fmt)
+    return q, [k_data, k_scales, v_data, v_scales]
+
+
+QUANT_ATTENTION_CASES = [  # (B, H_q, H_kv, T, D, S, lengths, window)
+    (2, 4, 2, 1, 64, 300, [1, 300], None),  # GQA, one visible position, a full cache
+    (2, 6, 2, 3, 96, 40, [3, 1000], 7),  # T > 1, a window in a wrapped ring, head_dim below capacity
+    (1, 5, 1, 2, 256, 9, [9], None),  # odd group, the largest head_dim
+    (3, 2, 2, 1, 24, 30, [0, 17, MAX_LENGTH + 1], None),  # head_dim 24 (not int4); invalid rows
+]
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", QUANT_ATTENTION_CASES, ids=lambda c: f"D{c[4]}_T{c[3]}_g{c[1] // c[2]}")
+def test_quantized_attention_matches_reference(emulator, fmt, dtype, case):
+    B, H_q, H_kv, T, D, S, lengths, window = case
+    if fmt == "int4" and D % 32:
+        D = 32
+    q, cache = quantized_problem(fmt, B, H_q, H_kv, T, D, S, dtype, seed=D + T)
+    check_quantized_attention(emulator, fmt, q, cache, torch.tensor(lengths), window)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_quantized_attention_splits_softcap_sinks_and_unaligned_rows(emulator, fmt):
+    # Flash-Decoding splits with the combine, softcap and sinks; then the same bytes in a cache
+    # whose rows start at odd offsets (the byte-load path), which must give the same result.
+    q, cache = quantized_problem(fmt, 1, 2, 1, 1, 64, 2000, torch.float32, seed=3)
+    lengths = torch.tensor([2000])
+    sinks = torch.tensor([0.5, -1.0])
+    plan = check_quantized_attention(emulator, fmt, q, cache, lengths, softcap=5.0, sinks=sinks, sm_count=4)
+    assert plan["splits"] > 1 and plan["vector_loads"]
+    shifted = []
+    for t in cache:
+        if t.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn):  # rows 1 byte off alignment
+            wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype)
+            wide[..., 1:] = t
+            t = wide[..., 1:]
+        shifted.append(t)
+    plan = check_quantized_attention(emulator, fmt, q, shifted, lengths, softcap=5.0, sinks=sinks, sm_count=4)
+    assert not plan["vector_loads"]
+
+
 # ---- the emulation's own checks -------------------------------------------------------------------
 def test_random_order_catches_a_missing_syncthreads(emulator):
     # Thread 0 writes a shared value every thread reads: right with the barrier, wrong (another
