@@ -530,17 +530,18 @@ def test_quantized_split_k_softcap_sinks_and_unaligned_rows(fmt):
     q, cache, lengths = quantized_problem(fmt, torch.float32, 1, 1, 2, 1, 64, 6000, [6000])
     check_quantized_parity(fmt, q, cache, lengths)
     check_quantized_parity(fmt, q, cache, lengths, window=2500, softcap=5.0, sinks=torch.tensor([1.0, -2.0]))
-    # Rows one byte off alignment: the byte-load path, the same values.
+    # Rows one byte off alignment (views made on the GPU: .cuda() makes views dense): the
+    # byte-load path, the same values.
     shifted = []
     for t in cache:
+        t = t.cuda()
         if t.element_size() == 1:
-            wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype)
+            wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device="cuda")
             wide[..., 1:] = t
             t = wide[..., 1:]
         shifted.append(t)
     out, _ = kvcache_ext.decode_attention_quantized(q.cuda(), *(t.cuda() for t in cache), lengths.cuda())
-    wide_cache = [t.cuda() if t.element_size() != 1 else t._base.cuda()[..., 1:] for t in shifted]
-    shifted_out, _ = kvcache_ext.decode_attention_quantized(q.cuda(), *wide_cache, lengths.cuda())
+    shifted_out, _ = kvcache_ext.decode_attention_quantized(q.cuda(), *shifted, lengths.cuda())
     torch.testing.assert_close(shifted_out, out, atol=1e-6, rtol=1e-5)
 
 
