@@ -718,7 +718,17 @@ def test_append_kv_quantized_strided_cache_and_grid_stride(emulator, fmt):
 
 # ---- quantized decode attention -----------------------------------------------------------------
 def emulated_quantized_attention(
-    lib, fmt, q, cache, lengths, window=None, softcap=None, sinks=None, sm_count=132, max_blocks=MAX_GRID_X
+    lib,
+    fmt,
+    q,
+    cache,
+    lengths,
+    window=None,
+    softcap=None,
+    sinks=None,
+    sm_count=132,
+    max_blocks=MAX_GRID_X,
+    expect_status=0,
 ):
     """The CUDA binding's steps for decode_attention_quantized under emulation, every buffer
     between guards (fp8 codes between NaN codes); checks guards and unchanged inputs."""
@@ -753,6 +763,9 @@ def emulated_quantized_attention(
         plan,
     )
     error = take_error(lib)
+    if expect_status != 0:
+        assert status == expect_status, (status, error)
+        return error
     assert status == 0, f"emulated quantized launch failed with status {status}: {error}"
     assert not error, error
     plan = {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2], "vector_loads": bool(plan[3])}
@@ -830,6 +843,11 @@ def test_quantized_attention_splits_softcap_sinks_and_unaligned_rows(emulator, f
         shifted.append(t)
     plan = check_quantized_attention(emulator, fmt, q, shifted, lengths, softcap=5.0, sinks=sinks, sm_count=4)
     assert not plan["vector_loads"]
+    # Were the launcher to choose vector loads for those rows, a GPU would fault: so does the
+    # emulation (8-byte loads of int8/fp8 codes, 4-byte loads of int4's).
+    emulator.emu_force_vector_loads(1)
+    error = emulated_quantized_attention(emulator, fmt, q, shifted, lengths, sm_count=4, expect_status=716)
+    assert f"misaligned {4 if fmt == 'int4' else 8}-byte load (__ldg)" in error, error
 
 
 # ---- the emulation's own checks -------------------------------------------------------------------
