@@ -1,7 +1,8 @@
-// Flash-Decoding attention over the KV cache, templated on element type, head_dim capacity (the
-// power of two at or above head_dim) and the number of query rows a block serves. Semantics:
+// Flash-Decoding attention over the KV cache, templated on q's element type, the cache's format
+// (the same type, or quantized codes with their scales: python_ref/quantize.py), head_dim capacity
+// (the power of two at or above head_dim) and the number of query rows a block serves. Semantics:
 // python_ref.reference_attention (GQA, bottom-right causal for num_new >= 1, ring-buffer slots,
-// optional sliding window).
+// optional sliding window), over python_ref.quantize's dequantized values for a quantized cache.
 //
 // Work split. A block serves one (batch row, KV head, chunk of query rows, split) at a time:
 //  * query rows are the (new token, group member) pairs of all query heads sharing the KV head,
@@ -11,7 +12,8 @@
 //    second kernel combines them (skipped when splits == 1).
 // Inside a block, a key row of head_dim elements is read by a group of kLanesPerKey lanes,
 // 16 bytes per lane per load (one vector load when the cache rows are 16-byte aligned, element
-// loads otherwise); the dot products are summed over the group with shuffles. Each
+// loads otherwise; 8 quantized values per lane, i.e. 8 or 4 bytes of codes, widened and scaled in
+// registers); the dot products are summed over the group with shuffles. Each
 // lane group runs its own online softmax over every kKeyGroups-th key, so the main loop has no
 // block-wide synchronisation; the groups are merged once at the end through shared memory.
 // Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so exp2 is a single
