@@ -10,7 +10,10 @@ Covers append_kv (16-byte and element paths, transposed and strided sources, rin
 rows far past the ring, every dtype) and decode_attention (every dtype and head_dim, GQA groups
 1 to 8, 1 and 4 new tokens, 1, 4 and 8 query rows per block, with and without a window, one split
 and forced splits, strided q, a cache that is a slice of a larger one, lengths the public API
-refuses but the kernels must survive). Each case synchronises, so an error is attributed to it.
+refuses but the kernels must survive), and the quantized caches (append_kv_quantized and
+decode_attention_quantized for int8, fp8_e4m3 and int4: codes equal to the CPU kernel's, attention
+against float64 over the dequantized values; aligned and byte-offset rows). Each case
+synchronises, so an error is attributed to it.
 
 Exit status: 0 every case ran and matched the reference, 1 a case failed (wrong result or a
 refused call), 2 the CUDA context was lost (an illegal access: the cases after it cannot run),
@@ -179,6 +182,56 @@ def decode_case(
     return f"error {error:.1e}, lse error {lse_error:.1e}"
 
 
+# ---- quantized caches ----------------------------------------------------------------------------
+QUANTIZED_DATA = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}
+
+
+def dequantized(data, scales, fmt):
+    """The float64 values of a quantized cache (python_ref/quantize.py's formats)."""
+    if fmt == "int4":  # byte i of a group of 32: value i (low nibble) and i + 16 (high)
+        groups = data.unflatten(-1, (-1, 16)).long()
+        nibbles = torch.cat([groups & 15, groups >> 4], dim=-1).double() - 8
+        return (nibbles * scales.double().unsqueeze(-1)).flatten(-2)
+    return data.double() * scales.double().unsqueeze(-1)
+
+
+def quantized_case(fmt, dtype, head_dim, group, num_new, window, splits, kvcache_ext, reference, offset=False):
+    B, H_kv, slots = 2, 2, 40
+    g = torch.Generator().manual_seed(head_dim + group + num_new)
+    row = head_dim // 2 if fmt == "int4" else head_dim
+    scale_shape = (B, H_kv, slots, head_dim // 32) if fmt == "int4" else (B, H_kv, slots)
+    scale_dtype = torch.float16 if fmt == "int4" else torch.float32
+
+    def empty(device):
+        # offset: every row starts one byte past alignment (the kernels' byte-load path)
+        data = [torch.zeros(B, H_kv, slots, row + offset, dtype=torch.uint8, device=device) for _ in range(2)]
+        data = [d[..., int(offset) :].view(QUANTIZED_DATA[fmt]) for d in data]
+        scales = [torch.zeros(scale_shape, dtype=scale_dtype, device=device) for _ in range(2)]
+        return [data[0], scales[0], data[1], scales[1]]
+
+    gpu, cpu = empty(DEVICE), empty("cpu")
+    lengths = torch.tensor([0, 3 * slots + 5])
+    k_new, v_new = (torch.randn(B, H_kv, slots, head_dim, generator=g).to(dtype) for _ in range(2))
+    kvcache_ext.append_kv_quantized(*gpu, k_new.to(DEVICE), v_new.to(DEVICE), lengths.to(DEVICE))
+    kvcache_ext.append_kv_quantized(*cpu, k_new, v_new, lengths)
+    synchronize()
+    for got, want in zip(gpu, cpu):
+        if not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
+            raise AssertionError("quantized bytes differ from the CPU kernel's")
+    lengths = lengths + num_new
+    q = torch.randn(B, H_kv * group, num_new, head_dim, generator=g).to(dtype)
+    with with_env("KVCACHE_EXT_CUDA_SPLITS", splits):
+        out, lse = kvcache_ext.decode_attention_quantized(q.to(DEVICE), *gpu, lengths.to(DEVICE), window)
+        synchronize()
+    k64, v64 = dequantized(cpu[0], cpu[1], fmt), dequantized(cpu[2], cpu[3], fmt)
+    exact, exact_lse = reference(q.double(), k64, v64, lengths, window, return_lse=True)
+    error = (out.cpu().double() - exact).abs().max().item()
+    lse_error = (lse.cpu().double() - exact_lse).abs().max().item()
+    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
+        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
+    return f"error {error:.1e}, lse error {lse_error:.1e}"
+
+
 def build_cases(kvcache_ext, reference, quick: bool):
     cases = []  # (name, thunk)
 
@@ -313,6 +366,30 @@ def build_cases(kvcache_ext, reference, quick: bool):
             lengths=[1, 2, 3],
             raw=True,
         )
+    for fmt in QUANTIZED_DATA:
+        for dtype_name, dtype in DTYPES.items():
+            if quick and dtype is not torch.bfloat16:
+                continue
+            for head_dim, group, num_new, window, splits, offset in (
+                (64, 1, 1, None, 1, False),
+                (128, 4, 3, 5, 3, False),
+                (96, 8, 1, None, None, True),
+            ):
+                add(
+                    f"quantized {fmt} {dtype_name} D={head_dim} group={group} T={num_new} window={window} "
+                    f"splits={splits}{' byte-offset rows' if offset else ''}",
+                    quantized_case,
+                    fmt,
+                    dtype,
+                    head_dim,
+                    group,
+                    num_new,
+                    window,
+                    splits,
+                    kvcache_ext,
+                    reference,
+                    offset=offset,
+                )
     return cases
 
 

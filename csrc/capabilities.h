@@ -39,8 +39,9 @@ inline std::string capabilities_json(bool cuda) {
          "\"head_dim_multiple\": " + std::to_string(kHeadDimMultiple) +
          ", \"max_head_dim\": " + std::to_string(kMaxHeadDim) + ", \"max_length\": " + std::to_string(kMaxLength) +
          ", \"max_slots\": " + std::to_string(cuda ? kMaxSlotsCuda : kMaxSlotsCpu) + ", \"max_group\": null" +
-         // Quantized cache formats (python_ref/quantize.py) the kernels store and attend over.
-         ", \"kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\", \"int4\"]") +
+         // Quantized cache formats (python_ref/quantize.py) the kernels store and attend over:
+         // the same on both devices.
+         ", \"kv_formats\": [\"int8\", \"fp8_e4m3\", \"int4\"]" +
          // Block sizes of paged pools the kernels take (none: no paged kernel on the device).
          ", \"paged_max_block_size\": " + (cuda ? "0" : std::to_string(kMaxBlockSize)) + "}";
 }

@@ -13,6 +13,7 @@ import torch
 
 import kvcache_ext
 from python_ref import build_gpt2, generate, reference_attention
+from python_ref import quantize as qref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 
@@ -414,3 +415,176 @@ def test_mixed_devices_are_rejected():
     q, k_cache, v_cache, lengths = random_problem(1, 2, 2, 1, 64, 16, [4], torch.float32, False, 0)
     with pytest.raises((ValueError, RuntimeError), match="device|CUDA"):
         torch.ops.kvcache_ext.decode_attention(q, k_cache.cuda(), v_cache.cuda(), lengths.cuda(), None, None)
+
+
+# ---- quantized caches (tests/test_quantized.py's checks, on CUDA) ---------------------------------
+def same_bits(a, b):
+    return a.shape == b.shape and torch.equal(
+        a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8)
+    )
+
+
+def empty_quantized_cache(fmt, B, H, S, D, device):
+    data = torch.zeros(qref.data_shape(fmt, (B, H, S, D)), dtype=torch.uint8).view(qref.storage_dtype(fmt))
+    scales = torch.zeros(qref.scale_shape(fmt, (B, H, S, D)), dtype=qref.scale_dtype(fmt))
+    return [t.to(device) for t in (data, scales, data.clone(), scales.clone())]
+
+
+def hard_values(B, H, T, D, dtype, seed):
+    """Vectors over many magnitudes (subnormal fp8 codes, subnormal and clipped int4 scales), a zero
+    vector and exact rounding ties of every format."""
+    g = torch.Generator().manual_seed(seed)
+    top = 9.0 if dtype == torch.float16 else 14.0
+    x = torch.randn(B, H, T, D, generator=g) * torch.exp(torch.empty(B, H, T, 1).uniform_(-20.0, top, generator=g))
+    x[0, 0, 0] = 0.0
+    ties = torch.tensor([1.0, 3.0, 5.0, -1.0, -3.0, 2.125, 2.375, -6.25]).repeat(D // 8)
+    ties[0], ties[16] = 254.0, 14.0
+    x[0, 0, 1] = ties
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantized_append_is_bit_identical_to_the_reference(fmt, dtype):
+    B, H, T, D, S = 2, 3, 5, 96, 8
+    k_new = hard_values(B, H, T, D, dtype, seed=1)
+    v_new = hard_values(B, T, H, D, dtype, seed=2).transpose(1, 2)  # non-contiguous
+    lengths = torch.tensor([6, 2**62])  # wrapping; the largest length
+    cache = empty_quantized_cache(fmt, B, H, S, D, "cuda")
+    kvcache_ext.append_kv_quantized(*cache, k_new.cuda(), v_new.cuda(), lengths.cuda())
+    cpu_cache = empty_quantized_cache(fmt, B, H, S, D, "cpu")
+    kvcache_ext.append_kv_quantized(*cpu_cache, k_new, v_new, lengths)
+    for side, new in ((0, k_new), (2, v_new)):
+        expected_data, expected_scales = qref.quantize(new, fmt)
+        for b, n in enumerate(lengths.tolist()):
+            for t in range(T):
+                assert same_bits(cache[side][b, :, (n + t) % S], expected_data[b, :, t])
+                assert same_bits(cache[side + 1][b, :, (n + t) % S], expected_scales[b, :, t])
+    for gpu, cpu in zip(cache, cpu_cache):
+        assert same_bits(gpu, cpu)
+
+
+def quantized_problem(fmt, dtype, B, H_kv, group, T, D, S, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H_kv * group, D, generator=g).to(dtype).transpose(1, 2)
+    k_data, k_scales = qref.quantize(torch.randn(B, H_kv, S, D, generator=g) * 2, fmt)
+    v_data, v_scales = qref.quantize(torch.randn(B, H_kv, S, D, generator=g), fmt)
+    return q, [k_data, k_scales, v_data, v_scales], torch.tensor(lengths)
+
+
+def check_quantized_parity(fmt, q, cache, lengths, window=None, softcap=None, sinks=None):
+    """CUDA over the quantized bytes against python_ref's reference over the values they stand
+    for (float64), within twice plain PyTorch's error in q's dtype on the GPU."""
+    out, lse = kvcache_ext.decode_attention_quantized(
+        q.cuda(),
+        *(t.cuda() for t in cache),
+        lengths.cuda(),
+        window=window,
+        softcap=softcap,
+        sinks=None if sinks is None else sinks.cuda(),
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_cuda and lse.dtype == torch.float32
+    k64, v64 = (
+        qref.dequantize(cache[0], cache[1], fmt, torch.float64),
+        qref.dequantize(cache[2], cache[3], fmt, torch.float64),
+    )
+    extra = dict(window=window, softcap=softcap, sinks=sinks)
+    exact, exact_lse = reference_attention(q.double(), k64, v64, lengths, return_lse=True, **extra)
+    plain = reference_attention(
+        q.cuda(),
+        k64.to(q.dtype).cuda(),
+        v64.to(q.dtype).cuda(),
+        lengths.cuda(),
+        window=window,
+        softcap=softcap,
+        sinks=None if sinks is None else sinks.cuda(),
+    )
+    assert max_error(out.cpu(), exact) <= 2 * max_error(plain.cpu(), exact) + 1e-5
+    torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+
+
+QUANTIZED_GRID = [
+    (fmt, head_dim, group, num_new, window)
+    for fmt, head_dim, group, num_new, window in itertools.product(qref.FORMATS, [64, 128], [1, 4], [1, 3], [None, 5])
+]
+QUANTIZED_GRID += [
+    ("int8", 80, 2, 1, None),
+    ("fp8_e4m3", 24, 1, 2, None),
+    ("int8", 256, 3, 1, 4),
+    ("int4", 96, 1, 1, None),
+    ("int4", 256, 8, 2, None),
+    ("fp8_e4m3", 48, 5, 1, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt,head_dim,group,num_new,window", QUANTIZED_GRID)
+def test_quantized_attention_parity(fmt, dtype, head_dim, group, num_new, window):
+    slots = 700 if window is None else window + num_new - 1  # with a window: a ring that wraps
+    q, cache, lengths = quantized_problem(fmt, dtype, 3, 2, group, num_new, head_dim, slots, [num_new, 7, 700])
+    check_quantized_parity(fmt, q, cache, lengths, window=window)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_quantized_split_k_softcap_sinks_and_unaligned_rows(fmt):
+    q, cache, lengths = quantized_problem(fmt, torch.float32, 1, 1, 2, 1, 64, 6000, [6000])
+    check_quantized_parity(fmt, q, cache, lengths)
+    check_quantized_parity(fmt, q, cache, lengths, window=2500, softcap=5.0, sinks=torch.tensor([1.0, -2.0]))
+    # Rows one byte off alignment (views made on the GPU: .cuda() makes views dense): the
+    # byte-load path, the same values.
+    shifted = []
+    for t in cache:
+        t = t.cuda()
+        if t.element_size() == 1:
+            wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device="cuda")
+            wide[..., 1:] = t
+            t = wide[..., 1:]
+        shifted.append(t)
+    out, _ = kvcache_ext.decode_attention_quantized(q.cuda(), *(t.cuda() for t in cache), lengths.cuda())
+    shifted_out, _ = kvcache_ext.decode_attention_quantized(q.cuda(), *shifted, lengths.cuda())
+    torch.testing.assert_close(shifted_out, out, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_quantized_opcheck(fmt):
+    q, cache, lengths = quantized_problem(fmt, torch.bfloat16, 2, 2, 2, 3, 64, 16, [3, 16])
+    q, cache, lengths = q.cuda(), [t.cuda() for t in cache], lengths.cuda()
+    # opcheck's schema test compares tensors with arithmetic float8 lacks: for fp8 the other three.
+    checks = (
+        {}
+        if fmt != "fp8_e4m3"
+        else dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    )
+    op = torch.ops.kvcache_ext
+    torch.library.opcheck(op.decode_attention_quantized.default, (q, *cache, lengths, 5, None), **checks)
+    new = torch.randn(2, 2, 3, 64, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(op.append_kv_quantized.default, (*cache, new, new.clone(), lengths), **checks)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_quantized_kvcache_on_cuda_equals_cpu(fmt):
+    # The same prompt and steps through KVCache(kv_dtype=...) on both devices: the stored codes
+    # are the same bytes (one quantizer), so the attention outputs agree to float32 rounding.
+    shape = dict(num_layers=1, batch_size=2, kv_heads=2, head_dim=64, max_cache_len=40)
+    caches = {d: kvcache_ext.KVCache(**shape, kv_dtype=fmt, device=d) for d in ("cpu", "cuda")}
+    g = torch.Generator().manual_seed(5)
+    outs = {d: [] for d in caches}
+    for T in (7, 1, 1, 3):
+        k, v = torch.randn(2, 2, T, 64, generator=g), torch.randn(2, 2, T, 64, generator=g)
+        q = torch.randn(2, 4, T, 64, generator=g)
+        for device, cache in caches.items():
+            cache.start_step(T)
+            outs[device].append(cache.attend(0, q.to(device), k.to(device), v.to(device)).cpu())
+            cache.finish_step()
+    for gpu, cpu in zip(outs["cuda"], outs["cpu"]):
+        torch.testing.assert_close(gpu, cpu, atol=2e-5, rtol=1e-4)
+
+
+def test_quantized_checks_match_the_cpu_binding():
+    q, cache, lengths = quantized_problem("int4", torch.float32, 1, 1, 1, 1, 64, 8, [4])
+    with pytest.raises((ValueError, RuntimeError), match="device|CUDA"):
+        torch.ops.kvcache_ext.decode_attention_quantized(q, *(t.cuda() for t in cache), lengths.cuda(), None, None)
+    bad = [t.cuda() for t in cache]
+    bad[1] = bad[1].float()  # int4 scales must be float16
+    with pytest.raises(RuntimeError, match="k_scales must be"):
+        torch.ops.kvcache_ext.decode_attention_quantized(q.cuda(), *bad, lengths.cuda(), None, None)

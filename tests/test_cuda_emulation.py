@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from python_ref import reference_attention
+from python_ref import quantize as qref
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATION_DIR = ROOT / "tests" / "cuda_emulation"
@@ -120,20 +121,33 @@ def ptr(t: torch.Tensor):
 
 
 # Guards: NaN with payloads no arithmetic produces (compared bit for bit), and an invalid length.
-GUARD_BITS = {torch.float32: 0x7FE5A5A5, torch.bfloat16: 0x7FE5, torch.float16: 0x7E5A, torch.int64: 0x5A5A5A5A5A5A5A5A}
+# Quantized data: fp8's guard is its NaN, int8/uint8's a code the quantizers may also write (the
+# guards are compared bit for bit, so a write still shows).
+GUARD_BITS = {
+    torch.float32: 0x7FE5A5A5,
+    torch.bfloat16: 0x7FE5,
+    torch.float16: 0x7E5A,
+    torch.int64: 0x5A5A5A5A5A5A5A5A,
+    torch.int8: 0x5A,
+    torch.uint8: 0xA5,
+    torch.float8_e4m3fn: 0x7F,
+}
 BITS_DTYPE = {
     torch.float32: torch.int32,
     torch.bfloat16: torch.int16,
     torch.float16: torch.int16,
     torch.int64: torch.int64,
+    torch.int8: torch.int8,
+    torch.uint8: torch.uint8,
+    torch.float8_e4m3fn: torch.uint8,
 }
 GUARD_ELEMS = 64  # 64 elements: keeps 16-byte alignment for every dtype
 
 
 def guard_pattern(dtype, n):
     bits = GUARD_BITS[dtype]
-    if BITS_DTYPE[dtype] == torch.int16 and bits >= 2**15:
-        bits -= 2**16
+    if BITS_DTYPE[dtype].is_signed and bits > torch.iinfo(BITS_DTYPE[dtype]).max:
+        bits -= 2 ** torch.iinfo(BITS_DTYPE[dtype]).bits
     return torch.full((n,), bits, dtype=BITS_DTYPE[dtype]).view(dtype)
 
 
@@ -575,6 +589,265 @@ def test_append_kv_token_chunks(emulator):
     )
     assert (word_bytes, launches) == (16, 4)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# ---- quantized append ---------------------------------------------------------------------------
+FORMAT_CODE = {"int8": 0, "fp8_e4m3": 1, "int4": 2}
+
+
+def quantized_cache(fmt, B, H, S, D, generator):
+    """Random codes and scales (what the append must overwrite, or leave, exactly)."""
+    data = torch.randint(0, 256, qref.data_shape(fmt, (B, H, S, D)), generator=generator, dtype=torch.uint8)
+    data = data.view(qref.storage_dtype(fmt))
+    if fmt == "fp8_e4m3":  # no NaN codes: a NaN compares unequal to itself
+        data = torch.where(data.view(torch.uint8) & 0x7F == 0x7F, 0, data.view(torch.uint8)).view(data.dtype)
+    scales = torch.rand(qref.scale_shape(fmt, (B, H, S, D)), generator=generator).to(qref.scale_dtype(fmt))
+    return data, scales
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(BITS_DTYPE.get(t.dtype, torch.int32))
+
+
+def emulated_append_quantized(lib, fmt, cache, k_new, v_new, lengths, max_blocks=65535):
+    """The CUDA binding's launch under emulation, every buffer between guards; `cache` =
+    [k_data, k_scales, v_data, v_scales] gets the new contents."""
+    guarded_cache = [Guarded(t) for t in cache]
+    inputs = {"k_new": Guarded(k_new), "v_new": Guarded(v_new), "lengths": Guarded(lengths)}
+    B, H, S = cache[0].shape[:3]
+    status = lib.emu_append_kv_quantized(
+        FORMAT_CODE[fmt],
+        ELEM[k_new.dtype],
+        *(ptr(g.view) for g in guarded_cache),
+        int64s(list(cache[0].stride()[:3]) + list(cache[2].stride()[:3])),
+        int64s(list(cache[1].stride()[:3]) + list(cache[3].stride()[:3])),
+        ptr(inputs["k_new"].view),
+        ptr(inputs["v_new"].view),
+        int64s(list(k_new.stride()) + list(v_new.stride())),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        int64s([B, H, k_new.shape[2], S, k_new.shape[3]]),
+        ctypes.c_int64(max_blocks),
+    )
+    error = take_error(lib)
+    assert status == 0, f"emulated quantized append failed with status {status}: {error}"
+    assert not error, error
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the append wrote into {name} or its guards"
+    for t, g in zip(cache, guarded_cache):
+        assert g.guards_intact(), "the append wrote outside the cache's data or scales"
+        t.copy_(g.view)
+
+
+def expected_append_quantized(fmt, cache, k_new, v_new, lengths):
+    """python_ref's quantizer at slot (n + t) % S of every row with 0 <= n <= 2^62."""
+    expected = [t.clone() for t in cache]
+    S = cache[0].shape[2]
+    for b, n in enumerate(lengths.tolist()):
+        if not 0 <= n <= MAX_LENGTH:
+            continue
+        for t in range(k_new.shape[2]):
+            for side, new in ((0, k_new), (2, v_new)):
+                data, scales = qref.quantize(new[b, :, t], fmt)
+                expected[side][b, :, (n + t) % S] = data
+                expected[side + 1][b, :, (n + t) % S] = scales
+    return expected
+
+
+def awkward_values(B, H, T, D, dtype, generator):
+    """Vectors over many magnitudes (subnormal fp8 codes and float16 scales, int4 scales clipped
+    at 65504 in float32), an all-zero vector (scale 0) and exact rounding ties."""
+    top = 9.0 if dtype == torch.float16 else 14.0
+    magnitude = torch.exp(torch.empty(B, H, T, 1).uniform_(-20.0, top, generator=generator))
+    x = torch.randn(B, H, T, D, generator=generator) * magnitude
+    x[0, 0, 0] = 0.0
+    if T > 1:  # ties: max 254 / 14 / 896 gives int8 / int4 / fp8 scale 2, odd values halfway
+        ties = torch.tensor([1.0, 3.0, 5.0, -1.0, -3.0, 2.125, 2.375, -6.25]).repeat(D // 8)
+        ties[0] = 254.0
+        x[0, 0, 1] = ties
+        if D >= 32:
+            x[0, 0, 1, 16] = 14.0
+    return x.to(dtype)
+
+
+QUANT_APPEND_CASES = [  # (B, H, S, D, T, lengths)
+    (3, 2, 16, 24, 5, [0, 14, 2 * 16 + 3]),  # odd head_dim (not a multiple of 32), wrapping
+    (2, 3, 7, 96, 7, [MAX_LENGTH, 2]),  # T == S, the largest length
+    (2, 1, 9, 256, 2, [-1, 4]),  # an invalid length: row untouched; the largest head_dim
+]
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", QUANT_APPEND_CASES, ids=lambda c: f"D{c[3]}_T{c[4]}")
+def test_append_kv_quantized_is_bit_identical_to_the_reference(emulator, fmt, dtype, case):
+    B, H, S, D, T, lengths = case
+    if fmt == "int4" and D % 32:
+        D = 32 * (D // 32 + 1)
+    g = torch.Generator().manual_seed(D * 31 + T)
+    cache = list(quantized_cache(fmt, B, H, S, D, g)) + list(quantized_cache(fmt, B, H, S, D, g))
+    k_new = awkward_values(B, H, T, D, dtype, g)
+    v_new = awkward_values(B, T, H, D, dtype, g).transpose(1, 2)  # non-contiguous source
+    lengths = torch.tensor(lengths)
+    expected = expected_append_quantized(fmt, cache, k_new, v_new, lengths)
+    emulated_append_quantized(emulator, fmt, cache, k_new, v_new, lengths)
+    for name, got, want in zip(("k_data", "k_scales", "v_data", "v_scales"), cache, expected):
+        assert torch.equal(bits(got), bits(want)), f"{name} differs from python_ref.quantize"
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_append_kv_quantized_strided_cache_and_grid_stride(emulator, fmt):
+    # The cache is a slice of a larger buffer (strided slots, odd offsets) and one block's warps
+    # stride over every vector.
+    B, H, S, D, T = 2, 3, 10, 64, 4
+    g = torch.Generator().manual_seed(7)
+    cache = []
+    for _ in range(2):
+        data, scales = quantized_cache(fmt, B, H, S + 3, D + 32, g)
+        cache += [data[:, :, 1 : S + 1, : data.shape[-1] - (16 if fmt == "int4" else 32)], scales[:, :, 2 : S + 2]]
+    if fmt == "int4":
+        cache[1], cache[3] = cache[1][..., :2], cache[3][..., :2]
+    k_new, v_new = awkward_values(B, H, T, D, torch.float32, g), awkward_values(B, H, T, D, torch.bfloat16, g)
+    v_new = v_new.float()
+    lengths = torch.tensor([3, 8])
+    expected = expected_append_quantized(fmt, cache, k_new, v_new, lengths)
+    emulated_append_quantized(emulator, fmt, cache, k_new, v_new, lengths, max_blocks=1)
+    for got, want in zip(cache, expected):
+        assert torch.equal(bits(got), bits(want))
+
+
+# ---- quantized decode attention -----------------------------------------------------------------
+def emulated_quantized_attention(
+    lib,
+    fmt,
+    q,
+    cache,
+    lengths,
+    window=None,
+    softcap=None,
+    sinks=None,
+    sm_count=132,
+    max_blocks=MAX_GRID_X,
+    expect_status=0,
+):
+    """The CUDA binding's steps for decode_attention_quantized under emulation, every buffer
+    between guards (fp8 codes between NaN codes); checks guards and unchanged inputs."""
+    B, H_q, T, D = q.shape
+    H_kv, S = cache[0].shape[1], cache[0].shape[2]
+    out = Guarded(torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype))
+    lse = Guarded(torch.full((B, H_q, T), float("nan")))
+    names = ("k_data", "k_scales", "v_data", "v_scales")
+    inputs = {"q": Guarded(q), **{n: Guarded(t) for n, t in zip(names, cache)}, "lengths": Guarded(lengths)}
+    if sinks is not None:
+        inputs["sinks"] = Guarded(sinks.float().contiguous())
+    plan = (ctypes.c_int64 * 4)()
+    status = lib.emu_decode_attention_quantized(
+        FORMAT_CODE[fmt],
+        ELEM[q.dtype],
+        ptr(inputs["q"].view),
+        int64s(q.stride()),
+        *(ptr(inputs[n].view) for n in names),
+        int64s(list(cache[0].stride()[:3]) + list(cache[2].stride()[:3])),
+        int64s(list(cache[1].stride()[:3]) + list(cache[3].stride()[:3])),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        ptr(out.view),
+        ptr(lse.view),
+        int64s([B, H_q, H_kv, T, D, S]),
+        ctypes.c_int64(window or 0),
+        ctypes.c_double(1.0 / math.sqrt(D)),
+        ctypes.c_double(softcap or 0.0),
+        None if sinks is None else ptr(inputs["sinks"].view),
+        ctypes.c_int(sm_count),
+        ctypes.c_int64(max_blocks),
+        plan,
+    )
+    error = take_error(lib)
+    if expect_status != 0:
+        assert status == expect_status, (status, error)
+        return error
+    assert status == 0, f"emulated quantized launch failed with status {status}: {error}"
+    assert not error, error
+    plan = {"rows_per_block": plan[0], "row_chunks": plan[1], "splits": plan[2], "vector_loads": bool(plan[3])}
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the kernels wrote into {name} or its guards ({plan})"
+    assert out.guards_intact() and lse.guards_intact(), f"the kernels wrote outside out or lse ({plan})"
+    return out.view, lse.view, plan
+
+
+def check_quantized_attention(lib, fmt, q, cache, lengths, window=None, softcap=None, sinks=None, **launch):
+    """Emulated decode over quantized bytes against python_ref's reference over the values they
+    stand for (float64), within twice plain PyTorch's error in q's dtype; invalid rows give zeros
+    and -inf."""
+    out, lse, plan = emulated_quantized_attention(lib, fmt, q, cache, lengths, window, softcap, sinks, **launch)
+    T = q.shape[2]
+    valid = torch.tensor([valid_for_decode(int(n), T) for n in lengths])
+    if valid.any():
+        rows = valid.nonzero().flatten()
+        k64 = qref.dequantize(cache[0][rows], cache[1][rows], fmt, torch.float64)
+        v64 = qref.dequantize(cache[2][rows], cache[3][rows], fmt, torch.float64)
+        extra = dict(window=window, softcap=softcap, sinks=sinks)
+        exact, exact_lse = reference_attention(q[rows].double(), k64, v64, lengths[rows], return_lse=True, **extra)
+        plain = reference_attention(q[rows], k64.to(q.dtype), v64.to(q.dtype), lengths[rows], **extra)
+        bound = 2 * max_error(plain, exact) + 1e-5
+        assert max_error(out[rows], exact) <= bound, (plan, max_error(out[rows], exact), bound)
+        torch.testing.assert_close(lse[rows].double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+    invalid = (~valid).nonzero().flatten()
+    assert torch.equal(out[invalid], torch.zeros_like(out[invalid]))
+    assert bool((lse[invalid] == float("-inf")).all())
+    return plan
+
+
+def quantized_problem(fmt, B, H_q, H_kv, T, D, S, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H_q, D, generator=g).to(dtype).transpose(1, 2)  # non-contiguous q
+    k_data, k_scales = qref.quantize(torch.randn(B, H_kv, S, D, generator=g) * 2, fmt)
+    v_data, v_scales = qref.quantize(torch.randn(B, H_kv, S, D, generator=g), fmt)
+    return q, [k_data, k_scales, v_data, v_scales]
+
+
+QUANT_ATTENTION_CASES = [  # (B, H_q, H_kv, T, D, S, lengths, window)
+    (2, 4, 2, 1, 64, 300, [1, 300], None),  # GQA, one visible position, a full cache
+    (2, 6, 2, 3, 96, 40, [3, 1000], 7),  # T > 1, a window in a wrapped ring, head_dim below capacity
+    (1, 5, 1, 2, 256, 9, [9], None),  # odd group, the largest head_dim
+    (3, 2, 2, 1, 24, 30, [0, 17, MAX_LENGTH + 1], None),  # head_dim 24 (not int4); invalid rows
+]
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", QUANT_ATTENTION_CASES, ids=lambda c: f"D{c[4]}_T{c[3]}_g{c[1] // c[2]}")
+def test_quantized_attention_matches_reference(emulator, fmt, dtype, case):
+    B, H_q, H_kv, T, D, S, lengths, window = case
+    if fmt == "int4" and D % 32:
+        D = 32
+    q, cache = quantized_problem(fmt, B, H_q, H_kv, T, D, S, dtype, seed=D + T)
+    check_quantized_attention(emulator, fmt, q, cache, torch.tensor(lengths), window)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_quantized_attention_splits_softcap_sinks_and_unaligned_rows(emulator, fmt):
+    # Flash-Decoding splits with the combine, softcap and sinks; then the same bytes in a cache
+    # whose rows start at odd offsets (the byte-load path), which must give the same result.
+    q, cache = quantized_problem(fmt, 1, 2, 1, 1, 64, 2000, torch.float32, seed=3)
+    lengths = torch.tensor([2000])
+    sinks = torch.tensor([0.5, -1.0])
+    plan = check_quantized_attention(emulator, fmt, q, cache, lengths, softcap=5.0, sinks=sinks, sm_count=4)
+    assert plan["splits"] > 1 and plan["vector_loads"]
+    shifted = []
+    for t in cache:
+        if t.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn):  # rows 1 byte off alignment
+            wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype)
+            wide[..., 1:] = t
+            t = wide[..., 1:]
+        shifted.append(t)
+    plan = check_quantized_attention(emulator, fmt, q, shifted, lengths, softcap=5.0, sinks=sinks, sm_count=4)
+    assert not plan["vector_loads"]
+    # Were the launcher to choose vector loads for those rows, a GPU would fault: so does the
+    # emulation (8-byte loads of int8/fp8 codes, 4-byte loads of int4's).
+    emulator.emu_force_vector_loads(1)
+    error = emulated_quantized_attention(emulator, fmt, q, shifted, lengths, sm_count=4, expect_status=716)
+    assert f"misaligned {4 if fmt == 'int4' else 8}-byte load (__ldg)" in error, error
 
 
 # ---- the emulation's own checks -------------------------------------------------------------------

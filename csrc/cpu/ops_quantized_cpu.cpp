@@ -117,77 +117,18 @@ void check_cpu(const Tensor& t, const char* what) {
   STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");
 }
 
-KvFormat format_of(const Tensor& data) {
-  switch (data.scalar_type()) {
-    case ScalarType::Char: return KvFormat::kInt8;
-    case ScalarType::Float8_e4m3fn: return KvFormat::kFp8E4M3;
-    case ScalarType::Byte: return KvFormat::kInt4;
-    default:
-      STD_TORCH_CHECK(false,
-                      "k_data must be int8 (int8 format), float8_e4m3fn (fp8_e4m3) or uint8 (int4, two "
-                      "values per byte), got ",
-                      dtype_name(data.scalar_type()));
-  }
-  return KvFormat::kInt8;
-}
-
-bool disjoint(const Tensor& a, const Tensor& b) {
-  const auto* a_begin = static_cast<const char*>(a.const_data_ptr());
-  const auto* b_begin = static_cast<const char*>(b.const_data_ptr());
-  return a.numel() == 0 || b.numel() == 0 || a_begin + span_bytes(a) <= b_begin || b_begin + span_bytes(b) <= a_begin;
-}
-
-// The quantized cache: data and scales of keys and values, and lengths. Returns the format and
-// head_dim (values per cached vector).
+// The quantized cache, on the CPU: data and scales of keys and values, and lengths. Returns the
+// format and head_dim (values per cached vector).
 std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const Tensor& k_scales, const Tensor& v_data,
                                                    const Tensor& v_scales, const Tensor& lengths) {
-  STD_TORCH_CHECK(k_data.dim() == 4, "k_data must be (batch, kv_heads, slots, head_dim bytes), got shape ",
+  const auto format_and_head_dim = check_quantized_cache_layout(k_data, k_scales, v_data, v_scales, lengths);
+  STD_TORCH_CHECK(k_data.size(2) <= kMaxSlotsCpu, "k_data must have between 1 and 2^62 slots, got shape ",
                   shape_of(k_data));
-  STD_TORCH_CHECK(v_data.dim() == 4 && v_data.sizes().equals(k_data.sizes()), "v_data must have k_data's shape ",
-                  shape_of(k_data), ", got ", shape_of(v_data));
-  STD_TORCH_CHECK(v_data.scalar_type() == k_data.scalar_type(), "v_data must be ", dtype_name(k_data.scalar_type()),
-                  " like k_data, got ", dtype_name(v_data.scalar_type()));
-  const KvFormat format = format_of(k_data);
-  const int64_t B = k_data.size(0), H = k_data.size(1), S = k_data.size(2);
-  const int64_t D = format == KvFormat::kInt4 ? 2 * k_data.size(3) : k_data.size(3);
-  STD_TORCH_CHECK(head_dim_supported(D), "head_dim must be a multiple of ", kHeadDimMultiple, " between ",
-                  kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", D);
-  STD_TORCH_CHECK(format != KvFormat::kInt4 || D % kInt4Group == 0, "int4 needs head_dim a multiple of ", kInt4Group,
-                  ", got ", D);
-  STD_TORCH_CHECK(S >= 1 && S <= kMaxSlotsCpu, "k_data must have between 1 and 2^62 slots, got shape ",
-                  shape_of(k_data));
-  const bool int4 = format == KvFormat::kInt4;
-  const ScalarType scale_type = int4 ? ScalarType::Half : ScalarType::Float;
-  for (const auto& [t, name] : {std::pair{&k_scales, "k_scales"}, std::pair{&v_scales, "v_scales"}}) {
-    const bool shape_ok = int4 ? t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(2) == S &&
-                                     t->size(3) == D / kInt4Group && (t->size(3) == 1 || t->stride(3) == 1)
-                               : t->dim() == 3 && t->size(0) == B && t->size(1) == H && t->size(2) == S;
-    STD_TORCH_CHECK(
-        shape_ok, name, " must be ",
-        int4 ? "(batch, kv_heads, slots, head_dim / 32) with contiguous groups" : "(batch, kv_heads, slots)", " for ",
-        shape_of(k_data), " data, got ", shape_of(*t));
-    STD_TORCH_CHECK(t->scalar_type() == scale_type, name, " must be ", dtype_name(scale_type), ", got ",
-                    dtype_name(t->scalar_type()));
+  for (const auto& [t, name] :
+       {std::pair{&k_data, "k_data"}, std::pair{&k_scales, "k_scales"}, std::pair{&v_data, "v_data"},
+        std::pair{&v_scales, "v_scales"}, std::pair{&lengths, "lengths"}})
     check_cpu(*t, name);
-  }
-  STD_TORCH_CHECK(k_data.stride(3) == 1 && v_data.stride(3) == 1, "k_data and v_data need a contiguous last dimension");
-  check_cpu(k_data, "k_data");
-  check_cpu(v_data, "v_data");
-  // The ops write all four in place: no element may be two places at once, no two may overlap.
-  const Tensor* written[4] = {&k_data, &k_scales, &v_data, &v_scales};
-  for (int i = 0; i < 4; ++i) {
-    STD_TORCH_CHECK(elements_distinct(*written[i]),
-                    "the cache's data and scales must not be expanded or self-overlapping views");
-    for (int j = i + 1; j < 4; ++j)
-      STD_TORCH_CHECK(disjoint(*written[i], *written[j]),
-                      "k_data, k_scales, v_data and v_scales must not share memory");
-  }
-  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "lengths must have shape (", B, ",), got ",
-                  shape_of(lengths));
-  STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
-                  dtype_name(lengths.scalar_type()));
-  check_cpu(lengths, "lengths");
-  return {format, D};
+  return format_and_head_dim;
 }
 
 // Element `index` (in elements, through strides) of a float32/bfloat16/float16 tensor, as float.
@@ -206,18 +147,9 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
                          Tensor lengths) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
   const int64_t B = k_data.size(0), H = k_data.size(1), S = k_data.size(2);
-  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name, " must be (batch=", B,
-                    ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ", shape_of(*t));
-    elem_type_of(*t, name);
-    check_cpu(*t, name);
-  }
-  STD_TORCH_CHECK(v_new.scalar_type() == k_new.scalar_type(), "v_new must be ", dtype_name(k_new.scalar_type()),
-                  " like k_new, got ", dtype_name(v_new.scalar_type()));
-  const int64_t T = k_new.size(2);
-  STD_TORCH_CHECK(v_new.size(2) == T, "k_new and v_new must hold the same number of tokens, got ", T, " and ",
-                  v_new.size(2));
-  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
+  check_cpu(k_new, "k_new");
+  check_cpu(v_new, "v_new");
   const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
 
   const ElemType elem = elem_type_of(k_new, "k_new");

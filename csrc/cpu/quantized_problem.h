@@ -5,16 +5,9 @@
 
 #include <cstdint>
 
-#include "attention_problem.h"
+#include "attention_problem.h"  // ../elem_type.h: KvFormat, kInt4Group
 
 namespace kvcache_ext::cpu {
-
-enum class KvFormat : int {
-  kInt8 = 0,     // int8 data, one float32 scale per (row, KV head, token)
-  kFp8E4M3 = 1,  // float8_e4m3fn data, one float32 scale per (row, KV head, token)
-  kInt4 = 2,     // two int4 values per byte, one float16 scale per group of kInt4Group values
-};
-constexpr int64_t kInt4Group = 32;
 
 struct QuantizedProblem : AttentionProblem {
   KvFormat format;

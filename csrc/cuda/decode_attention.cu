@@ -45,8 +45,8 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
   // i starts at i * ceil(tiles / splits) tiles, so only counts whose last split starts inside
   // the span leave no split empty (for a row that fills the span; shorter rows may still see
   // empty splits, which the kernels handle).
-  const int64_t tiles = ceil_div_host(
-      span, decode_tile_keys(p.elem == ElemType::kFloat32 ? 4 : 2, p.head_dim, p.rows_per_block, p.vector_loads));
+  const int64_t tiles =
+      ceil_div_host(span, decode_tile_keys(decode_layout_bytes(p), p.head_dim, p.rows_per_block, p.vector_loads));
   auto no_empty_split = [&](int64_t s) { return (s - 1) * ceil_div_host(tiles, s) < tiles; };
   const int64_t max_splits =
       std::clamp<int64_t>(std::min(ceil_div_host(span, kMinPositionsPerSplit), tiles), 1, kMaxSplits);
@@ -88,6 +88,14 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
 }
 
 int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {
+  if (p.quantized) {
+    switch (p.format) {
+      case KvFormat::kInt8: return split_kernel_blocks_per_sm_int8(p);
+      case KvFormat::kFp8E4M3: return split_kernel_blocks_per_sm_fp8(p);
+      case KvFormat::kInt4: return split_kernel_blocks_per_sm_int4(p);
+    }
+    return 0;
+  }
   switch (p.elem) {
     case ElemType::kFloat32: return split_kernel_blocks_per_sm_f32(p);
     case ElemType::kBFloat16: return split_kernel_blocks_per_sm_bf16(p);
@@ -98,6 +106,14 @@ int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {
 
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream) {
   if (p.batch * p.q_heads * p.num_new == 0) return cudaSuccess;
+  if (p.quantized) {
+    switch (p.format) {
+      case KvFormat::kInt8: return launch_decode_attention_int8(p, stream);
+      case KvFormat::kFp8E4M3: return launch_decode_attention_fp8(p, stream);
+      case KvFormat::kInt4: return launch_decode_attention_int4(p, stream);
+    }
+    return cudaErrorInvalidValue;
+  }
   switch (p.elem) {
     case ElemType::kFloat32: return launch_decode_attention_f32(p, stream);
     case ElemType::kBFloat16: return launch_decode_attention_bf16(p, stream);

@@ -1,7 +1,8 @@
-// Flash-Decoding attention over the KV cache, templated on element type, head_dim capacity (the
-// power of two at or above head_dim) and the number of query rows a block serves. Semantics:
+// Flash-Decoding attention over the KV cache, templated on q's element type, the cache's format
+// (the same type, or quantized codes with their scales: python_ref/quantize.py), head_dim capacity
+// (the power of two at or above head_dim) and the number of query rows a block serves. Semantics:
 // python_ref.reference_attention (GQA, bottom-right causal for num_new >= 1, ring-buffer slots,
-// optional sliding window).
+// optional sliding window), over python_ref.quantize's dequantized values for a quantized cache.
 //
 // Work split. A block serves one (batch row, KV head, chunk of query rows, split) at a time:
 //  * query rows are the (new token, group member) pairs of all query heads sharing the KV head,
@@ -11,7 +12,8 @@
 //    second kernel combines them (skipped when splits == 1).
 // Inside a block, a key row of head_dim elements is read by a group of kLanesPerKey lanes,
 // 16 bytes per lane per load (one vector load when the cache rows are 16-byte aligned, element
-// loads otherwise); the dot products are summed over the group with shuffles. Each
+// loads otherwise; 8 quantized values per lane, i.e. 8 or 4 bytes of codes, widened and scaled in
+// registers); the dot products are summed over the group with shuffles. Each
 // lane group runs its own online softmax over every kKeyGroups-th key, so the main loop has no
 // block-wide synchronisation; the groups are merged once at the end through shared memory.
 // Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so exp2 is a single
@@ -117,6 +119,127 @@ __device__ __forceinline__ uint4 load_chunk(const E* address) {
   }
 }
 
+// ---- cache formats ------------------------------------------------------------------------------
+// How the kernel reads a cache row. C::Storage is what the cache pointers and strides count; a
+// lane's load (C::Raw: kStorageElemsPerVec storage elements) widens to kValuesPerVec floats
+// (C::unpack, times the scale C::load_scale read for it: the quantized formats' values exactly as
+// python_ref.quantize.dequantize computes them), and value e of the lane's vec v is element
+// C::value_index(v, e) of the head_dim row. kLayoutBytes: the element size whose lane layout the
+// format shares (decode_tile_keys' elem_bytes); kRowMultiple: head_dim must be a multiple of it.
+template <typename E>
+struct PlainCache {  // the cache holds q's type
+  using Storage = E;
+  using Raw = uint4;
+  static constexpr int kValuesPerVec = 16 / static_cast<int>(sizeof(E));
+  static constexpr int kStorageElemsPerVec = kValuesPerVec;
+  static constexpr int kLayoutBytes = static_cast<int>(sizeof(E));
+  static constexpr int kRowMultiple = 8;
+  template <bool kVectorLoads>
+  static __device__ __forceinline__ Raw load(const E* address) {
+    return load_chunk<E, kVectorLoads>(address);
+  }
+  static __device__ __forceinline__ float load_scale(const void*, int64_t, int) { return 1.0f; }
+  static __device__ __forceinline__ void unpack(const Raw& raw, float, float* out) { Elem<E>::unpack(raw, out); }
+  static __host__ __device__ constexpr int value_index(int vec, int e) { return vec * kValuesPerVec + e; }
+};
+
+// Bytes of a quantized row as 32-bit words (little-endian, like the GPU): one aligned load when
+// every row start allows it, else byte by byte.
+template <int kWords, bool kVectorLoads>
+__device__ __forceinline__ void load_code_words(const uint8_t* address, uint32_t (&words)[kWords]) {
+  if constexpr (kVectorLoads && kWords == 2) {
+    const uint2 pair = __ldg(reinterpret_cast<const uint2*>(address));
+    words[0] = pair.x;
+    words[1] = pair.y;
+  } else if constexpr (kVectorLoads) {
+    words[0] = __ldg(reinterpret_cast<const uint32_t*>(address));
+  } else {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+      words[w] = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) words[w] |= uint32_t{__ldg(address + 4 * w + i)} << (8 * i);
+    }
+  }
+}
+
+// float8 e4m3fn code -> float, exactly: normals move their 4-bit exponent from bias 7 to 127,
+// subnormals count units of 2^-9, 0x7f / 0xff are NaN.
+__device__ __forceinline__ float e4m3_to_float(uint32_t code) {
+  const uint32_t magnitude = code & 0x7fu;
+  const float value = magnitude == 0x7fu ? __uint_as_float(0x7fc00000u)
+                      : magnitude < 8u   ? static_cast<float>(magnitude) * 0x1p-9f
+                                         : __uint_as_float((magnitude + (120u << 3)) << 20);
+  return code & 0x80u ? -value : value;
+}
+
+// int8 and fp8 e4m3: one byte per value, one float32 scale per token; a lane reads 8 codes.
+template <KvFormat F>
+struct ByteCodesCache {
+  static_assert(F == KvFormat::kInt8 || F == KvFormat::kFp8E4M3, "one byte per value");
+  using Storage = uint8_t;
+  struct Raw {
+    uint32_t words[2];
+  };
+  static constexpr int kValuesPerVec = 8;
+  static constexpr int kStorageElemsPerVec = 8;
+  static constexpr int kLayoutBytes = 2;
+  static constexpr int kRowMultiple = 8;
+  template <bool kVectorLoads>
+  static __device__ __forceinline__ Raw load(const uint8_t* address) {
+    Raw raw;
+    load_code_words<2, kVectorLoads>(address, raw.words);
+    return raw;
+  }
+  static __device__ __forceinline__ float load_scale(const void* scales, int64_t token, int) {
+    return __ldg(static_cast<const float*>(scales) + token);
+  }
+  static __device__ __forceinline__ void unpack(const Raw& raw, float scale, float* out) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t code = (raw.words[i / 4] >> (8 * (i % 4))) & 0xffu;
+      const float value = F == KvFormat::kInt8 ? static_cast<float>(static_cast<int8_t>(code)) : e4m3_to_float(code);
+      out[i] = value * scale;
+    }
+  }
+  static __host__ __device__ constexpr int value_index(int vec, int e) { return vec * 8 + e; }
+};
+
+// int4: a lane reads 4 bytes (vec v: bytes 4v..4v+3 of the row), which hold values 4j..4j+3 of
+// group v / 4 (j = v % 4) in their low nibbles and values 16 + 4j.. in their high ones; one
+// float16 scale per group of 32.
+struct Int4Cache {
+  using Storage = uint8_t;
+  struct Raw {
+    uint32_t words[1];
+  };
+  static constexpr int kValuesPerVec = 8;
+  static constexpr int kStorageElemsPerVec = 4;
+  static constexpr int kLayoutBytes = 2;
+  static constexpr int kRowMultiple = static_cast<int>(kInt4Group);
+  template <bool kVectorLoads>
+  static __device__ __forceinline__ Raw load(const uint8_t* address) {
+    Raw raw;
+    load_code_words<1, kVectorLoads>(address, raw.words);
+    return raw;
+  }
+  static __device__ __forceinline__ float load_scale(const void* scales, int64_t token, int vec) {
+    const unsigned short bits = __ldg(static_cast<const unsigned short*>(scales) + token + vec / 4);
+    return __half2float(__ushort_as_half(bits));
+  }
+  static __device__ __forceinline__ void unpack(const Raw& raw, float scale, float* out) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t byte = (raw.words[0] >> (8 * j)) & 0xffu;
+      out[j] = (static_cast<float>(byte & 15u) - 8.0f) * scale;
+      out[4 + j] = (static_cast<float>(byte >> 4) - 8.0f) * scale;
+    }
+  }
+  static __host__ __device__ constexpr int value_index(int vec, int e) {
+    return 32 * (vec / 4) + 4 * (vec % 4) + (e < 4 ? e : 12 + e);
+  }
+};
+
 // The head_dim capacity a kernel is compiled for: the power of two in [8, 256] at or above
 // head_dim. The lane layout below depends on head_dim only through it (lanes per key are a power
 // of two), so a kernel for capacity C serves every supported head_dim in (C / 2, C] with the
@@ -127,10 +250,10 @@ __host__ __device__ constexpr int head_dim_capacity(int64_t head_dim) {
   return capacity;
 }
 
-// How one block maps threads onto keys for element type E and head_dim capacity kCapacity.
-template <typename E, int kCapacity, int kRows, bool kVectorLoads>
+// How one block maps threads onto keys for cache format C and head_dim capacity kCapacity.
+template <typename C, int kCapacity, int kRows, bool kVectorLoads>
 struct AttentionLayout {
-  static constexpr int kElemsPerVec = 16 / static_cast<int>(sizeof(E));  // per 16-byte load
+  static constexpr int kElemsPerVec = C::kValuesPerVec;  // per lane load
   static constexpr int kMaxVecsPerRow = kCapacity / kElemsPerVec;
   static constexpr int kLanesPerKey = kMaxVecsPerRow >= 32 ? 32 : next_pow2(kMaxVecsPerRow);
   static constexpr int kVecsPerLane = (kMaxVecsPerRow + kLanesPerKey - 1) / kLanesPerKey;
@@ -142,17 +265,18 @@ struct AttentionLayout {
   // so do rows of two vectors per lane (float32, capacity 256), where the 1- and 4-row kernels
   // spilled under their register cap of 168 (the 8-row kernels have 255).
   static constexpr int kKeysPerStep = (kRows == 1 ? 8 : (kRows <= 4 ? 4 : 2)) /
-                                      (!kVectorLoads && sizeof(E) == 2 ? 2 : 1) /
+                                      (!kVectorLoads && C::kLayoutBytes == 2 ? 2 : 1) /
                                       (kVecsPerLane > 1 && kRows < 8 ? 2 : 1);
   static constexpr int kTileKeys = kKeyGroups * kKeysPerStep;  // keys per block per step
   // Resident blocks per SM to ask the compiler for (caps registers at 65536 / (128 * this)):
   // more resident warps keep more loads in flight, but the 4-row kernels of 2-byte types spill
   // 116-284 bytes under the 128-register cap of 4 blocks (nvcc 13.0, sm_80 and sm_90), so they
   // and the rows of two vectors per lane take 3 blocks (168 registers).
-  static constexpr int kMinBlocksPerSm = kRows == 8 ? 2 : (kVecsPerLane > 1 || (sizeof(E) == 2 && kRows == 4) ? 3 : 4);
+  static constexpr int kMinBlocksPerSm =
+      kRows == 8 ? 2 : (kVecsPerLane > 1 || (C::kLayoutBytes == 2 && kRows == 4) ? 3 : 4);
   static_assert(kCapacity % kElemsPerVec == 0, "head_dim must fill whole 16-byte vectors");
   static_assert(kAttentionThreads % kLanesPerKey == 0, "lane groups must tile the block");
-  static_assert(kTileKeys == decode_tile_keys(static_cast<int>(sizeof(E)), kCapacity, kRows, kVectorLoads),
+  static_assert(kTileKeys == decode_tile_keys(C::kLayoutBytes, kCapacity, kRows, kVectorLoads),
                 "the planner's tile (kernels.h) must match the kernel's");
 };
 
@@ -160,9 +284,10 @@ struct AttentionLayout {
 // varying fastest so that the blocks of one group run side by side. kFullRow: head_dim equals
 // kCapacity, so the lane guards are compile-time (a run-time head_dim costs the 4-row kernels
 // ~6 registers, which they then spill).
-template <typename E, int kCapacity, int kRows, bool kVectorLoads, bool kFullRow>
+template <typename E, typename C, int kCapacity, int kRows, bool kVectorLoads, bool kFullRow>
 __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p, int64_t work) {
-  using L = AttentionLayout<E, kCapacity, kRows, kVectorLoads>;
+  using L = AttentionLayout<C, kCapacity, kRows, kVectorLoads>;
+  using Storage = typename C::Storage;
   constexpr int kLanes = L::kLanesPerKey, kVecs = L::kVecsPerLane, kVecElems = L::kElemsPerVec;
   constexpr int kLaneElems = L::kLaneElems, kKeyGroups = L::kKeyGroups, kSteps = L::kKeysPerStep;
 
@@ -234,14 +359,16 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
 #pragma unroll
           for (int e = 0; e < kVecElems; ++e)
             q_slice[m][v * kVecElems + e] =
-                Elem<E>::to_float(q_row[(vec * kVecElems + e) * p.q_stride[3]]) * scale_log2;
+                Elem<E>::to_float(q_row[C::value_index(vec, e) * p.q_stride[3]]) * scale_log2;
         }
       }
     }
   }
 
-  const E* k_head = static_cast<const E*>(p.k_cache) + b * p.k_stride[0] + kv_head * p.k_stride[1];
-  const E* v_head = static_cast<const E*>(p.v_cache) + b * p.v_stride[0] + kv_head * p.v_stride[1];
+  const Storage* k_head = static_cast<const Storage*>(p.k_cache) + b * p.k_stride[0] + kv_head * p.k_stride[1];
+  const Storage* v_head = static_cast<const Storage*>(p.v_cache) + b * p.v_stride[0] + kv_head * p.v_stride[1];
+  const int64_t k_scale_head = b * p.k_scale_stride[0] + kv_head * p.k_scale_stride[1];  // quantized only
+  const int64_t v_scale_head = b * p.v_scale_stride[0] + kv_head * p.v_scale_stride[1];
   const int64_t begin_slot = begin % S;
 
   float running_max[kRows], running_sum[kRows], acc[kRows][kLaneElems];
@@ -257,7 +384,8 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
     // Issue every load of the step first. Key offset u * kKeyGroups + key_group: the lane
     // groups of a warp read consecutive slots, i.e. contiguous memory.
     uint32_t key_offset[kSteps];
-    uint4 k_raw[kSteps][kVecs], v_raw[kSteps][kVecs];
+    typename C::Raw k_raw[kSteps][kVecs], v_raw[kSteps][kVecs];
+    float k_scale[kSteps][kVecs], v_scale[kSteps][kVecs];  // 1 for a plain cache
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
       key_offset[u] = tile + u * kKeyGroups + key_group;
@@ -267,11 +395,16 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
         const int vec = lane + v * kLanes;
-        k_raw[u][v] = make_uint4(0, 0, 0, 0);
-        v_raw[u][v] = make_uint4(0, 0, 0, 0);
+        k_raw[u][v] = typename C::Raw{};
+        v_raw[u][v] = typename C::Raw{};
+        k_scale[u][v] = 0.0f;
+        v_scale[u][v] = 0.0f;
         if (in_range && vec < vecs_per_row) {
-          k_raw[u][v] = load_chunk<E, kVectorLoads>(k_head + slot * p.k_stride[2] + vec * kVecElems);
-          v_raw[u][v] = load_chunk<E, kVectorLoads>(v_head + slot * p.v_stride[2] + vec * kVecElems);
+          const int storage_offset = vec * C::kStorageElemsPerVec;
+          k_raw[u][v] = C::template load<kVectorLoads>(k_head + slot * p.k_stride[2] + storage_offset);
+          v_raw[u][v] = C::template load<kVectorLoads>(v_head + slot * p.v_stride[2] + storage_offset);
+          k_scale[u][v] = C::load_scale(p.k_scales, k_scale_head + slot * p.k_scale_stride[2], vec);
+          v_scale[u][v] = C::load_scale(p.v_scales, v_scale_head + slot * p.v_scale_stride[2], vec);
         }
       }
     }
@@ -282,7 +415,7 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
     for (int u = 0; u < kSteps; ++u) {
       float k_slice[kLaneElems];
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v) Elem<E>::unpack(k_raw[u][v], k_slice + v * kVecElems);
+      for (int v = 0; v < kVecs; ++v) C::unpack(k_raw[u][v], k_scale[u][v], k_slice + v * kVecElems);
 #pragma unroll
       for (int m = 0; m < kRows; ++m) {
         float s = 0.0f;
@@ -333,7 +466,7 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
     for (int u = 0; u < kSteps; ++u) {
       float v_slice[kLaneElems];
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v) Elem<E>::unpack(v_raw[u][v], v_slice + v * kVecElems);
+      for (int v = 0; v < kVecs; ++v) C::unpack(v_raw[u][v], v_scale[u][v], v_slice + v * kVecElems);
 #pragma unroll
       for (int m = 0; m < kRows; ++m)
 #pragma unroll
@@ -353,7 +486,7 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
       const int vec = lane + v * kLanes;
       if (vec < vecs_per_row) {
 #pragma unroll
-        for (int e = 0; e < kVecElems; ++e) group_acc[key_group][m][vec * kVecElems + e] = acc[m][v * kVecElems + e];
+        for (int e = 0; e < kVecElems; ++e) group_acc[key_group][m][C::value_index(vec, e)] = acc[m][v * kVecElems + e];
       }
     }
   }
@@ -394,11 +527,11 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
 
 // Block x serves work unit first_unit + x: the launcher covers more units than one grid holds
 // with several launches (a loop over units here would cost the 4-row kernels registers too).
-template <typename E, int kCapacity, int kRows, bool kVectorLoads, bool kFullRow>
+template <typename E, typename C, int kCapacity, int kRows, bool kVectorLoads, bool kFullRow>
 __global__ void __launch_bounds__(kAttentionThreads,
-                                  (AttentionLayout<E, kCapacity, kRows, kVectorLoads>::kMinBlocksPerSm))
+                                  (AttentionLayout<C, kCapacity, kRows, kVectorLoads>::kMinBlocksPerSm))
     decode_attention_split_kernel(const DecodeAttentionParams p) {
-  attend_work_unit<E, kCapacity, kRows, kVectorLoads, kFullRow>(p, p.first_unit + blockIdx.x);
+  attend_work_unit<E, C, kCapacity, kRows, kVectorLoads, kFullRow>(p, p.first_unit + blockIdx.x);
 }
 
 // Combines the splits of every output row: out = sum_s w_s * out_s / sum_s w_s with
@@ -471,50 +604,57 @@ using AttentionKernel = void (*)(DecodeAttentionParams);
 constexpr int64_t kMaxGridX = (int64_t{1} << 31) - 1;
 constexpr int kNumCapacities = 6;  // 8, 16, ..., 256
 
-template <typename E, int kCapacity, bool kVectorLoads, bool kFullRow>
+template <typename E, typename C, int kCapacity, bool kVectorLoads, bool kFullRow>
 AttentionKernel split_kernel_for_rows(int rows_per_block) {
   switch (rows_per_block) {
-    case 1: return decode_attention_split_kernel<E, kCapacity, 1, kVectorLoads, kFullRow>;
-    case 4: return decode_attention_split_kernel<E, kCapacity, 4, kVectorLoads, kFullRow>;
-    case 8: return decode_attention_split_kernel<E, kCapacity, 8, kVectorLoads, kFullRow>;
+    case 1: return decode_attention_split_kernel<E, C, kCapacity, 1, kVectorLoads, kFullRow>;
+    case 4: return decode_attention_split_kernel<E, C, kCapacity, 4, kVectorLoads, kFullRow>;
+    case 8: return decode_attention_split_kernel<E, C, kCapacity, 8, kVectorLoads, kFullRow>;
   }
   return nullptr;
 }
 
-template <typename E, int kCapacity>
+template <typename E, typename C, int kCapacity>
 AttentionKernel split_kernel_for_loads(int rows_per_block, LoadPath path) {
-  switch (path) {
-    case LoadPath::kElements:  // one kernel per capacity for the slow path (plan_decode_attention)
-      return rows_per_block == 4 ? decode_attention_split_kernel<E, kCapacity, 4, false, false> : nullptr;
-    case LoadPath::kVectorsFullRow: return split_kernel_for_rows<E, kCapacity, true, true>(rows_per_block);
-    case LoadPath::kVectorsRuntimeHeadDim:
-      // Capacities 8 and 16 hold a single multiple of 8 each: always a full row.
-      if constexpr (kCapacity >= 32) return split_kernel_for_rows<E, kCapacity, true, false>(rows_per_block);
-      return nullptr;
+  if constexpr (kCapacity < C::kRowMultiple) {  // no head_dim of the format has this capacity
+    return nullptr;
+  } else {
+    switch (path) {
+      case LoadPath::kElements:  // one kernel per capacity for the slow path (plan_decode_attention)
+        return rows_per_block == 4 ? decode_attention_split_kernel<E, C, kCapacity, 4, false, false> : nullptr;
+      case LoadPath::kVectorsFullRow: return split_kernel_for_rows<E, C, kCapacity, true, true>(rows_per_block);
+      case LoadPath::kVectorsRuntimeHeadDim:
+        // Only capacities above twice the row multiple hold a head_dim below them (8 and 16
+        // hold a single multiple of 8 each, 32 and 64 a single multiple of 32).
+        if constexpr (C::kRowMultiple < kCapacity / 2)
+          return split_kernel_for_rows<E, C, kCapacity, true, false>(rows_per_block);
+        return nullptr;
+    }
+    return nullptr;
   }
-  return nullptr;
 }
 
-template <typename E>
+// C: the cache's format (PlainCache<E> for a cache of q's type).
+template <typename E, typename C = PlainCache<E>>
 AttentionKernel split_kernel_for(const DecodeAttentionParams& p) {
-  if (!head_dim_supported(p.head_dim)) return nullptr;
+  if (!head_dim_supported(p.head_dim) || p.head_dim % C::kRowMultiple != 0) return nullptr;
   switch (head_dim_capacity(p.head_dim)) {
-    case 8: return split_kernel_for_loads<E, 8>(p.rows_per_block, load_path_of(p));
-    case 16: return split_kernel_for_loads<E, 16>(p.rows_per_block, load_path_of(p));
-    case 32: return split_kernel_for_loads<E, 32>(p.rows_per_block, load_path_of(p));
-    case 64: return split_kernel_for_loads<E, 64>(p.rows_per_block, load_path_of(p));
-    case 128: return split_kernel_for_loads<E, 128>(p.rows_per_block, load_path_of(p));
-    case 256: return split_kernel_for_loads<E, 256>(p.rows_per_block, load_path_of(p));
+    case 8: return split_kernel_for_loads<E, C, 8>(p.rows_per_block, load_path_of(p));
+    case 16: return split_kernel_for_loads<E, C, 16>(p.rows_per_block, load_path_of(p));
+    case 32: return split_kernel_for_loads<E, C, 32>(p.rows_per_block, load_path_of(p));
+    case 64: return split_kernel_for_loads<E, C, 64>(p.rows_per_block, load_path_of(p));
+    case 128: return split_kernel_for_loads<E, C, 128>(p.rows_per_block, load_path_of(p));
+    case 256: return split_kernel_for_loads<E, C, 256>(p.rows_per_block, load_path_of(p));
   }
   return nullptr;
 }
 
 // Resident blocks per SM of the split kernel p would launch (0 if none fits or on error).
 // Cached per kernel after the first query (assumes one GPU model per process).
-template <typename E>
+template <typename E, typename C = PlainCache<E>>
 int split_kernel_occupancy(const DecodeAttentionParams& p) {
   static std::atomic<int> cached[kNumCapacities][3][3];
-  const AttentionKernel kernel = split_kernel_for<E>(p);
+  const AttentionKernel kernel = split_kernel_for<E, C>(p);
   if (kernel == nullptr) return 0;
   int capacity_index = 0;
   while ((8 << capacity_index) < head_dim_capacity(p.head_dim)) ++capacity_index;
@@ -532,9 +672,9 @@ int split_kernel_occupancy(const DecodeAttentionParams& p) {
 
 // `max_blocks` caps either grid (the tests' emulation lowers it to exercise the repeated
 // launches and the combine kernel's stride).
-template <typename E, typename Launch>
+template <typename E, typename C = PlainCache<E>, typename Launch>
 cudaError_t dispatch_decode_attention(const DecodeAttentionParams& p, Launch&& launch, int64_t max_blocks = kMaxGridX) {
-  const AttentionKernel split_kernel = split_kernel_for<E>(p);
+  const AttentionKernel split_kernel = split_kernel_for<E, C>(p);
   if (split_kernel == nullptr || p.window < 1 || p.window > kMaxLength) return cudaErrorInvalidValue;
   const int64_t units = p.batch * p.kv_heads * p.row_chunks * p.splits;
   for (int64_t first_unit = 0; first_unit < units; first_unit += max_blocks) {
@@ -548,6 +688,21 @@ cudaError_t dispatch_decode_attention(const DecodeAttentionParams& p, Launch&& l
   const int64_t rows = p.batch * p.q_heads * p.num_new;
   return launch(static_cast<AttentionKernel>(combine_splits_kernel<E>), rows < max_blocks ? rows : max_blocks,
                 kCombineThreads, p);
+}
+
+// Calls fn(TypeTag<E>{}) with E the type `elem` names (the quantized launchers' q dtype switch).
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <typename Fn>
+auto with_elem_type(ElemType elem, Fn&& fn) {
+  switch (elem) {
+    case ElemType::kBFloat16: return fn(TypeTag<__nv_bfloat16>{});
+    case ElemType::kFloat16: return fn(TypeTag<__half>{});
+    case ElemType::kFloat32: break;
+  }
+  return fn(TypeTag<float>{});
 }
 
 }  // namespace kvcache_ext::cuda

@@ -58,6 +58,27 @@ inline void choose_append_words(AppendKvParams& p, int64_t elem_bytes, int64_t h
 
 cudaError_t launch_append_kv(const AppendKvParams& p, cudaStream_t stream);
 
+// ---- append_kv_quantized ----------------------------------------------------------------------
+// Quantizes the new keys and values (float32/bfloat16/float16) into a quantized cache, bit for
+// bit python_ref.quantize.quantize, K and V in one launch. Strides in elements of each tensor
+// (data: bytes; scales: float32 or float16 values, an int4 token's groups contiguous). A row
+// whose length is outside [0, kMaxLength] is left untouched, as in append_kv.
+struct AppendKvQuantizedParams {
+  void* data[2];                // K, V codes: [batch, kv_heads, slots, head_dim bytes], bytes contiguous
+  void* scales[2];              // K, V scales: [batch, kv_heads, slots] or [..., slots, head_dim / 32]
+  const void* source[2];        // k_new, v_new: [batch, kv_heads, num_new, head_dim]
+  const int64_t* lengths;       // [batch] tokens already in each row (device memory)
+  int64_t lengths_stride;       // elements
+  int64_t data_stride[2][3];    // batch, head, slot
+  int64_t scale_stride[2][3];   // batch, head, slot
+  int64_t source_stride[2][4];  // batch, head, token, value
+  int64_t batch, kv_heads, num_new, slots, head_dim;
+  KvFormat format;
+  ElemType elem;  // of the sources
+};
+
+cudaError_t launch_append_kv_quantized(const AppendKvQuantizedParams& p, cudaStream_t stream);
+
 // ---- decode_attention -------------------------------------------------------------------------
 // A row whose length is below num_new or above kMaxLength (invalid, but only the device can see
 // it) gets zeros and a log-sum-exp of -inf and reads nothing of the cache.
@@ -80,9 +101,18 @@ struct DecodeAttentionParams {
   float softcap;       // > 0: scores become softcap * tanh(score / softcap); 0: not capped
   const float* sinks;  // [q_heads] sink logits joining each row's softmax denominator, or null
   int64_t sinks_stride;
-  ElemType elem;
-  // Whether every K/V row start is 16-byte aligned (data pointers and strides), so the kernel
-  // may read rows with 16-byte loads; otherwise it reads them element by element.
+  ElemType elem;  // of q and out, and of the cache unless it is quantized
+  // A quantized cache (python_ref/quantize.py): k_cache/v_cache hold the codes (strides in bytes)
+  // and k_scales/v_scales their scales, read as the kernel widens each code.
+  bool quantized;
+  KvFormat format;
+  const void* k_scales;  // float32 [batch, kv_heads, slots] or float16 [..., slots, head_dim / 32]
+  const void* v_scales;
+  int64_t k_scale_stride[3];  // batch, head, slot (elements; an int4 token's groups contiguous)
+  int64_t v_scale_stride[3];
+  // Whether every K/V row start is aligned to the kernel's loads (16 bytes; 8 for int8/fp8 codes,
+  // 4 for int4's), data pointers and strides, so the kernel may read rows with vector loads;
+  // otherwise it reads them element by element.
   bool vector_loads;
   // Filled by plan_decode_attention:
   int rows_per_block;  // query rows (group member x new token) one block serves: 1, 4 or 8
@@ -97,11 +127,25 @@ struct DecodeAttentionParams {
 // keeps the kernels' position arithmetic (query position - window + 1) inside int64.
 inline int64_t kernel_window(int64_t window) { return window <= 0 || window > kMaxLength ? kMaxLength : window; }
 
-// Fills vector_loads from the cache pointers and element strides (batch, head, slot).
+// Bytes of one lane's load of a K/V row: 16 (8 values of a 2-byte type, 4 floats), 8 int8/fp8
+// codes or 4 bytes of int4 codes (8 values each, so a quantized cache has the lane layout of a
+// 2-byte type).
+inline int64_t decode_load_bytes(const DecodeAttentionParams& p) {
+  return !p.quantized ? 16 : (p.format == KvFormat::kInt4 ? 4 : 8);
+}
+// The element size whose lane layout the kernel uses (decode_tile_keys' elem_bytes).
+inline int decode_layout_bytes(const DecodeAttentionParams& p) {
+  return p.quantized || p.elem != ElemType::kFloat32 ? 2 : 4;
+}
+
+// Fills vector_loads from the cache pointers and element strides (batch, head, slot); quantized
+// and format must be set.
 inline void choose_decode_loads(DecodeAttentionParams& p, int64_t elem_bytes) {
-  bool aligned = reinterpret_cast<uintptr_t>(p.k_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(p.v_cache) % 16 == 0;
+  const int64_t load = decode_load_bytes(p);
+  bool aligned =
+      reinterpret_cast<uintptr_t>(p.k_cache) % load == 0 && reinterpret_cast<uintptr_t>(p.v_cache) % load == 0;
   for (int i = 0; i < 3; ++i)
-    aligned = aligned && (p.k_stride[i] * elem_bytes) % 16 == 0 && (p.v_stride[i] * elem_bytes) % 16 == 0;
+    aligned = aligned && (p.k_stride[i] * elem_bytes) % load == 0 && (p.v_stride[i] * elem_bytes) % load == 0;
   p.vector_loads = aligned;
 }
 
@@ -145,5 +189,12 @@ cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t
 cudaError_t launch_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t stream);
 cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t stream);
 cudaError_t launch_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t stream);
+// Per-format launchers of quantized caches (any q dtype), one translation unit each.
+cudaError_t launch_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t launch_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t launch_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t stream);
+int split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p);
+int split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p);
+int split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p);
 
 }  // namespace kvcache_ext::cuda

@@ -28,6 +28,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "../binding_common.h"
 #include "../capabilities.h"
@@ -76,6 +77,28 @@ int sm_count(int32_t device_index) {
   STD_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index));
   if (device_index >= 0 && device_index < 64) cached[device_index].store(count, std::memory_order_relaxed);
   return count;
+}
+
+// The part of decode_attention both caches share once p holds the checked problem: the plan,
+// out, lse and the split scratch (sized from shapes and the plan only, so graph capture sees a
+// fixed size), and the launch on the current stream.
+std::tuple<Tensor, Tensor> plan_and_launch_decode(DecodeAttentionParams& p, const Tensor& q, int32_t device) {
+  torch::stable::accelerator::DeviceGuard guard(device);
+  plan_decode_attention(p, sm_count(device));
+  const int64_t B = p.batch, H_q = p.q_heads, T = p.num_new, D = p.head_dim;
+  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
+  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
+  p.out = out.mutable_data_ptr();
+  p.lse = lse.mutable_data_ptr<float>();
+  std::optional<Tensor> scratch;
+  if (p.splits > 1) {
+    const int64_t rows = B * H_q * T;
+    scratch = torch::stable::empty({rows * p.splits * (D + 1)}, ScalarType::Float, std::nullopt, q.device());
+    p.partial_out = scratch->mutable_data_ptr<float>();
+    p.partial_lse = p.partial_out + rows * p.splits * D;
+  }
+  STD_CUDA_CHECK(launch_decode_attention(p, current_stream(device)));
+  return {out, lse};
 }
 
 void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
@@ -140,25 +163,104 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
   choose_decode_loads(p, static_cast<int64_t>(k_cache.element_size()));
+  return plan_and_launch_decode(p, q, k_cache.get_device_index());
+}
 
-  const int32_t device = k_cache.get_device_index();
-  torch::stable::accelerator::DeviceGuard guard(device);
-  plan_decode_attention(p, sm_count(device));
+// The quantized cache on the GPU: layout checks shared with the CPU binding, then devices and
+// the CUDA slot limit. Returns the format and head_dim.
+std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const Tensor& k_scales, const Tensor& v_data,
+                                                   const Tensor& v_scales, const Tensor& lengths) {
+  const auto format_and_head_dim = check_quantized_cache_layout(k_data, k_scales, v_data, v_scales, lengths);
+  STD_TORCH_CHECK(k_data.size(2) <= kMaxSlotsCuda, "k_data must have between 1 and ", kMaxSlotsCuda,
+                  " slots on CUDA, got ", k_data.size(2));
+  STD_TORCH_CHECK(k_data.is_cuda(), "k_data must be a CUDA tensor for the CUDA kernel");
+  check_on_device(k_scales, "k_scales", k_data);
+  check_on_device(v_data, "v_data", k_data);
+  check_on_device(v_scales, "v_scales", k_data);
+  check_on_device(lengths, "lengths", k_data);
+  return format_and_head_dim;
+}
 
-  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
-  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
-  p.out = out.mutable_data_ptr();
-  p.lse = lse.mutable_data_ptr<float>();
-  // Split partials: sized from shapes and the plan only, so graph capture sees a fixed size.
-  std::optional<Tensor> scratch;
-  if (p.splits > 1) {
-    const int64_t rows = B * H_q * T;
-    scratch = torch::stable::empty({rows * p.splits * (D + 1)}, ScalarType::Float, std::nullopt, q.device());
-    p.partial_out = scratch->mutable_data_ptr<float>();
-    p.partial_lse = p.partial_out + rows * p.splits * D;
+void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
+                         Tensor lengths) {
+  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
+  check_on_device(k_new, "k_new", k_data);
+  check_on_device(v_new, "v_new", k_data);
+  const int64_t B = k_data.size(0), H = k_data.size(1);
+  if (T == 0 || B == 0 || H == 0) return;
+
+  AppendKvQuantizedParams p{};
+  p.data[0] = k_data.mutable_data_ptr();
+  p.data[1] = v_data.mutable_data_ptr();
+  p.scales[0] = k_scales.mutable_data_ptr();
+  p.scales[1] = v_scales.mutable_data_ptr();
+  p.source[0] = k_new.const_data_ptr();
+  p.source[1] = v_new.const_data_ptr();
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.lengths_stride = lengths.stride(0);
+  const Tensor* data[2] = {&k_data, &v_data};
+  const Tensor* scales[2] = {&k_scales, &v_scales};
+  const Tensor* source[2] = {&k_new, &v_new};
+  for (int side = 0; side < 2; ++side) {
+    for (int i = 0; i < 3; ++i) {
+      p.data_stride[side][i] = data[side]->stride(i);
+      p.scale_stride[side][i] = scales[side]->stride(i);
+    }
+    for (int i = 0; i < 4; ++i) p.source_stride[side][i] = source[side]->stride(i);
   }
-  STD_CUDA_CHECK(launch_decode_attention(p, current_stream(device)));
-  return {out, lse};
+  p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = k_data.size(2), p.head_dim = D;
+  p.format = format;
+  p.elem = elem_type_of(k_new, "k_new");
+
+  torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
+  STD_CUDA_CHECK(launch_append_kv_quantized(p, current_stream(k_data.get_device_index())));
+}
+
+std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
+                                                      Tensor v_scales, Tensor lengths, std::optional<int64_t> window,
+                                                      std::optional<double> scale, std::optional<double> softcap,
+                                                      std::optional<Tensor> sinks) {
+  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
+  check_on_device(q, "q", k_data);
+  const int64_t B = k_data.size(0), H_kv = k_data.size(1), S = k_data.size(2);
+  const int64_t H_q = q.size(1), T = q.size(2);
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
+                  ") to match the cache, got ", shape_of(q));
+  const ElemType elem = elem_type_of(q, "q");
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  check_new_tokens_fit(T, S);
+  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
+                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  const float scale_value = checked_scale(scale, D);
+  check_softcap_and_sinks(softcap, sinks, q);
+
+  DecodeAttentionParams p{};
+  p.elem = elem;
+  p.quantized = true;
+  p.format = format;
+  p.q = q.const_data_ptr();
+  p.k_cache = k_data.const_data_ptr();
+  p.v_cache = v_data.const_data_ptr();
+  p.k_scales = k_scales.const_data_ptr();
+  p.v_scales = v_scales.const_data_ptr();
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.lengths_stride = lengths.stride(0);
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+  for (int i = 0; i < 3; ++i) {
+    p.k_stride[i] = k_data.stride(i), p.v_stride[i] = v_data.stride(i);
+    p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
+  }
+  p.window = kernel_window(window.value_or(0));
+  p.scale = scale_value;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  choose_decode_loads(p, 1);  // data strides count bytes
+  return plan_and_launch_decode(p, q, k_data.get_device_index());
 }
 
 }  // namespace
@@ -167,4 +269,6 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("append_kv", TORCH_BOX(&kvcache_ext::cuda::append_kv));
   m.impl("decode_attention", TORCH_BOX(&kvcache_ext::cuda::decode_attention));
+  m.impl("append_kv_quantized", TORCH_BOX(&kvcache_ext::cuda::append_kv_quantized));
+  m.impl("decode_attention_quantized", TORCH_BOX(&kvcache_ext::cuda::decode_attention_quantized));
 }

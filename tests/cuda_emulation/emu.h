@@ -302,6 +302,10 @@ struct uint4 {
   }
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+// uint2: 8 bytes, aligned to 8 like the GPU's (its global loads go through __ldg's check).
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
 
 // The planner asks how many blocks an SM keeps; the emulation answers emu::blocks_per_sm (3 by
 // default, as an sm_90 would for a kernel of ~170 registers per thread), or fails when it is 0.

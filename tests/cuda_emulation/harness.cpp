@@ -1,6 +1,7 @@
 // C entry points that run csrc/cuda's kernels and host planning under the CPU emulation of
 // emu.h, for tests/test_cuda_emulation.py (loaded with ctypes; pointers are CPU tensors').
 #include "../../csrc/cuda/append_kv.cuh"
+#include "../../csrc/cuda/append_kv_quantized.cuh"
 #include "../../csrc/cuda/decode_attention.cu"  // plan_decode_attention, launch_decode_attention
 #include "../../csrc/cuda/decode_attention.cuh"
 
@@ -15,9 +16,9 @@ int forced_vector_loads = -1;
 // The last decode's split scratch, log-sum-exps: [rows, splits].
 std::vector<float> last_partial_lse;
 
-template <typename E>
+template <typename E, typename C = PlainCache<E>>
 cudaError_t emulate_decode_attention(const DecodeAttentionParams& p) {
-  return dispatch_decode_attention<E>(
+  return dispatch_decode_attention<E, C>(
       p,
       [&](AttentionKernel kernel, int64_t blocks, int threads, const DecodeAttentionParams& params) {
         return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
@@ -34,11 +35,24 @@ cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStr
 cudaError_t launch_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t) {
   return emulate_decode_attention<__half>(p);
 }
+template <typename C>
+cudaError_t emulate_quantized_decode_attention(const DecodeAttentionParams& p) {
+  return with_elem_type(p.elem, [&](auto tag) { return emulate_decode_attention<typename decltype(tag)::type, C>(p); });
+}
+cudaError_t launch_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_quantized_decode_attention<ByteCodesCache<kvcache_ext::KvFormat::kInt8>>(p);
+}
+cudaError_t launch_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_quantized_decode_attention<ByteCodesCache<kvcache_ext::KvFormat::kFp8E4M3>>(p);
+}
+cudaError_t launch_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_quantized_decode_attention<Int4Cache>(p);
+}
 // Not split_kernel_occupancy: it caches the first answer per kernel, and the tests change the
 // emulated occupancy (emu::blocks_per_sm) between calls.
-template <typename E>
+template <typename E, typename C = PlainCache<E>>
 int emulated_occupancy(const DecodeAttentionParams& p) {
-  const AttentionKernel kernel = split_kernel_for<E>(p);
+  const AttentionKernel kernel = split_kernel_for<E, C>(p);
   int blocks = 0;
   if (kernel == nullptr ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttentionThreads, 0) != cudaSuccess)
@@ -48,6 +62,19 @@ int emulated_occupancy(const DecodeAttentionParams& p) {
 int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) { return emulated_occupancy<float>(p); }
 int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) { return emulated_occupancy<__nv_bfloat16>(p); }
 int split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p) { return emulated_occupancy<__half>(p); }
+template <typename C>
+int emulated_quantized_occupancy(const DecodeAttentionParams& p) {
+  return with_elem_type(p.elem, [&](auto tag) { return emulated_occupancy<typename decltype(tag)::type, C>(p); });
+}
+int split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p) {
+  return emulated_quantized_occupancy<ByteCodesCache<kvcache_ext::KvFormat::kInt8>>(p);
+}
+int split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p) {
+  return emulated_quantized_occupancy<ByteCodesCache<kvcache_ext::KvFormat::kFp8E4M3>>(p);
+}
+int split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p) {
+  return emulated_quantized_occupancy<Int4Cache>(p);
+}
 
 // Self-test kernels: faults the emulation must catch.
 __shared__ int race_value;
@@ -83,6 +110,42 @@ bool guards_intact(const std::vector<float>& buffer, int64_t inner) {
   return true;
 }
 }  // namespace
+
+// What the CUDA binding does between its checks and the launch, for params filled but for the
+// plan and scratch. elem_bytes: of the cache's elements (the strides' unit).
+static int plan_and_launch(DecodeAttentionParams& p, int64_t elem_bytes, int sm_count, int64_t max_blocks,
+                           int64_t* plan_out) {
+  choose_decode_loads(p, elem_bytes);
+  if (forced_vector_loads >= 0) p.vector_loads = forced_vector_loads != 0;
+  if (!kvcache_ext::head_dim_supported(p.head_dim)) return -1;
+  plan_decode_attention(p, sm_count);
+  plan_out[0] = p.rows_per_block, plan_out[1] = p.row_chunks, plan_out[2] = p.splits, plan_out[3] = p.vector_loads;
+  const int64_t rows = p.batch * p.q_heads * p.num_new;
+  const int64_t partial_out_floats = rows * p.splits * p.head_dim, partial_lse_floats = rows * p.splits;
+  // Each scratch array between guards; the inside NaN-filled: anything the combine reads that
+  // the split kernel did not write shows up.
+  std::vector<float> partial_out, partial_lse;
+  if (p.splits > 1) {
+    const float guard = __uint_as_float(kGuardBits);
+    partial_out.assign(kGuardFloats + partial_out_floats + kGuardFloats, guard);
+    partial_lse.assign(kGuardFloats + partial_lse_floats + kGuardFloats, guard);
+    std::fill_n(partial_out.begin() + kGuardFloats, partial_out_floats, std::nanf(""));
+    std::fill_n(partial_lse.begin() + kGuardFloats, partial_lse_floats, std::nanf(""));
+    p.partial_out = partial_out.data() + kGuardFloats;
+    p.partial_lse = partial_lse.data() + kGuardFloats;
+  }
+  max_emulated_blocks = max_blocks;
+  const cudaError_t status = launch_decode_attention(p, nullptr);
+  last_partial_lse.assign(partial_lse.begin() + (p.splits > 1 ? kGuardFloats : 0),
+                          partial_lse.begin() + (p.splits > 1 ? kGuardFloats + partial_lse_floats : 0));
+  if (status != cudaSuccess) return status;
+  if (p.splits > 1 &&
+      !(guards_intact(partial_out, partial_out_floats) && guards_intact(partial_lse, partial_lse_floats))) {
+    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
+    return -2;
+  }
+  return 0;
+}
 
 extern "C" {
 
@@ -137,37 +200,37 @@ int emu_decode_attention(int elem, const void* q, const int64_t* q_stride, const
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   p.sinks = sinks, p.sinks_stride = 1;
-  const int64_t elem_bytes = p.elem == kvcache_ext::ElemType::kFloat32 ? 4 : 2;
-  choose_decode_loads(p, elem_bytes);
-  if (forced_vector_loads >= 0) p.vector_loads = forced_vector_loads != 0;
-  if (!kvcache_ext::head_dim_supported(p.head_dim)) return -1;
-  plan_decode_attention(p, sm_count);
-  plan_out[0] = p.rows_per_block, plan_out[1] = p.row_chunks, plan_out[2] = p.splits, plan_out[3] = p.vector_loads;
-  const int64_t rows = p.batch * p.q_heads * p.num_new;
-  const int64_t partial_out_floats = rows * p.splits * p.head_dim, partial_lse_floats = rows * p.splits;
-  // Each scratch array between guards; the inside NaN-filled: anything the combine reads that
-  // the split kernel did not write shows up.
-  std::vector<float> partial_out, partial_lse;
-  if (p.splits > 1) {
-    const float guard = __uint_as_float(kGuardBits);
-    partial_out.assign(kGuardFloats + partial_out_floats + kGuardFloats, guard);
-    partial_lse.assign(kGuardFloats + partial_lse_floats + kGuardFloats, guard);
-    std::fill_n(partial_out.begin() + kGuardFloats, partial_out_floats, std::nanf(""));
-    std::fill_n(partial_lse.begin() + kGuardFloats, partial_lse_floats, std::nanf(""));
-    p.partial_out = partial_out.data() + kGuardFloats;
-    p.partial_lse = partial_lse.data() + kGuardFloats;
+  return plan_and_launch(p, p.elem == kvcache_ext::ElemType::kFloat32 ? 4 : 2, sm_count, max_blocks, plan_out);
+}
+
+// emu_decode_attention over a quantized cache: format (KvFormat) and elem (ElemType of q);
+// k_data/v_data strides in bytes (kv_stride), the scales' in their elements (scale_stride: k's 3
+// then v's 3).
+int emu_decode_attention_quantized(int format, int elem, const void* q, const int64_t* q_stride, const void* k_data,
+                                   const void* k_scales, const void* v_data, const void* v_scales,
+                                   const int64_t* kv_stride, const int64_t* scale_stride, const int64_t* lengths,
+                                   int64_t lengths_stride, void* out, float* lse, const int64_t* sizes, int64_t window,
+                                   double scale, double softcap, const float* sinks, int sm_count, int64_t max_blocks,
+                                   int64_t* plan_out) {
+  DecodeAttentionParams p{};
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  p.quantized = true;
+  p.format = static_cast<kvcache_ext::KvFormat>(format);
+  p.q = q, p.k_cache = k_data, p.v_cache = v_data, p.k_scales = k_scales, p.v_scales = v_scales;
+  p.lengths = lengths, p.lengths_stride = lengths_stride;
+  p.out = out, p.lse = lse;
+  p.batch = sizes[0], p.q_heads = sizes[1], p.kv_heads = sizes[2], p.num_new = sizes[3];
+  p.head_dim = sizes[4], p.slots = sizes[5];
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q_stride[i];
+  for (int i = 0; i < 3; ++i) {
+    p.k_stride[i] = kv_stride[i], p.v_stride[i] = kv_stride[3 + i];
+    p.k_scale_stride[i] = scale_stride[i], p.v_scale_stride[i] = scale_stride[3 + i];
   }
-  max_emulated_blocks = max_blocks;
-  const cudaError_t status = launch_decode_attention(p, nullptr);
-  last_partial_lse.assign(partial_lse.begin() + (p.splits > 1 ? kGuardFloats : 0),
-                          partial_lse.begin() + (p.splits > 1 ? kGuardFloats + partial_lse_floats : 0));
-  if (status != cudaSuccess) return status;
-  if (p.splits > 1 &&
-      !(guards_intact(partial_out, partial_out_floats) && guards_intact(partial_lse, partial_lse_floats))) {
-    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
-    return -2;
-  }
-  return 0;
+  p.window = kernel_window(window);
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.sinks = sinks, p.sinks_stride = 1;
+  return plan_and_launch(p, 1, sm_count, max_blocks, plan_out);
 }
 
 // Copies the last decode's split log-sum-exps ([rows, splits]) to `out`; returns how many.
@@ -202,6 +265,36 @@ int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, con
         return emu::launch(kernel, grid, dim3(threads), chunk);
       },
       max_words_per_launch);
+}
+
+// What the CUDA binding does for append_kv_quantized after its checks. format: KvFormat; elem:
+// ElemType of the sources. data_stride, scale_stride: k's 3 then v's 3; source_stride: k_new's 4
+// then v_new's 4 (elements). sizes: batch, kv_heads, num_new, slots, head_dim. max_blocks: the
+// grid cap.
+int emu_append_kv_quantized(int format, int elem, void* k_data, void* k_scales, void* v_data, void* v_scales,
+                            const int64_t* data_stride, const int64_t* scale_stride, const void* k_new,
+                            const void* v_new, const int64_t* source_stride, const int64_t* lengths,
+                            int64_t lengths_stride, const int64_t* sizes, int64_t max_blocks) {
+  AppendKvQuantizedParams p{};
+  p.data[0] = k_data, p.data[1] = v_data, p.scales[0] = k_scales, p.scales[1] = v_scales;
+  p.source[0] = k_new, p.source[1] = v_new;
+  p.lengths = lengths, p.lengths_stride = lengths_stride;
+  for (int side = 0; side < 2; ++side) {
+    for (int i = 0; i < 3; ++i) {
+      p.data_stride[side][i] = data_stride[3 * side + i];
+      p.scale_stride[side][i] = scale_stride[3 * side + i];
+    }
+    for (int i = 0; i < 4; ++i) p.source_stride[side][i] = source_stride[4 * side + i];
+  }
+  p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3], p.head_dim = sizes[4];
+  p.format = static_cast<kvcache_ext::KvFormat>(format);
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  return dispatch_append_kv_quantized(
+      p,
+      [&](AppendQuantizedKernel kernel, int64_t blocks, int threads, const AppendKvQuantizedParams& params) {
+        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
+      },
+      max_blocks);
 }
 
 // Self-tests of the emulation. race: out[blocks * threads] gets what each thread read of a
