@@ -289,12 +289,11 @@ def run_static(model, workload: list[Request], sizes: Sizes) -> Run:
         padded = torch.tensor([r.prompt + [0] * (longest - len(r.prompt)) for r in requests])
         logits = model(padded, cache)
         cache.rewind([longest - length for length in lengths])  # each row keeps its own prompt only
-        last = logits[torch.arange(len(batch)), torch.tensor(lengths) - 1]
+        next_tokens = choose_next_token(logits[torch.arange(len(batch)), torch.tensor(lengths) - 1].float())
         generated = [[] for _ in batch]
         for step in range(steps):
             if step:
-                last = model(next_tokens.unsqueeze(1), cache)[:, -1]
-            next_tokens = choose_next_token(last.float())
+                next_tokens = choose_next_token(model(next_tokens.unsqueeze(1), cache)[:, -1].float())
             for row, token in enumerate(next_tokens.tolist()):
                 generated[row].append(token)
             run.held.append(cache.bytes_allocated())
