@@ -34,6 +34,7 @@ and without prefix caching (``Engine(prefix_caching=False)``).
     python bench/serving.py --full     # the issue's sizes: 64 requests, prompts 16-1024, outputs 16-256,
                                        # 256-token shared prefix, GPT-2 124M and Llama-3.2-1B's shape cut
                                        # to 4 layers and a 32000-token vocabulary
+    python bench/serving.py --full --requests 16    # the issue's shapes and lengths, fewer requests
     python bench/serving.py --threads 2 --plot serving.png
 
 Prompts are at most ``context_length - longest output + 1`` tokens (GPT-2 124M: 769): a static
@@ -48,7 +49,7 @@ import random
 import subprocess
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -417,12 +418,16 @@ def plot(runs: dict, path: str) -> None:
     except ImportError:
         print(f"(matplotlib is not installed: no plot written to {path})")
         return
-    labels = [f"{kind}\n{workload}\n{system}" for kind, workload, system in runs]
-    figure, axis = plt.subplots(figsize=(max(8, len(runs) * 1.1), 5))
-    axis.bar(range(len(runs)), [r.generated_tokens / r.cpu_s for r in runs.values()])
-    axis.set_xticks(range(len(runs)), labels, rotation=90, fontsize=7)
-    axis.set_ylabel("generated tokens per CPU second")
-    axis.set_title("Serving benchmark (bench/serving.py)")
+    labels = [f"{kind}, {workload}: {system}" for kind, workload, system in runs]
+    positions = range(len(runs))
+    figure, (speed, waste) = plt.subplots(1, 2, sharey=True, figsize=(12, 1.5 + 0.4 * len(runs)))
+    speed.barh(positions, [r.generated_tokens / r.cpu_s for r in runs.values()])
+    speed.set_xlabel("generated tokens per CPU second")
+    waste.barh(positions, [100 * r.waste for r in runs.values()], color="tab:red")
+    waste.set_xlabel("KV memory held but not used (%)")
+    speed.set_yticks(positions, labels, fontsize=8)
+    speed.invert_yaxis()
+    figure.suptitle("bench/serving.py: continuous batching (Engine) vs static batches")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     print(f"plot written to {path}")
@@ -434,13 +439,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: tiny models only wait)")
     parser.add_argument("--models", nargs="+", choices=["gpt2", "llama"], default=["gpt2", "llama"])
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    parser.add_argument("--requests", type=int, help="override the number of requests (16 reduced, 64 full)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", metavar="PNG", help="also write a bar chart of tokens/s (needs matplotlib)")
     args = parser.parse_args()
-    if args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
+    for name in ("threads", "requests"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     sizes = FULL if args.full else REDUCED
+    if args.requests is not None:
+        sizes = replace(sizes, requests=args.requests)
     print(
         f"{'full' if args.full else 'reduced'} run: {sizes.requests} requests, prompts {sizes.prompt_lengths}, "
         f"outputs {sizes.output_lengths}, {sizes.arrivals_per_tick} arrivals/tick, batches of <= "
