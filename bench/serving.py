@@ -226,7 +226,8 @@ def run_engine(model, workload: list[Request], sizes: Sizes, prefix_caching: boo
     kv, per_token = model.kv_shape, kv_bytes_per_token(model)
     longest = max(len(r.prompt) + r.max_new_tokens for r in workload)
     # The pool holds max_batch_size requests of the longest length: what static batching reserves
-    # at worst, so the engine never runs with more memory than the baseline could need.
+    # at worst, so the engine never runs with more memory than the baseline could need (and no
+    # request is ever preempted: max_batch_size requests always fit).
     num_blocks = sizes.max_batch_size * -(-longest // sizes.block_size)
     cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks, sizes.block_size)
     engine = Engine(

@@ -186,7 +186,8 @@ class Engine:
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], **sampling
     ) -> Iterator[tuple[int, int]]:
         """Like :meth:`generate`, yielding ``(request_id, token)`` as each token is chosen; request ids
-        are consecutive, in the order of ``prompts``."""
+        are consecutive, in the order of ``prompts``. The engine keeps the finished requests until
+        :meth:`pop_finished` collects them."""
         self._add_all(prompts, max_new_tokens, **sampling)
         while self.has_unfinished:
             yield from self.step()
@@ -194,7 +195,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int]]:
         """Admit waiting requests, run every running one a piece further; returns the tokens chosen,
-        as ``(request_id, token)`` in order."""
+        as ``(request_id, token)`` in order. Finished requests are kept until :meth:`pop_finished`."""
         self._admit()
         decoding = [r for r in self._running if len(r.tokens) - r.computed == 1]
         by_chunk: dict[int, list[_Request]] = {}
