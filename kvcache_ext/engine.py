@@ -13,6 +13,10 @@ waits until they are stored: then it takes them from the prefix cache instead of
 When the pool runs out of blocks, the newest running request is preempted: its blocks are freed and
 it goes back to the front of the queue, keeping the tokens it generated, to be recomputed when
 readmitted (cheaply, where the prefix cache still holds its full blocks).
+
+The engine remembers every request until its output is collected: :meth:`Engine.generate` collects
+its own; users of :meth:`Engine.step`, :meth:`Engine.stream` or :meth:`Engine.add_request` call
+:meth:`Engine.pop_finished`, else a long-running engine keeps every finished request's tokens.
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ class Engine:
 
     ``chunk_size``: the most prompt tokens a request reads per step. ``max_batch_size``: the most
     requests running at once (None: as many as the pool holds). ``eos_id``: a request that generates
-    it stops there.
+    it stops there. ``prefix_caching``: whether a prompt takes the cached blocks of an earlier
+    prompt with the same start (False computes every prompt in full: the baseline that shows what
+    prefix caching saves).
     """
 
     def __init__(
@@ -66,6 +72,7 @@ class Engine:
         chunk_size: int = 64,
         max_batch_size: int | None = None,
         eos_id: int | None = None,
+        prefix_caching: bool = True,
     ):
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -73,10 +80,13 @@ class Engine:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be a positive int or None, got {max_batch_size!r}")
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {prefix_caching!r}")
         if cache.pool.sequences:
             raise ValueError("the cache must hold no sequences: the engine names them by its request ids")
         self.model, self.cache = model.eval(), cache
         self.chunk_size, self.max_batch_size, self.eos_id = chunk_size, max_batch_size, eos_id
+        self.prefix_caching = prefix_caching
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # in order of admission
         self._requests: dict[int, _Request] = {}
@@ -134,10 +144,27 @@ class Engine:
 
     def output(self, request_id: int) -> list[int]:
         """The tokens request ``request_id`` has generated so far."""
-        return list(self._requests[request_id].generated)
+        return list(self._request(request_id).generated)
 
     def is_finished(self, request_id: int) -> bool:
-        return self._requests[request_id].done
+        return self._request(request_id).done
+
+    def pop_finished(self) -> dict[int, list[int]]:
+        """The generated tokens of every finished request not collected yet, by request id (in id
+        order); the engine forgets them (``output``/``is_finished`` then raise KeyError for them).
+        Unfinished requests stay."""
+        finished = {request_id: r.generated for request_id, r in self._requests.items() if r.done}
+        for request_id in finished:
+            del self._requests[request_id]
+        return finished
+
+    def _request(self, request_id: int) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(
+                f"no request {request_id!r}: never added, or finished and collected (generate, pop_finished)"
+            ) from None
 
     @property
     def has_unfinished(self) -> bool:
@@ -159,7 +186,8 @@ class Engine:
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], **sampling
     ) -> Iterator[tuple[int, int]]:
         """Like :meth:`generate`, yielding ``(request_id, token)`` as each token is chosen; request ids
-        are consecutive, in the order of ``prompts``."""
+        are consecutive, in the order of ``prompts``. The engine keeps the finished requests until
+        :meth:`pop_finished` collects them."""
         self._add_all(prompts, max_new_tokens, **sampling)
         while self.has_unfinished:
             yield from self.step()
@@ -167,7 +195,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int]]:
         """Admit waiting requests, run every running one a piece further; returns the tokens chosen,
-        as ``(request_id, token)`` in order."""
+        as ``(request_id, token)`` in order. Finished requests are kept until :meth:`pop_finished`."""
         self._admit()
         decoding = [r for r in self._running if len(r.tokens) - r.computed == 1]
         by_chunk: dict[int, list[_Request]] = {}
@@ -202,13 +230,15 @@ class Engine:
         for request in list(self._waiting):
             if self.max_batch_size is not None and len(self._running) >= self.max_batch_size:
                 break
-            if self._prefix_in_flight(request):
+            if self.prefix_caching and self._prefix_in_flight(request):
                 continue  # admitted once a running request has stored (and registered) the prefix
             wanted = -(-len(request.tokens) // self.cache.block_size) + 1
             if self._running and free < wanted + len(self._running):
                 break
             self._waiting.remove(request)
-            request.computed = self.cache.add_sequence(request.request_id, request.tokens)
+            request.computed = self.cache.add_sequence(
+                request.request_id, request.tokens if self.prefix_caching else None
+            )
             self.reused_tokens += request.computed
             self._running.append(request)
             free -= wanted

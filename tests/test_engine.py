@@ -199,3 +199,41 @@ def test_the_newest_request_is_preempted_when_the_pool_runs_out():
     # Request 1 gave its blocks to request 0 and was recomputed after it: it finishes later.
     assert engine.preemptions >= 1 and finished_at[0] < finished_at[1]
     assert [engine.output(i) for i in (0, 1)] == [alone(model, [1, 2, 3, 4], 12), alone(model, [5, 6, 7, 8], 12)]
+
+
+def test_pop_finished_hands_over_finished_requests_and_forgets_them():
+    model = MODELS["gpt2"]()
+    prompts, max_new = workload(5, seed=4)
+    max_new[0] = 1  # finishes at its first step, while the others still run
+    engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=64)
+    ids = [engine.add_request(p, n) for p, n in zip(prompts, max_new)]
+    engine.step()
+    first = engine.pop_finished()
+    assert list(first) == [ids[0]] and first[ids[0]] == alone(model, prompts[0], 1)
+    with pytest.raises(KeyError, match="collected"):
+        engine.output(ids[0])
+    assert engine.pop_finished() == {}  # collected once only
+    assert not engine.is_finished(ids[1])  # unfinished requests are kept
+    collected = dict(first)
+    while engine.has_unfinished:
+        engine.step()
+        collected.update(engine.pop_finished())
+    assert [collected[i] for i in ids] == [alone(model, p, n) for p, n in zip(prompts, max_new)]
+    assert engine.pop_finished() == {}
+    for request_id in ids:
+        with pytest.raises(KeyError, match="collected"):
+            engine.is_finished(request_id)
+
+
+def test_without_prefix_caching_every_prompt_is_computed_in_full():
+    model = MODELS["gpt2"]()
+    system = list(range(10, 22))
+    prompts = [system + [100 + i, 7, 8] for i in range(4)]
+    cached = Engine(model, paged_cache(model, num_blocks=64), chunk_size=4)
+    uncached = Engine(model, paged_cache(model, num_blocks=64), chunk_size=4, prefix_caching=False)
+    assert uncached.generate(prompts, 5) == cached.generate(prompts, 5) == [alone(model, p, 5) for p in prompts]
+    assert cached.reused_tokens == 3 * len(system) and uncached.reused_tokens == 0
+    assert uncached.generate(prompts, 5) == cached.generate(prompts, 5)  # nor across calls
+    assert uncached.reused_tokens == 0
+    with pytest.raises(TypeError, match="prefix_caching"):
+        Engine(model, paged_cache(model, 8), prefix_caching=1)
