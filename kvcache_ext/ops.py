@@ -32,7 +32,7 @@ from python_ref import quantize as quant
 from python_ref.caches import append_to_slots
 
 from . import _native
-from .capabilities import MAX_LENGTH, PAGED_BLOCK_SIZES, SUPPORTED_DTYPES, capabilities
+from .capabilities import MAX_LENGTH, PAGED_BLOCK_SIZES, SUPPORTED_DTYPES, Capabilities, capabilities
 
 DEBUG_ENV = "KVCACHE_EXT_DEBUG"
 _INT64_MAX = 2**63 - 1
@@ -41,25 +41,34 @@ _MAX_ABS_SCALE = torch.finfo(torch.float32).max / 2  # as the kernels check it (
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Shape, dtype, head_dim, layout and device of a cache pair, against the capability table."""
+    _check_buffer_pair(
+        k_cache, v_cache, ("k_cache", "v_cache"), "(batch, kv_heads, slots, head_dim)", Capabilities.check_slots
+    )
+
+
+def _check_buffer_pair(first, second, names, layout, check_dim2) -> None:
+    """The checks a pair of key/value buffers of shape ``layout`` shares, whatever dimension 2 holds
+    (slots of a cache, positions of a pool's block): ``check_dim2(table, size)`` checks that one."""
     # Each tensor attribute read once: these checks run on every call.
-    shape, device, dtype = k_cache.shape, k_cache.device, k_cache.dtype
+    shape, device, dtype = first.shape, first.device, first.dtype
+    a, b = names
     if len(shape) != 4:
-        raise ValueError(f"k_cache must be (batch, kv_heads, slots, head_dim), got shape {tuple(shape)}")
-    if v_cache.shape != shape:
-        raise ValueError(f"v_cache must have k_cache's shape {tuple(shape)}, got {tuple(v_cache.shape)}")
-    if v_cache.device != device:
-        raise ValueError(f"k_cache and v_cache must be on one device, got {device} and {v_cache.device}")
+        raise ValueError(f"{a} must be {layout}, got shape {tuple(shape)}")
+    if second.shape != shape:
+        raise ValueError(f"{b} must have {a}'s shape {tuple(shape)}, got {tuple(second.shape)}")
+    if second.device != device:
+        raise ValueError(f"{a} and {b} must be on one device, got {device} and {second.device}")
     table = capabilities(device)
-    if dtype not in table.dtypes or v_cache.dtype != dtype:
-        raise TypeError(f"k_cache and v_cache must share one of {table.dtypes}, got {dtype} and {v_cache.dtype}")
+    if dtype not in table.dtypes or second.dtype != dtype:
+        raise TypeError(f"{a} and {b} must share one of {table.dtypes}, got {dtype} and {second.dtype}")
     table.check_head_dim(shape[3])
-    table.check_slots(shape[2])
-    k_strides, v_strides = k_cache.stride(), v_cache.stride()
-    if k_strides[3] != 1 or v_strides[3] != 1:
-        raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
+    check_dim2(table, shape[2])
+    first_strides, second_strides = first.stride(), second.stride()
+    if first_strides[3] != 1 or second_strides[3] != 1:
+        raise ValueError(f"{a} and {b} need a contiguous last (head_dim) dimension")
     # Checked on every call: the scan over dimensions runs only when some stride is 0.
-    if 0 in k_strides or 0 in v_strides:
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    if 0 in first_strides or 0 in second_strides:
+        for name, t in ((a, first), (b, second)):
             if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
                 raise ValueError(f"{name} must not be an expanded view (writes would collide)")
 
@@ -440,25 +449,14 @@ if _native.available:
 
 def check_paged_pool(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
     """Shape, dtype, block size, head_dim, layout and device of a pool pair."""
-    if k_pool.dim() != 4:
-        raise ValueError(
-            f"k_pool must be (num_blocks, kv_heads, block_size, head_dim), got shape {tuple(k_pool.shape)}"
-        )
-    if v_pool.shape != k_pool.shape:
-        raise ValueError(f"v_pool must have k_pool's shape {tuple(k_pool.shape)}, got {tuple(v_pool.shape)}")
-    if v_pool.device != k_pool.device:
-        raise ValueError(f"k_pool and v_pool must be on one device, got {k_pool.device} and {v_pool.device}")
-    table = capabilities(k_pool.device)
-    if k_pool.dtype not in table.dtypes or v_pool.dtype != k_pool.dtype:
-        raise TypeError(f"k_pool and v_pool must share one of {table.dtypes}, got {k_pool.dtype} and {v_pool.dtype}")
-    table.check_head_dim(k_pool.shape[3])
-    if k_pool.shape[2] not in PAGED_BLOCK_SIZES:
-        raise ValueError(f"block_size (k_pool's dimension 2) must be one of {PAGED_BLOCK_SIZES}, got {k_pool.shape[2]}")
-    if k_pool.stride(3) != 1 or v_pool.stride(3) != 1:
-        raise ValueError("k_pool and v_pool need a contiguous last (head_dim) dimension")
-    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
-            raise ValueError(f"{name} must not be an expanded view (writes would collide)")
+
+    def check_block_size(table, block_size):
+        if block_size not in PAGED_BLOCK_SIZES:
+            raise ValueError(f"block_size (k_pool's dimension 2) must be one of {PAGED_BLOCK_SIZES}, got {block_size}")
+
+    _check_buffer_pair(
+        k_pool, v_pool, ("k_pool", "v_pool"), "(num_blocks, kv_heads, block_size, head_dim)", check_block_size
+    )
 
 
 def _paged_native(k_pool: torch.Tensor) -> bool:
