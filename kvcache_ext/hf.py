@@ -63,7 +63,7 @@ import os
 import torch
 
 from . import ops
-from .quantized import check_kv_format, kv_format
+from .quantized import as_bytes, check_kv_format, kv_format
 from python_ref import quantize as quant
 from python_ref.caches import _SAVED_DTYPES, CacheOverflowError, _checksum, _read_saved_cache
 
@@ -231,7 +231,7 @@ class NativeCacheLayer(CacheLayerMixin):
                     (values, self.values, self.value_scales),
                 ):
                     data, data_scales = quant.quantize(new[rows, :, columns], self.kv_dtype)
-                    _raw(codes)[rows, :, slots] = _raw(data)
+                    as_bytes(codes)[rows, :, slots] = as_bytes(data)
                     scales[rows, :, slots] = data_scales
             self.lengths.copy_(counts)
             longest = int(counts.max())
@@ -342,7 +342,7 @@ class NativeCacheLayer(CacheLayerMixin):
             ops.gather_rows(self.keys, self.values, src_rows)
         else:
             for t in self._stored():
-                _raw(t).copy_(_raw(t).index_select(0, src_rows))
+                as_bytes(t).copy_(as_bytes(t).index_select(0, src_rows))
         self.lengths = self.lengths.index_select(0, src_rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -616,14 +616,9 @@ class NativeCache(Cache):
             used = entry["used"]
             for name in ("keys", "values", "key_scales", "value_scales"):
                 if f"{name}.{i}" in tensors:
-                    _raw(getattr(layer, name))[:, :, :used] = _raw(tensors[f"{name}.{i}"]).to(device)
+                    as_bytes(getattr(layer, name))[:, :, :used] = as_bytes(tensors[f"{name}.{i}"]).to(device)
             layer.lengths.copy_(tensors[f"lengths.{i}"].to(device))
         return cache
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """float8 codes as bytes: indexing and copies move them unchanged (float8 indexing is not implemented everywhere)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def native_attention_forward(

@@ -51,6 +51,12 @@ def check_kv_format(fmt: str, dtype: torch.dtype, head_dim: int | None, device) 
         quant.check_head_dim(fmt, head_dim)
 
 
+def as_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """float8 codes viewed as bytes (other codes unchanged): indexing and copies then move them
+    unchanged (float8 indexing is not implemented everywhere)."""
+    return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+
+
 class QuantizedKVCache(KVCache):
     """A :class:`KVCache` whose buffers hold quantized keys/values plus their scales.
 
@@ -140,8 +146,7 @@ class QuantizedKVCache(KVCache):
     # the scales with the codes. The float8 codes are copied as bytes.
     def _gather_rows(self, src_rows):
         for t in (self.k, self.v, self.k_scale, self.v_scale):
-            raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-            raw.copy_(raw.index_select(1, src_rows))
+            as_bytes(t).copy_(as_bytes(t).index_select(1, src_rows))
 
     def _resize_rows(self, src_rows):
         self.k_scale = self.k_scale.index_select(1, src_rows)
