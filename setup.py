@@ -39,10 +39,11 @@ if x86:
     cpu_sources += [
         "csrc/cpu/decode_attention_avx2.cpp",
         "csrc/cpu/decode_attention_avx512.cpp",
+        "csrc/cpu/decode_attention_avx512bf16.cpp",
         "csrc/cpu/quantized_avx2.cpp",
         "csrc/cpu/quantized_avx512.cpp",
     ]
-    isas = ["avx512", "avx2", "baseline"]
+    isas = ["avx512_bf16", "avx512", "avx2", "baseline"]
 # No -march=native: the wheel must run on any CPU of its architecture; the AVX2/AVX-512
 # copies of the kernel are chosen at run time (csrc/cpu/cpu_isa.cpp).
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp-simd", "-fvisibility=hidden", TORCH_TARGET]

@@ -52,8 +52,8 @@ SANITIZER_LOG="$OUT/sanitizer-startup"
 rm -f "$SANITIZER_LOG".*
 runnable="$(run_sanitized python -c '
 import torch, kvcache_ext
-names = ("baseline", "avx2", "avx512")
-print(*[names[i] for i in (2, 1, 0) if torch.ops.kvcache_ext.select_cpu_isa(i) == i])')"
+names = kvcache_ext.CPU_ISAS
+print(*[names[i] for i in reversed(range(len(names))) if torch.ops.kvcache_ext.select_cpu_isa(i) == i])')"
 read -r -a ISAS <<<"$runnable"
 [[ ${#ISAS[@]} -gt 0 ]] || { echo "the sanitized library reports no CPU kernel copy"; exit 1; }
 echo "-- CPU kernel copies to test: ${ISAS[*]}"

@@ -1,5 +1,5 @@
 """pytest plugin for bench/sanitize_check.sh: runs every test on the CPU kernel copy named by
-KVCACHE_EXT_TEST_ISA (baseline, avx2 or avx512) instead of the best one, so that each copy meets
+KVCACHE_EXT_TEST_ISA (a name in kvcache_ext.CPU_ISAS) instead of the best one, so that each copy meets
 the whole test suite under the sanitizers, not only the tests that select copies themselves.
 
 Load with ``-p sanitize_isa_plugin`` and bench/ on PYTHONPATH.
@@ -10,14 +10,13 @@ import os
 import pytest
 import torch
 
-ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}
-
 
 def pytest_runtest_setup(item):
     # Before every test: a test that selects a copy itself restores the best one when it ends.
-    import kvcache_ext  # noqa: F401  (loads the library that registers the ops)
+    import kvcache_ext  # loads the library that registers the ops
 
     name = os.environ["KVCACHE_EXT_TEST_ISA"]
-    chosen = torch.ops.kvcache_ext.select_cpu_isa(ISAS[name])
-    if chosen != ISAS[name]:
+    index = kvcache_ext.CPU_ISAS.index(name)
+    chosen = torch.ops.kvcache_ext.select_cpu_isa(index)
+    if chosen != index:
         pytest.exit(f"KVCACHE_EXT_TEST_ISA={name}: this CPU runs at most the copy {chosen}", returncode=3)

@@ -13,7 +13,7 @@ on the pure-PyTorch reference path (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that 
 from ._native import build_info
 from .cache import KVCache
 from .engine import Engine
-from .capabilities import Capabilities, capabilities, kernels_used, native_available
+from .capabilities import CPU_ISAS, Capabilities, capabilities, kernels_used, native_available
 from .ops import (
     append_kv,
     append_kv_quantized,
@@ -41,6 +41,7 @@ __all__ = [
     "build_info",
     "capabilities",
     "Capabilities",
+    "CPU_ISAS",
     "native_available",
     "kernels_used",
 ]

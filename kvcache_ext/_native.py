@@ -76,7 +76,9 @@ def build_info() -> dict:
     info["torch_running"] = torch.__version__
     info["native_loaded"] = available
     if available:
-        info["cpu_isa_active"] = ("baseline", "avx2", "avx512")[torch.ops.kvcache_ext.cpu_isa()]
+        from .capabilities import CPU_ISAS  # not at the top: capabilities imports this module
+
+        info["cpu_isa_active"] = CPU_ISAS[torch.ops.kvcache_ext.cpu_isa()]
     else:
         info["native_unavailable_reason"] = unavailable_reason
     info["cuda_loaded"] = cuda_available

@@ -17,6 +17,7 @@ namespace {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Bf16: return "avx512_bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "baseline";
@@ -25,6 +26,14 @@ const char* isa_name(Isa isa) {
 
 constexpr uint32_t kOsxsave = detail::kLeaf1EcxOsxsave;
 
+uint32_t& register_of(CpuidValues& cpu, const detail::Feature& feature) {
+  switch (feature.reg) {
+    case detail::Register::kLeaf1Ecx: return cpu.leaf1_ecx;
+    case detail::Register::kLeaf7Ebx: return cpu.leaf7_ebx;
+    default: return cpu.leaf7_1_eax;
+  }
+}
+
 CpuidValues with_features(const char* features, uint64_t xcr0) {
   CpuidValues cpu;
   cpu.max_leaf = 0xd;
@@ -32,7 +41,7 @@ CpuidValues with_features(const char* features, uint64_t xcr0) {
   cpu.xcr0 = xcr0;
   for (const char* name = features; *name != '\0'; name = detail::next_name(name)) {
     const detail::Feature* feature = detail::find_feature(name);
-    (feature->reg == detail::Register::kLeaf1Ecx ? cpu.leaf1_ecx : cpu.leaf7_ebx) |= 1u << feature->bit;
+    register_of(cpu, *feature) |= 1u << feature->bit;
   }
   return cpu;
 }
@@ -56,6 +65,8 @@ void check_decisions() {
   const uint64_t avx_state = detail::kXcr0Avx, avx512_state = detail::kXcr0Avx512;
   const CpuidValues avx512_cpu = with_features(KVCACHE_EXT_AVX512_FEATURES, avx512_state);
   const CpuidValues avx2_cpu = with_features(KVCACHE_EXT_AVX2_FEATURES, avx_state);
+  const CpuidValues bf16_cpu = with_features(KVCACHE_EXT_AVX512_BF16_FEATURES, avx512_state);
+  expect("every AVX-512 BF16 feature and its state", bf16_cpu, Isa::kAvx512Bf16);
   expect("every AVX-512 feature and its state", avx512_cpu, Isa::kAvx512);
   expect("every AVX2 feature, AVX state only", avx2_cpu, Isa::kAvx2);
   expect("nothing", CpuidValues{}, Isa::kBaseline);
@@ -64,10 +75,24 @@ void check_decisions() {
   for (const char* name = KVCACHE_EXT_AVX512_FEATURES; *name != '\0'; name = detail::next_name(name)) {
     const detail::Feature& feature = *detail::find_feature(name);
     CpuidValues cpu = avx512_cpu;
-    (feature.reg == detail::Register::kLeaf1Ecx ? cpu.leaf1_ecx : cpu.leaf7_ebx) &= ~(1u << feature.bit);
+    register_of(cpu, feature) &= ~(1u << feature.bit);
     expect(std::string("AVX-512 CPU without ") + feature.name, cpu,
            in_list(KVCACHE_EXT_AVX2_FEATURES, feature.name) ? Isa::kBaseline : Isa::kAvx2);
   }
+  // The BF16 copy needs every AVX-512 feature too: without one, the best is what remains.
+  for (const char* name = KVCACHE_EXT_AVX512_BF16_FEATURES; *name != '\0'; name = detail::next_name(name)) {
+    const detail::Feature& feature = *detail::find_feature(name);
+    CpuidValues cpu = bf16_cpu;
+    register_of(cpu, feature) &= ~(1u << feature.bit);
+    const Isa expected = !in_list(KVCACHE_EXT_AVX512_FEATURES, feature.name) ? Isa::kAvx512
+                         : in_list(KVCACHE_EXT_AVX2_FEATURES, feature.name)  ? Isa::kBaseline
+                                                                             : Isa::kAvx2;
+    expect(std::string("AVX-512 BF16 CPU without ") + feature.name, cpu, expected);
+  }
+  // Leaf 7 subleaf 1 is a leaf 7 register: absent with leaf 7.
+  CpuidValues bf16_no_leaf7 = bf16_cpu;
+  bf16_no_leaf7.max_leaf = 6;
+  expect("AVX-512 BF16 CPU, leaf 7 not reported", bf16_no_leaf7, Isa::kBaseline);
   CpuidValues avx2_without_bmi2 = avx2_cpu;
   avx2_without_bmi2.leaf7_ebx &= ~(1u << 8);
   expect("AVX2 CPU without BMI2", avx2_without_bmi2, Isa::kBaseline);
@@ -82,6 +107,9 @@ void check_decisions() {
     CpuidValues cpu = avx512_cpu;
     cpu.xcr0 &= ~(uint64_t{1} << bit);
     expect("XCR0 without AVX-512 state bit " + std::to_string(bit), cpu, Isa::kAvx2);
+    CpuidValues bf16 = bf16_cpu;
+    bf16.xcr0 &= ~(uint64_t{1} << bit);
+    expect("AVX-512 BF16 CPU, XCR0 without AVX-512 state bit " + std::to_string(bit), bf16, Isa::kAvx2);
   }
 
   // XCR0 means nothing unless the OS enabled XGETBV: a stale value must not be trusted.

@@ -14,7 +14,9 @@ import kvcache_ext
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "csrc" / "cpu" / "cpu_isa.h"
-ISAS = ("baseline", "avx2", "avx512")
+ISAS = kvcache_ext.CPU_ISAS
+# Linux's /proc/cpuinfo names for the features whose GCC target names differ.
+LINUX_FLAG = {"avx512bf16": "avx512_bf16"}
 X86_LINUX = platform.machine().lower() in ("x86_64", "amd64") and Path("/proc/cpuinfo").exists()
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the decision test")
@@ -48,6 +50,10 @@ def copy_features(isa):
     return match.group(1).split(",")
 
 
+def linux_names(features):
+    return {LINUX_FLAG.get(name, name) for name in features}
+
+
 def linux_cpu_flags():
     # Linux clears a feature's flag when the OS does not enable its register state, so these
     # flags are an independent view of both CPUID and XCR0.
@@ -66,8 +72,10 @@ def test_this_cpus_features_and_choice_agree_with_linux(decision_program):
     report = dict(line.split() for line in run.stdout.splitlines())
     flags = linux_cpu_flags()
     best = report.pop("best")
-    assert {name: value == "1" for name, value in report.items()} == {name: name in flags for name in report}
-    expected = next((isa for isa in ("avx512", "avx2") if set(copy_features(isa)) <= flags), "baseline")
+    assert {name: value == "1" for name, value in report.items()} == {
+        name: LINUX_FLAG.get(name, name) in flags for name in report
+    }
+    expected = next((isa for isa in reversed(ISAS[1:]) if linux_names(copy_features(isa)) <= flags), "baseline")
     assert best == expected
 
 
@@ -75,7 +83,7 @@ def test_this_cpus_features_and_choice_agree_with_linux(decision_program):
 @pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 def test_library_selects_what_the_cpu_allows():
     flags = linux_cpu_flags()
-    best = next((ISAS.index(isa) for isa in ("avx512", "avx2") if set(copy_features(isa)) <= flags), 0)
+    best = next((ISAS.index(isa) for isa in reversed(ISAS[1:]) if linux_names(copy_features(isa)) <= flags), 0)
     try:
         for requested in range(len(ISAS)):
             assert torch.ops.kvcache_ext.select_cpu_isa(requested) == min(requested, best)

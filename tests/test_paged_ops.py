@@ -17,7 +17,7 @@ from python_ref import paged_append_reference, paged_attention_reference
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}
+ISAS = {name: index for index, name in enumerate(kvcache_ext.CPU_ISAS)}
 SAME_DTYPE_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
 REFUSALS = (ValueError, TypeError, IndexError)  # python_ref's, and the wrappers' checks of shapes
 # The wrappers leave the values of lengths, counts and table entries to the native binding, which
@@ -100,7 +100,7 @@ def isa(request):
             pytest.skip(f"this CPU has no {request.param}")
         yield request.param
     finally:
-        torch.ops.kvcache_ext.select_cpu_isa(2)  # back to the best the CPU has
+        torch.ops.kvcache_ext.select_cpu_isa(len(ISAS) - 1)  # back to the best the CPU has
 
 
 def test_every_cpu_code_path(isa):

@@ -15,6 +15,7 @@ KVCACHE_EXT_DECLARE_ISA(baseline)
 #if defined(__x86_64__)
 KVCACHE_EXT_DECLARE_ISA(avx2)
 KVCACHE_EXT_DECLARE_ISA(avx512)
+KVCACHE_EXT_DECLARE_ISA(avx512bf16)
 #endif
 #undef KVCACHE_EXT_DECLARE_ISA
 
@@ -38,9 +39,11 @@ constexpr bool list_includes(const char* list, const char* subset) {
 
 // Every name in the target lists must be one the check knows, or a copy could be compiled for a
 // feature that is never tested; and select_isa() takes the lower of two copies, which is only
-// sound if the AVX-512 copy needs everything the AVX2 copy does.
-static_assert(all_features_known(KVCACHE_EXT_AVX2_FEATURES) && all_features_known(KVCACHE_EXT_AVX512_FEATURES));
+// sound if each copy needs everything the copies below it do.
+static_assert(all_features_known(KVCACHE_EXT_AVX2_FEATURES) && all_features_known(KVCACHE_EXT_AVX512_FEATURES) &&
+              all_features_known(KVCACHE_EXT_AVX512_BF16_FEATURES));
 static_assert(list_includes(KVCACHE_EXT_AVX512_FEATURES, KVCACHE_EXT_AVX2_FEATURES));
+static_assert(list_includes(KVCACHE_EXT_AVX512_BF16_FEATURES, KVCACHE_EXT_AVX512_FEATURES));
 
 Isa best_supported_isa() {
 #if defined(__x86_64__)
@@ -70,6 +73,7 @@ Isa select_isa(Isa requested) {
 PartialAttentionFn partial_attention_kernel() {
   switch (active_isa()) {
 #if defined(__x86_64__)
+    case Isa::kAvx512Bf16: return avx512bf16::partial_attention_any;
     case Isa::kAvx512: return avx512::partial_attention_any;
     case Isa::kAvx2: return avx2::partial_attention_any;
 #endif
@@ -80,6 +84,7 @@ PartialAttentionFn partial_attention_kernel() {
 StoreRowFn store_row_kernel() {
   switch (active_isa()) {
 #if defined(__x86_64__)
+    case Isa::kAvx512Bf16: return avx512bf16::store_output_row;
     case Isa::kAvx512: return avx512::store_output_row;
     case Isa::kAvx2: return avx2::store_output_row;
 #endif

@@ -16,6 +16,8 @@
 // report one and not the other and the compiled code uses both.
 #define KVCACHE_EXT_AVX2_FEATURES "avx,avx2,fma,f16c,bmi2"
 #define KVCACHE_EXT_AVX512_FEATURES "avx512f,avx512bw,avx512vl,avx512dq,avx,avx2,fma,f16c,bmi2"
+// AVX-512 and the bfloat16 dot product vdpbf16ps (Cooper Lake, Sapphire Rapids and newer, Zen 4).
+#define KVCACHE_EXT_AVX512_BF16_FEATURES "avx512f,avx512bw,avx512vl,avx512dq,avx,avx2,fma,f16c,bmi2,avx512bf16"
 
 // `#pragma GCC target(MACRO)` does not expand the macro; _Pragma of a stringified argument does.
 #define KVCACHE_EXT_PRAGMA(text) _Pragma(#text)
@@ -23,7 +25,7 @@
 
 namespace kvcache_ext::cpu {
 
-enum class Isa : int64_t { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class Isa : int64_t { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 // The best instruction set this CPU supports among those compiled in.
 Isa best_supported_isa();
@@ -38,10 +40,11 @@ StoreRowFn store_row_kernel();
 // The raw values the decision is made from, kept apart from reading them (read_cpuid) so that
 // the decision can be tested on CPUs we do not have (tests/test_cpu_isa.py).
 struct CpuidValues {
-  uint32_t max_leaf = 0;   // CPUID.(EAX=0):EAX, the highest basic leaf; leaf 7 is valid if >= 7
-  uint32_t leaf1_ecx = 0;  // CPUID.(EAX=1):ECX
-  uint32_t leaf7_ebx = 0;  // CPUID.(EAX=7,ECX=0):EBX
-  uint64_t xcr0 = 0;       // XGETBV(ECX=0): register state the OS saves; read only if OSXSAVE
+  uint32_t max_leaf = 0;     // CPUID.(EAX=0):EAX, the highest basic leaf; leaf 7 is valid if >= 7
+  uint32_t leaf1_ecx = 0;    // CPUID.(EAX=1):ECX
+  uint32_t leaf7_ebx = 0;    // CPUID.(EAX=7,ECX=0):EBX
+  uint32_t leaf7_1_eax = 0;  // CPUID.(EAX=7,ECX=1):EAX; 0 where leaf 7 has no subleaf 1
+  uint64_t xcr0 = 0;         // XGETBV(ECX=0): register state the OS saves; read only if OSXSAVE
 };
 
 namespace isa_detail {
@@ -53,7 +56,7 @@ constexpr uint64_t kXcr0Avx = (1u << 1) | (1u << 2);
 constexpr uint64_t kXcr0Avx512 = kXcr0Avx | (1u << 5) | (1u << 6) | (1u << 7);
 constexpr uint32_t kLeaf1EcxOsxsave = 1u << 27;  // the OS enabled XGETBV (and so XCR0 is readable)
 
-enum class Register { kLeaf1Ecx, kLeaf7Ebx };
+enum class Register { kLeaf1Ecx, kLeaf7Ebx, kLeaf7Subleaf1Eax };
 
 struct Feature {
   const char* name;  // as GCC's target pragma spells it
@@ -72,6 +75,7 @@ constexpr Feature kFeatures[] = {
     {"avx512dq", Register::kLeaf7Ebx, 17, kXcr0Avx512},
     {"avx512bw", Register::kLeaf7Ebx, 30, kXcr0Avx512},
     {"avx512vl", Register::kLeaf7Ebx, 31, kXcr0Avx512},
+    {"avx512bf16", Register::kLeaf7Subleaf1Eax, 5, kXcr0Avx512},
 };
 
 // Whether `name` (a pointer into a comma-separated list) starts with `feature` followed by ',' or
@@ -93,9 +97,11 @@ constexpr const char* next_name(const char* list) {
 }
 
 constexpr bool has_feature(const CpuidValues& cpu, const Feature& feature) {
-  const bool leaf7 = feature.reg == Register::kLeaf7Ebx;
+  const bool leaf7 = feature.reg != Register::kLeaf1Ecx;
   if (leaf7 && cpu.max_leaf < 7) return false;  // leaf 7 absent: its registers are not features
-  const uint32_t value = leaf7 ? cpu.leaf7_ebx : cpu.leaf1_ecx;
+  const uint32_t value = feature.reg == Register::kLeaf1Ecx   ? cpu.leaf1_ecx
+                         : feature.reg == Register::kLeaf7Ebx ? cpu.leaf7_ebx
+                                                              : cpu.leaf7_1_eax;
   if ((value >> feature.bit & 1u) == 0) return false;
   const uint64_t xcr0 = cpu.leaf1_ecx & kLeaf1EcxOsxsave ? cpu.xcr0 : 0;
   return (xcr0 & feature.xcr0) == feature.xcr0;
@@ -133,6 +139,10 @@ inline CpuidValues read_cpuid() {
   if (cpu.max_leaf >= 7) {
     __cpuid_count(7, 0, eax, ebx, ecx, edx);
     cpu.leaf7_ebx = ebx;
+    if (eax >= 1) {  // leaf 7's EAX: its highest subleaf
+      __cpuid_count(7, 1, eax, ebx, ecx, edx);
+      cpu.leaf7_1_eax = eax;
+    }
   }
   // XGETBV is an invalid instruction unless the OS set CR4.OSXSAVE, which CPUID reports.
   if (cpu.leaf1_ecx & isa_detail::kLeaf1EcxOsxsave) {
@@ -146,6 +156,7 @@ inline CpuidValues read_cpuid() {
 
 // The best copy an x86-64 CPU with these CPUID/XCR0 values can run: a pure function of them.
 constexpr Isa best_isa_for(const CpuidValues& cpu) {
+  if (has_features(cpu, KVCACHE_EXT_AVX512_BF16_FEATURES)) return Isa::kAvx512Bf16;
   if (has_features(cpu, KVCACHE_EXT_AVX512_FEATURES)) return Isa::kAvx512;
   if (has_features(cpu, KVCACHE_EXT_AVX2_FEATURES)) return Isa::kAvx2;
   return Isa::kBaseline;

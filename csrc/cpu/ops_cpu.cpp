@@ -158,7 +158,8 @@ std::string capabilities(std::string device_type) {
 int64_t cpu_isa() { return static_cast<int64_t>(active_isa()); }
 
 int64_t select_cpu_isa(int64_t isa) {
-  STD_TORCH_CHECK(isa >= 0 && isa <= 2, "isa must be 0 (baseline), 1 (AVX2) or 2 (AVX-512), got ", isa);
+  STD_TORCH_CHECK(isa >= 0 && isa <= 3,
+                  "isa must be 0 (baseline), 1 (AVX2), 2 (AVX-512) or 3 (AVX-512 with BF16), got ", isa);
   return static_cast<int64_t>(select_isa(static_cast<Isa>(isa)));
 }
 

@@ -198,6 +198,8 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
 PartialAttentionFn quantized_kernel(KvFormat format, int64_t head_dim) {
   switch (active_isa()) {
 #if defined(__x86_64__)
+    // The quantized kernel has no vdpbf16ps blocks: the AVX-512 copy serves the BF16 level too.
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512: return avx512::quantized_partial_attention_kernel(format, head_dim);
     case Isa::kAvx2: return avx2::quantized_partial_attention_kernel(format, head_dim);
 #endif

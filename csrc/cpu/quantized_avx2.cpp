@@ -11,8 +11,10 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_isa.h"
+
 #if defined(__x86_64__)
-#pragma GCC target("avx2,fma,f16c,bmi2")
+KVCACHE_EXT_TARGET(KVCACHE_EXT_AVX2_FEATURES)
 #define KVCACHE_EXT_ISA avx2
 #define KVCACHE_EXT_X86_AVX2 1  // AVX2 + F16C intrinsics may be used
 #include "quantized_kernel.inc"

@@ -11,8 +11,10 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_isa.h"
+
 #if defined(__x86_64__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+KVCACHE_EXT_TARGET(KVCACHE_EXT_AVX512_FEATURES)
 #define KVCACHE_EXT_ISA avx512
 #define KVCACHE_EXT_X86_AVX2 1    // AVX2 + F16C intrinsics may be used
 #define KVCACHE_EXT_X86_AVX512 1  // and AVX-512 ones
