@@ -3,8 +3,8 @@
 ``train``: trains a byte-level Llama-style model (python_ref's Llama code: RoPE, grouped-query
 attention, RMSNorm, SwiGLU; vocabulary = the 256 byte values; 1024 bytes of context) on the
 Python standard library's source files, deterministically (fixed seed, fixed file list, fixed
-number of steps, one thread, bfloat16 mixed precision), and writes its weights (float16 safetensors) and the held-out
-evaluation text into bench/accuracy/. Both are committed, so that ``evaluate`` needs neither the
+number of steps, one thread, bfloat16 mixed precision), and writes its weights (float16
+safetensors) and the held-out evaluation text into bench/accuracy/. Both are committed, so that ``evaluate`` needs neither the
 training corpus (which differs between Python versions) nor the training time.
 
 ``evaluate``: for kv_dtype None / int8 / fp8_e4m3 / int4 and model dtype float32 / bfloat16, the
@@ -14,8 +14,12 @@ stored by the cache, quantized where the cache quantizes), and greedy generation
 that fill the context from prompts of the held-out text, against the unquantized cache of the
 same dtype: bytes identical before the first divergence and in total.
 
-    taskset -c 1 python bench/quantized_accuracy.py train      # about 20 minutes on one core
-    taskset -c 1 python bench/quantized_accuracy.py evaluate   # prints a Markdown table
+``key-granularity``: the perplexity with int4 keys scaled per token (the native format) against
+KIVI's per-channel key scales, through python_ref's quantizer and reference attention.
+
+    taskset -c 1 python bench/quantized_accuracy.py train             # about 17 minutes on one core
+    taskset -c 1 python bench/quantized_accuracy.py evaluate          # 3 to 5 minutes; a Markdown table
+    taskset -c 1 python bench/quantized_accuracy.py key-granularity   # a few minutes
 """
 
 from __future__ import annotations
@@ -254,20 +258,22 @@ def evaluate(args) -> None:
 
 
 class Int4GranularityCache:
-    """The cache protocol over keys and values as an int4 cache of a given scale granularity would
-    return them (python_ref's int4 quantizer, then its dequantizer), for granularities the native
-    formats do not have.
+    """The cache protocol over keys and values as an int4 cache of some scale granularity would
+    return them (python_ref's int4 quantizer, then its dequantizer), to measure granularities the
+    native formats do not have. Only the scales' grouping changes: 4 bits, symmetric, float16
+    scales, one scale per 32 values, as in the native int4 format.
 
-    ``keys_per_channel=False`` is the native int4 format: one scale per group of 32 values along
-    head_dim of each token. ``True`` quantizes keys as KIVI does: one scale per channel per group
-    of 32 tokens (the same number of scales), the tokens of a group not yet complete kept in full
-    precision until it is (KIVI's residual). Values stay per token either way, as in KIVI.
+    ``keys``: ``"token"`` is the native format (each token's head_dim split into groups of 32);
+    ``"channel"`` is KIVI's key grouping (each channel's values over 32 consecutive tokens: the
+    same number of scales), the tokens of the last, incomplete group quantized per token, or
+    kept unquantized with ``exact_recent_keys`` (KIVI's full-precision residual). ``values``:
+    ``"token"`` (native and KIVI) or ``None``, unquantized.
     """
 
-    def __init__(self, num_layers, kv_heads, head_dim, batch_size, max_cache_len, keys_per_channel: bool):
+    def __init__(self, num_layers, kv_heads, head_dim, batch_size, max_cache_len, keys, values, exact_recent_keys):
         shape = (num_layers, batch_size, kv_heads, max_cache_len, head_dim)
         self.k, self.v = torch.zeros(shape), torch.zeros(shape)
-        self.keys_per_channel = keys_per_channel
+        self.keys, self.values, self.exact_recent_keys = keys, values, exact_recent_keys
         self.seq_length = 0
 
     def start_step(self, num_new):
@@ -278,15 +284,17 @@ class Int4GranularityCache:
         start, end = self.seq_length, self.seq_length + self._num_new
         self.k[layer, :, :, start:end], self.v[layer, :, :, start:end] = k.float(), v.float()
         keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-        if self.keys_per_channel:
+        if self.keys == "channel":
             complete = end // INT4_GROUP * INT4_GROUP
             # (B, H, tokens, D) -> (B, H, groups, D, 32): each channel's 32 tokens are one group
             blocks = keys[:, :, :complete].unflatten(2, (-1, INT4_GROUP)).transpose(-1, -2)
-            quantized = dequantize(*quantize(blocks, "int4"), "int4").transpose(-1, -2).flatten(2, 3)
-            keys = torch.cat([quantized, keys[:, :, complete:]], dim=2)
+            grouped = int4_round_trip(blocks).transpose(-1, -2).flatten(2, 3)
+            recent = keys[:, :, complete:]
+            keys = torch.cat([grouped, recent if self.exact_recent_keys else int4_round_trip(recent)], dim=2)
         else:
-            keys = dequantize(*quantize(keys, "int4"), "int4")
-        values = dequantize(*quantize(values, "int4"), "int4")
+            keys = int4_round_trip(keys)
+        if self.values == "token":
+            values = int4_round_trip(values)
         lengths = torch.full((q.shape[0],), end, dtype=torch.long)
         return reference_attention(q, keys.to(q.dtype), values.to(q.dtype), lengths)
 
@@ -294,28 +302,44 @@ class Int4GranularityCache:
         self.seq_length += self._num_new
 
 
+def int4_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the int4 format stores it (groups of 32 along the last dimension)."""
+    return dequantize(*quantize(x, "int4"), "int4")
+
+
+KEY_GRANULARITIES = (
+    # label, Int4GranularityCache arguments
+    ("keys and values per token (the native int4 format)", dict(keys="token", values="token", exact_recent_keys=False)),
+    ("keys per token, values unquantized", dict(keys="token", values=None, exact_recent_keys=False)),
+    (
+        "keys per channel over 32 tokens (the incomplete group per token), values per token",
+        dict(keys="channel", values="token", exact_recent_keys=False),
+    ),
+    (
+        "keys per channel over 32 tokens (the incomplete group unquantized: KIVI), values per token",
+        dict(keys="channel", values="token", exact_recent_keys=True),
+    ),
+)
+
+
 def key_granularity(args) -> None:
-    """Perplexity with int4 keys scaled per token (the native format) and per channel (KIVI)."""
+    """Perplexity with int4 keys scaled per token (the native format) and per channel (KIVI),
+    through python_ref's quantizer and reference attention."""
     torch.set_num_threads(args.threads)
     text = torch.frombuffer(bytearray(HELDOUT.read_bytes()), dtype=torch.uint8).long()
     T = CONFIG.context_length
     rows = text[: len(text) // T * T].view(-1, T)[: args.rows]
     print(f"held-out text: {rows.numel()} bytes in {rows.shape[0]} windows of {T}, steps of {args.step}\n")
-    print("| dtype | cache | perplexity per byte | vs unquantized |")
+    print("| dtype | int4 scales | perplexity per byte | vs unquantized |")
     print("|---|---|---|---|")
     start = time.perf_counter()
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
             model, name = load_model(dtype), str(dtype).removeprefix("torch.")
             base = perplexity(model, rows, None, dtype, args.step)[0].mean().exp().item()
-            print(f"| {name} | unquantized (native) | {base:.4f} | |", flush=True)
-            for label, keys_per_channel in (
-                ("int4, keys and values per token (simulated native format)", False),
-                ("int4, keys per channel over 32 tokens, values per token (KIVI)", True),
-            ):
-                cache = Int4GranularityCache(
-                    **model.kv_shape, batch_size=rows.shape[0], max_cache_len=T, keys_per_channel=keys_per_channel
-                )
+            print(f"| {name} | none (unquantized native cache) | {base:.4f} | |", flush=True)
+            for label, granularity in KEY_GRANULARITIES:
+                cache = Int4GranularityCache(**model.kv_shape, batch_size=rows.shape[0], max_cache_len=T, **granularity)
                 logits = torch.cat([model(rows[:, i : i + args.step], cache) for i in range(0, T - 1, args.step)], 1)
                 nll = F.cross_entropy(logits[:, : T - 1].float().transpose(1, 2), rows[:, 1:], reduction="none")
                 ppl = nll.mean().exp().item()
