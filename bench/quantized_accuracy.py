@@ -1,19 +1,25 @@
 """Accuracy of the quantized KV caches on a real (small) language model.
 
-``train``: trains a byte-level GPT-2 (python_ref's GPT-2 code, vocabulary = the 256 byte values)
-on the Python standard library's source files, deterministically (fixed seed, fixed file list,
-fixed number of steps and threads), and writes its weights (float16 safetensors) and the
-held-out evaluation text into bench/accuracy/. Both are committed, so that ``evaluate`` needs
-neither the training corpus (which differs between Python versions) nor the training time.
+``train``: trains a byte-level Llama-style model (python_ref's Llama code: RoPE, grouped-query
+attention, RMSNorm, SwiGLU; vocabulary = the 256 byte values; 1024 bytes of context) on the
+Python standard library's source files, deterministically (fixed seed, fixed file list, fixed
+number of steps, one thread, bfloat16 mixed precision), and writes its weights (float16
+safetensors) and the held-out evaluation text into bench/accuracy/. Both are committed, so that ``evaluate`` needs neither the
+training corpus (which differs between Python versions) nor the training time.
 
 ``evaluate``: for kv_dtype None / int8 / fp8_e4m3 / int4 and model dtype float32 / bfloat16, the
-perplexity (per byte) of the held-out text, computed through the cache (teacher-forced steps of
-``--step`` bytes: everything attention reads was stored by the cache, quantized where the cache
-quantizes), and greedy generation of 256 bytes from prompts of the held-out text against the
-unquantized cache of the same dtype: bytes identical before the first divergence and in total.
+perplexity (per byte) of the held-out text in windows of the model's whole context, computed
+through the cache (teacher-forced steps of ``--step`` bytes: everything attention reads was
+stored by the cache, quantized where the cache quantizes), and greedy generation of 256 bytes
+that fill the context from prompts of the held-out text, against the unquantized cache of the
+same dtype: bytes identical before the first divergence and in total.
 
-    python bench/quantized_accuracy.py train      # 5 to 20 minutes on 2 shared cores
-    python bench/quantized_accuracy.py evaluate   # prints a Markdown table
+``key-granularity``: the perplexity with int4 keys scaled per token (the native format) against
+KIVI's per-channel key scales, through python_ref's quantizer and reference attention.
+
+    taskset -c 1 python bench/quantized_accuracy.py train             # about 17 minutes on one core
+    taskset -c 1 python bench/quantized_accuracy.py evaluate          # 3 to 5 minutes; a Markdown table
+    taskset -c 1 python bench/quantized_accuracy.py key-granularity   # a few minutes
 """
 
 from __future__ import annotations
@@ -28,17 +34,36 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from kvcache_ext import KVCache
-from python_ref.gpt2 import GPT2Config, GPTModel
+from python_ref.attention import reference_attention
+from python_ref.llama import LlamaConfig, LlamaModel
+from python_ref.quantize import INT4_GROUP, dequantize, quantize
 
 HERE = Path(__file__).parent / "accuracy"
-WEIGHTS, HELDOUT = HERE / "byte_gpt.safetensors", HERE / "heldout.txt"
-# Sized to train in minutes on 2 shared cores (a 3.4M-parameter, 512-byte-context model ran at
-# 10-20 s per step there): 0.9M parameters, 256 bytes of context, head_dim 64 as in GPT-2.
-CONFIG = GPT2Config(vocab_size=256, context_length=256, emb_dim=128, n_heads=2, n_layers=4, qkv_bias=False)
+WEIGHTS, HELDOUT = HERE / "byte_llama.safetensors", HERE / "heldout.txt"
+# Llama rather than GPT-2: RoPE-rotated keys (whose outlier channels are what per-token scales
+# handle worst) and grouped-query attention are what today's models cache. Sized to train in
+# 17 minutes with one thread (measured on the development machine): 3.3M parameters, head_dim 64 (two int4 groups of 32 per head),
+# 4 query heads sharing 2 key/value heads.
+CONFIG = LlamaConfig(
+    vocab_size=256,
+    context_length=1024,
+    emb_dim=256,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=4,
+    hidden_dim=768,
+    head_dim=64,
+)
 HELDOUT_FILES = ("argparse.py", "inspect.py")  # evaluation only; every other top-level module trains
+HELDOUT_BYTES_PER_FILE = 32 * 1024  # the start of each held-out file: 64 windows of 1024 bytes in all
 KV_DTYPES = (None, "int8", "fp8_e4m3", "int4")
+# Perplexity is also reported over the late positions of each window, where the model reads the
+# most cached keys and values (so where a quantized cache has the most room to hurt).
+LATE_POSITIONS = 512
+CONTEXT_USE_WINDOWS = (16, 64, 256)  # sliding windows that show how far back the model reads
 
 
 class CausalTraining:
@@ -51,7 +76,7 @@ class CausalTraining:
         return torch.arange(num_new).unsqueeze(0)
 
     def attend(self, layer, q, k, v, scale=None):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def finish_step(self):
         pass
@@ -61,8 +86,17 @@ def corpus() -> tuple[bytes, bytes]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.glob("*.py"))
     train = b"".join(p.read_bytes() for p in files if p.name not in HELDOUT_FILES)
-    heldout = b"".join((stdlib / name).read_bytes() for name in HELDOUT_FILES)
+    heldout = b"".join((stdlib / name).read_bytes()[:HELDOUT_BYTES_PER_FILE] for name in HELDOUT_FILES)
     return train, heldout
+
+
+def init_weights(model: LlamaModel) -> None:
+    # GPT-2's initialisation: small embeddings and projections, and the projections that add
+    # into the residual stream shrunk by the depth so that its size does not grow with layers.
+    for name, param in model.named_parameters():
+        if param.dim() == 2:
+            residual = name.endswith(("out_proj.weight", "down.weight"))
+            nn.init.normal_(param, std=0.02 / math.sqrt(2 * CONFIG.n_layers) if residual else 0.02)
 
 
 def train(args) -> None:
@@ -71,52 +105,76 @@ def train(args) -> None:
     torch.set_num_threads(args.threads)
     train_bytes, heldout = corpus()
     data = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()
-    model = GPTModel(CONFIG).train()
+    model = LlamaModel(CONFIG).train()
+    init_weights(model)
+    T = CONFIG.context_length
     print(
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(data) / 1e6:.1f} MB of "
-        f"training text (Python {sys.version.split()[0]} standard library)",
+        f"training text (Python {sys.version.split()[0]} standard library); {args.steps} steps of "
+        f"{args.batch} x {T} bytes ({args.steps * args.batch * T / len(data):.2f} epochs), {args.threads} thread(s)",
         flush=True,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # RMSNorm weights
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     generator = torch.Generator().manual_seed(1)
-    T, cache = CONFIG.context_length, CausalTraining()
+    cache, warmup = CausalTraining(), max(1, args.steps // 20)
     start = time.perf_counter()
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        # linear warm-up, then cosine decay to a tenth of the peak
+        progress = max(0.0, (step - warmup) / max(1, args.steps - warmup))
+        lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
             group["lr"] = lr
         offsets = torch.randint(0, len(data) - T - 1, (args.batch,), generator=generator)
         batch = torch.stack([data[o : o + T + 1] for o in offsets.tolist()])
-        logits = model(batch[:, :-1], cache)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        # bfloat16 mixed precision (float32 weights and optimizer): twice as fast on this CPU
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(batch[:, :-1], cache)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step}: loss {loss.item():.3f} nats/byte, {time.perf_counter() - start:.0f}s", flush=True)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            elapsed = time.perf_counter() - start
+            print(
+                f"step {step + 1}/{args.steps}: loss {loss.item():.3f} nats/byte, lr {lr:.2e}, "
+                f"{elapsed:.0f}s elapsed, about {elapsed / (step + 1) * (args.steps - step - 1):.0f}s left",
+                flush=True,
+            )
     HERE.mkdir(exist_ok=True)
     save_file({k: v.half().contiguous() for k, v in model.state_dict().items()}, WEIGHTS)
-    HELDOUT.write_bytes(heldout[: args.heldout_bytes])
+    HELDOUT.write_bytes(heldout)
     print(f"wrote {WEIGHTS} and {HELDOUT}")
 
 
-def load_model(dtype: torch.dtype) -> GPTModel:
-    model = GPTModel(CONFIG)
+def load_model(dtype: torch.dtype) -> LlamaModel:
+    model = LlamaModel(CONFIG)
     model.load_state_dict({k: v.float() for k, v in load_file(WEIGHTS).items()})
     return model.eval().to(dtype)
 
 
-def perplexity(model, text: torch.Tensor, kv_dtype, dtype, step: int) -> tuple[float, torch.Tensor]:
-    """Per-byte perplexity of ``text`` (rows of context_length bytes) through the cache, and the
-    predicted (argmax) bytes."""
+def perplexity(model, text: torch.Tensor, kv_dtype, dtype, step: int, window=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The negative log-likelihood (nats) of each byte of ``text`` (rows of context_length bytes)
+    after the first, predicted through the cache (attending to the last ``window`` bytes only, if
+    given), and the predicted (argmax) bytes."""
     cache = KVCache(
-        **model.kv_shape, batch_size=text.shape[0], max_cache_len=text.shape[1], dtype=dtype, kv_dtype=kv_dtype
+        **model.kv_shape,
+        batch_size=text.shape[0],
+        max_cache_len=text.shape[1],
+        window=window,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
     )
     logits = torch.cat([model(text[:, i : i + step], cache) for i in range(0, text.shape[1] - 1, step)], dim=1)
     logits = logits[:, : text.shape[1] - 1].float()
-    nll = F.cross_entropy(logits.flatten(0, 1), text[:, 1:].flatten())
-    return math.exp(nll.item()), logits.argmax(-1)
+    nll = F.cross_entropy(logits.transpose(1, 2), text[:, 1:], reduction="none")
+    return nll, logits.argmax(-1)
 
 
 def greedy(model, prompt: torch.Tensor, new: int, kv_dtype, dtype) -> torch.Tensor:
@@ -128,61 +186,193 @@ def greedy(model, prompt: torch.Tensor, new: int, kv_dtype, dtype) -> torch.Tens
         kv_dtype=kv_dtype,
     )
     token, out = model(prompt, cache)[:, -1].argmax(-1, keepdim=True), []
-    for _ in range(new):
+    for _ in range(new - 1):
         out.append(token)
         token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
+    out.append(token)
     return torch.cat(out, dim=1)
 
 
 def evaluate(args) -> None:
+    torch.set_num_threads(args.threads)
     text = torch.frombuffer(bytearray(HELDOUT.read_bytes()), dtype=torch.uint8).long()
     T = CONFIG.context_length
-    rows = text[: len(text) // T * T].view(-1, T)[: args.rows]
-    prompts = rows[:, : T - args.new]  # greedy continuation fills the rest of the context
+    if not 0 < args.new < T:
+        raise SystemExit(f"--new must be between 1 and {T - 1} (the context holds prompt and generated bytes)")
+    rows = text[: len(text) // T * T].view(-1, T)
+    # spread the greedy prompts over the whole held-out text
+    prompts = rows[torch.linspace(0, len(rows) - 1, min(args.prompts, len(rows))).long(), : T - args.new]
+    rows = rows[: args.rows]
     print(
-        f"held-out text: {rows.numel()} bytes in {rows.shape[0]} rows of {T}; greedy: {prompts.shape[0]} prompts "
-        f"of {prompts.shape[1]} bytes + {args.new} generated\n"
+        f"held-out text: {rows.numel()} bytes in {rows.shape[0]} windows of {T}, teacher-forced in steps of "
+        f"{args.step}; greedy: {prompts.shape[0]} prompts of {prompts.shape[1]} bytes + {args.new} generated; "
+        f"{args.threads} thread(s)\n"
     )
     print(
-        "| dtype | kv_dtype | perplexity (per byte) | vs unquantized | top-1 agreement | greedy: identical "
-        "before first divergence (mean) | greedy: identical bytes |"
+        f"| dtype | kv_dtype | perplexity per byte | vs unquantized | positions {LATE_POSITIONS}-{T - 1}: perplexity "
+        "| vs unquantized | top-1 agreement | greedy: identical before first divergence (mean) "
+        "| greedy: identical bytes |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
+    start = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"  [{time.perf_counter() - start:.0f}s] {what}", file=sys.stderr, flush=True)
+
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
             model = load_model(dtype)
-            base_ppl, base_top1 = perplexity(model, rows, None, dtype, args.step)
-            base_greedy = greedy(model, prompts, args.new, None, dtype)
+            name = str(dtype).removeprefix("torch.")
+            base = None
             for kv_dtype in KV_DTYPES:
-                ppl, top1 = (
-                    (base_ppl, base_top1) if kv_dtype is None else perplexity(model, rows, kv_dtype, dtype, args.step)
-                )
-                out = base_greedy if kv_dtype is None else greedy(model, prompts, args.new, kv_dtype, dtype)
-                same = out == base_greedy
+                nll, top1 = perplexity(model, rows, kv_dtype, dtype, args.step)
+                progress(f"{name}, kv_dtype {kv_dtype}: perplexity done")
+                out = greedy(model, prompts, args.new, kv_dtype, dtype)
+                progress(f"{name}, kv_dtype {kv_dtype}: greedy done")
+                ppl, late_ppl = nll.mean().exp().item(), nll[:, LATE_POSITIONS - 1 :].mean().exp().item()
+                if base is None:
+                    base, base_nll = (ppl, late_ppl, top1, out), nll
+                base_ppl, base_late, base_top1, base_out = base
+                same = out == base_out
                 prefix = torch.where(same.all(1), args.new, (~same).int().argmax(1)).float().mean().item()
                 print(
-                    f"| {str(dtype).removeprefix('torch.')} | {kv_dtype or 'none'} | {ppl:.4f} | "
-                    f"{100 * (ppl / base_ppl - 1):+.2f} % | {100 * (top1 == base_top1).float().mean():.2f} % | "
-                    f"{prefix:.0f} / {args.new} | {100 * same.float().mean():.1f} % |",
+                    f"| {name} | {kv_dtype or 'none'} | {ppl:.4f} | {100 * (ppl / base_ppl - 1):+.3f} % | "
+                    f"{late_ppl:.4f} | {100 * (late_ppl / base_late - 1):+.3f} % | "
+                    f"{100 * (top1 == base_top1).float().mean():.2f} % | {prefix:.0f} / {args.new} | "
+                    f"{100 * same.float().mean():.1f} % |",
                     flush=True,
                 )
+            if dtype == torch.float32:
+                context_use = [
+                    (window, perplexity(model, rows, None, dtype, args.step, window)[0])
+                    for window in CONTEXT_USE_WINDOWS
+                ]
+                context_use.append((T, base_nll))
+                progress("float32: sliding windows done")
+    parts = [f"{w}: {nll[:, LATE_POSITIONS - 1 :].mean().exp().item():.3f}" for w, nll in context_use]
+    # A model that ignored everything but the last few bytes would score the same for each window.
+    print(
+        f"\nHow far the model reads (float32, unquantized): perplexity of positions {LATE_POSITIONS}-{T - 1} when "
+        f"attention sees only the last W bytes, W = {'; '.join(parts)}"
+    )
+
+
+class Int4GranularityCache:
+    """The cache protocol over keys and values as an int4 cache of some scale granularity would
+    return them (python_ref's int4 quantizer, then its dequantizer), to measure granularities the
+    native formats do not have. Only the scales' grouping changes: 4 bits, symmetric, float16
+    scales, one scale per 32 values, as in the native int4 format.
+
+    ``keys``: ``"token"`` is the native format (each token's head_dim split into groups of 32);
+    ``"channel"`` is KIVI's key grouping (each channel's values over 32 consecutive tokens: the
+    same number of scales), the tokens of the last, incomplete group quantized per token, or
+    kept unquantized with ``exact_recent_keys`` (KIVI's full-precision residual). ``values``:
+    ``"token"`` (native and KIVI) or ``None``, unquantized.
+    """
+
+    def __init__(self, num_layers, kv_heads, head_dim, batch_size, max_cache_len, keys, values, exact_recent_keys):
+        shape = (num_layers, batch_size, kv_heads, max_cache_len, head_dim)
+        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+        self.keys, self.values, self.exact_recent_keys = keys, values, exact_recent_keys
+        self.seq_length = 0
+
+    def start_step(self, num_new):
+        self._num_new = num_new
+        return torch.arange(self.seq_length, self.seq_length + num_new).unsqueeze(0)
+
+    def attend(self, layer, q, k, v, scale=None):
+        start, end = self.seq_length, self.seq_length + self._num_new
+        self.k[layer, :, :, start:end], self.v[layer, :, :, start:end] = k.float(), v.float()
+        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if self.keys == "channel":
+            complete = end // INT4_GROUP * INT4_GROUP
+            # (B, H, tokens, D) -> (B, H, groups, D, 32): each channel's 32 tokens are one group
+            blocks = keys[:, :, :complete].unflatten(2, (-1, INT4_GROUP)).transpose(-1, -2)
+            grouped = int4_round_trip(blocks).transpose(-1, -2).flatten(2, 3)
+            recent = keys[:, :, complete:]
+            keys = torch.cat([grouped, recent if self.exact_recent_keys else int4_round_trip(recent)], dim=2)
+        else:
+            keys = int4_round_trip(keys)
+        if self.values == "token":
+            values = int4_round_trip(values)
+        lengths = torch.full((q.shape[0],), end, dtype=torch.long)
+        return reference_attention(q, keys.to(q.dtype), values.to(q.dtype), lengths)
+
+    def finish_step(self):
+        self.seq_length += self._num_new
+
+
+def int4_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the int4 format stores it (groups of 32 along the last dimension)."""
+    return dequantize(*quantize(x, "int4"), "int4")
+
+
+KEY_GRANULARITIES = (
+    # label, Int4GranularityCache arguments
+    ("keys and values per token (the native int4 format)", dict(keys="token", values="token", exact_recent_keys=False)),
+    ("keys per token, values unquantized", dict(keys="token", values=None, exact_recent_keys=False)),
+    (
+        "keys per channel over 32 tokens (the incomplete group per token), values per token",
+        dict(keys="channel", values="token", exact_recent_keys=False),
+    ),
+    (
+        "keys per channel over 32 tokens (the incomplete group unquantized: KIVI), values per token",
+        dict(keys="channel", values="token", exact_recent_keys=True),
+    ),
+)
+
+
+def key_granularity(args) -> None:
+    """Perplexity with int4 keys scaled per token (the native format) and per channel (KIVI),
+    through python_ref's quantizer and reference attention."""
+    torch.set_num_threads(args.threads)
+    text = torch.frombuffer(bytearray(HELDOUT.read_bytes()), dtype=torch.uint8).long()
+    T = CONFIG.context_length
+    rows = text[: len(text) // T * T].view(-1, T)[: args.rows]
+    print(f"held-out text: {rows.numel()} bytes in {rows.shape[0]} windows of {T}, steps of {args.step}\n")
+    print("| dtype | int4 scales | perplexity per byte | vs unquantized |")
+    print("|---|---|---|---|")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            model, name = load_model(dtype), str(dtype).removeprefix("torch.")
+            base = perplexity(model, rows, None, dtype, args.step)[0].mean().exp().item()
+            print(f"| {name} | none (unquantized native cache) | {base:.4f} | |", flush=True)
+            for label, granularity in KEY_GRANULARITIES:
+                cache = Int4GranularityCache(**model.kv_shape, batch_size=rows.shape[0], max_cache_len=T, **granularity)
+                logits = torch.cat([model(rows[:, i : i + args.step], cache) for i in range(0, T - 1, args.step)], 1)
+                nll = F.cross_entropy(logits[:, : T - 1].float().transpose(1, 2), rows[:, 1:], reduction="none")
+                ppl = nll.mean().exp().item()
+                print(f"| {name} | {label} | {ppl:.4f} | {100 * (ppl / base - 1):+.3f} % |", flush=True)
+                print(f"  [{time.perf_counter() - start:.0f}s] {name}: {label} done", file=sys.stderr, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     t = commands.add_parser("train")
-    t.add_argument("--steps", type=int, default=120)
-    t.add_argument("--batch", type=int, default=8)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--heldout-bytes", type=int, default=64 * 1024)
-    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--steps", type=int, default=600)
+    t.add_argument("--batch", type=int, default=4, help="sequences of context_length bytes per step")
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--log-every", type=int, default=20)
     e = commands.add_parser("evaluate")
-    e.add_argument("--rows", type=int, default=16, help="held-out rows of context_length bytes")
-    e.add_argument("--new", type=int, default=128, help="greedy bytes generated per prompt (at most the context)")
+    e.add_argument("--rows", type=int, default=64, help="held-out windows of context_length bytes")
+    e.add_argument("--prompts", type=int, default=16, help="greedy prompts, spread over the held-out text")
+    e.add_argument("--new", type=int, default=256, help="greedy bytes generated per prompt")
     e.add_argument("--step", type=int, default=16, help="bytes per teacher-forced step")
+    e.add_argument("--threads", type=int, default=1)
+    e.add_argument(
+        "--quick", action="store_true", help="a smoke test in seconds: 4 windows, 2 prompts, 32 bytes generated"
+    )
+    g = commands.add_parser("key-granularity", help="int4 keys scaled per token (native) vs per channel (KIVI)")
+    g.add_argument("--rows", type=int, default=64, help="held-out windows of context_length bytes")
+    g.add_argument("--step", type=int, default=16, help="bytes per teacher-forced step")
+    g.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    train(args) if args.command == "train" else evaluate(args)
+    if args.command == "evaluate" and args.quick:
+        args.rows, args.prompts, args.new, args.step = 4, 2, 32, 64
+    {"train": train, "evaluate": evaluate, "key-granularity": key_granularity}[args.command](args)
 
 
 if __name__ == "__main__":

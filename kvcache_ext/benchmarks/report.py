@@ -22,6 +22,11 @@ COLORS = {
     "prealloc": "tab:orange",
     "concat": "tab:purple",
     "none": "tab:gray",
+    # the quantized suite's kv formats
+    "bfloat16": "tab:gray",
+    "int8": "tab:blue",
+    "fp8_e4m3": "tab:green",
+    "int4": "tab:red",
 }
 LABELS = {
     "native": "native",
@@ -30,7 +35,12 @@ LABELS = {
     "prealloc": "prealloc",
     "concat": "torch.cat",
     "none": "no cache",
+    "bfloat16": "bfloat16",
+    "int8": "int8",
+    "fp8_e4m3": "fp8 e4m3",
+    "int4": "int4",
 }
+FORMAT_ORDER = ("bfloat16", "int8", "fp8_e4m3", "int4")
 
 
 @dataclass
@@ -59,7 +69,12 @@ def write_report(json_path: Path, out_dir: Path, command: str, failed: bool = Fa
     out_dir = Path(out_dir)
     written = [out_dir / "summary.md"]
     written[0].write_text(summary_markdown(results, run, command, failed))
-    for suite, plot in (("decode", plot_decode_attention), ("append", plot_append), ("generation", plot_generation)):
+    for suite, plot in (
+        ("decode", plot_decode_attention),
+        ("append", plot_append),
+        ("generation", plot_generation),
+        ("quantized", plot_quantized),
+    ):
         selected = [r for r in results if r.suite == suite]
         if selected:
             path = out_dir / f"{suite}.png"
@@ -295,9 +310,32 @@ def plot_decode_attention(results, run, path):
     _finish(fig, axes, "Decode attention: one query per row over L cached tokens", path)
 
 
-def _time_vs_context(ax, cell, time_scale, xlabel, ylabel):
+def plot_quantized(results, run, path):
+    """Decode time vs context length, one line per kv format (bfloat16 and the quantized ones),
+    each with its own copy-bandwidth roofline (the bytes that format reads), a panel per
+    (shape, batch)."""
+    panels = sorted({(r.info["shape"], r.info["batch"]) for r in results}, key=lambda p: (_rank(p[0]), p[1]))
+    fig, axes = _figure(1, len(panels), (4.6, 3.6))
+    copy_gbps = run.get("copy_gbps") or results[0].info["copy_gbps"]
+    for ax, (shape, batch) in zip(axes[0], panels):
+        cell = [r for r in results if (r.info["shape"], r.info["batch"]) == (shape, batch)]
+        _time_vs_context(ax, cell, 1e3, "context length L (tokens)", "time per call (ms)", FORMAT_ORDER)
+        for fmt in _impls(cell, FORMAT_ORDER):
+            roofline = sorted(
+                (r.info["context"], r.info["bytes_moved"] / (copy_gbps * 1e9) * 1e3) for r in cell if r.impl == fmt
+            )
+            ax.plot(*zip(*roofline), ":", color=COLORS[fmt], linewidth=1)
+        # one legend entry for the rooflines of every format
+        ax.plot(
+            [], [], "k:", linewidth=1, label=f"dotted: each format's bytes at copy bandwidth ({copy_gbps:.1f} GB/s)"
+        )
+        ax.set_title(f"{cell[0].info['shape_label']}, B={batch}", fontsize=9)
+    _finish(fig, axes, "Decode attention over bfloat16 and quantized caches: one bfloat16 query per row", path)
+
+
+def _time_vs_context(ax, cell, time_scale, xlabel, ylabel, order=IMPL_ORDER):
     """One line per implementation: median time (seconds x time_scale) against context length."""
-    for impl in _impls(cell):
+    for impl in _impls(cell, order):
         points = sorted((r.info["context"], r.median_s * time_scale) for r in cell if r.impl == impl)
         ax.plot(*zip(*points), marker="o", color=COLORS[impl], label=LABELS[impl])
     ax.set_xscale("log", base=2)
