@@ -1,7 +1,7 @@
 """Quantized paged pools: paged_append_kv_quantized and paged_decode_attention_quantized against the
 contiguous quantized ops on the same tokens (bit for bit), python_ref's quantizer and paged quantized
-reference, and the float64 oracle; refused inputs change no byte; a fuzz of block tables;
-PagedKVCache(kv_dtype=...) in models and in the Engine."""
+reference, and the float64 oracle; refused inputs change no byte; a fuzz of block tables.
+PagedKVCache(kv_dtype=...) is tested in test_paged_cache.py."""
 
 import math
 
@@ -12,11 +12,7 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from attention_oracle import attention_float64, attention_plain
-from kvcache_ext import Engine, KVCache, PagedKVCache
 from python_ref import (
-    build_gpt2,
-    build_llama,
-    generate,
     paged_append_quantized_reference,
     paged_quantized_attention_reference,
 )
@@ -539,105 +535,3 @@ def test_fuzz_attention_block_tables(call):
             torch.ops.kvcache_ext.paged_decode_attention_quantized(*args)
         with pytest.raises(REFUSALS):
             paged_quantized_attention_reference(*args)
-
-
-# ---- PagedKVCache(kv_dtype=...) ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models: a second thread only waits on a loaded machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-# head_dim 32: the smallest int4 takes (one scale per group of 32)
-MODELS = {
-    "gpt2": lambda: build_gpt2("tiny", seed=0, n_heads=2, vocab_size=512),
-    "llama": lambda: build_llama("llama-tiny", seed=0, head_dim=32, vocab_size=512),
-}
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("model_name,block_size", [("gpt2", 4), ("llama", 8)])
-def test_generate_gives_the_tokens_of_the_contiguous_quantized_cache(one_thread, fmt, model_name, block_size):
-    model = MODELS[model_name]()
-    prompt = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(0))
-    contiguous = KVCache(**model.kv_shape, batch_size=3, max_cache_len=32, kv_dtype=fmt)
-    expected = generate(model, prompt, 20, cache=contiguous)
-    kv = model.kv_shape
-    cache = PagedKVCache(
-        kv["num_layers"], kv["kv_heads"], kv["head_dim"], 3 * 32 // block_size, block_size, kv_dtype=fmt
-    )
-    assert cache.k.dtype == storage_dtype(fmt) and cache.k_scale.dtype == scale_dtype(fmt)
-    assert torch.equal(generate(model, prompt, 20, cache=cache), expected)
-    # The same quantization: the tokens' codes and scales are the contiguous cache's, bit for bit.
-    for seq in range(3):
-        n, table = cache.pool.length(seq), cache.pool.block_table(seq)
-        assert n == int(contiguous.lengths[seq]) == 26
-        for pool, rows in ((cache.k, contiguous.k), (cache.v_scale, contiguous.v_scale)):
-            held = byte_view(pool)[:, table].transpose(1, 2).flatten(2, 3)[:, :, :n]  # (layers, H, positions, ...)
-            assert same_bits(held, byte_view(rows)[:, seq, :, :n])
-
-
-def test_fork_copies_scales_with_codes(one_thread):
-    """A forked sequence shares its blocks until one writes into the shared, partly filled one: that
-    copy takes the scales with the codes, so both sequences keep attending to their own tokens."""
-    fmt, H, D = "int4", 2, 64
-    cache = PagedKVCache(1, H, D, num_blocks=8, block_size=4, kv_dtype=fmt)
-    gen = torch.Generator().manual_seed(0)
-    k0, v0 = torch.randn(1, H, 6, D, generator=gen), torch.randn(1, H, 6, D, generator=gen)
-    cache.add_sequence("a")
-    cache.schedule(["a"])
-    cache.start_step(6)
-    cache.attend(0, torch.randn(1, H, 6, D), k0, v0)
-    cache.finish_step()
-    cache.fork("a", "b")
-    k1, v1 = torch.randn(2, H, 1, D, generator=gen), torch.randn(2, H, 1, D, generator=gen)
-    q = torch.randn(2, H, 1, D, generator=gen)
-    cache.schedule(["a", "b"])
-    cache.start_step(1)
-    out = cache.attend(0, q, k1, v1)
-    cache.finish_step()
-    assert cache.pool.block_table("a")[0] == cache.pool.block_table("b")[0]  # the full block stays shared
-    assert cache.pool.block_table("a")[1] != cache.pool.block_table("b")[1]  # the partly filled one was copied
-    for row in range(2):
-        contiguous = [*garbage_pool(fmt, 1, H, 8, D), *garbage_pool(fmt, 1, H, 8, D)]
-        kvcache_ext.append_kv_quantized(*contiguous, k0, v0, torch.tensor([0]))
-        kvcache_ext.append_kv_quantized(*contiguous, k1[row : row + 1], v1[row : row + 1], torch.tensor([6]))
-        expected, _ = kvcache_ext.decode_attention_quantized(q[row : row + 1], *contiguous, torch.tensor([7]))
-        assert torch.equal(out[row : row + 1], expected)
-
-
-def test_bytes_allocated_counts_scales():
-    H, D, num_blocks, block_size = 2, 128, 10, 4
-    plain = PagedKVCache(2, H, D, num_blocks, block_size, dtype=torch.bfloat16)
-    for fmt, code_bytes, scale_bytes in (("int8", 128, 4), ("fp8_e4m3", 128, 4), ("int4", 64, 8)):
-        cache = PagedKVCache(2, H, D, num_blocks, block_size, dtype=torch.bfloat16, kv_dtype=fmt)
-        storages = sum(t.untyped_storage().nbytes() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale))
-        assert cache.bytes_allocated() == storages == 2 * 2 * num_blocks * H * block_size * (code_bytes + scale_bytes)
-        assert cache.bytes_allocated() / plain.bytes_allocated() == (code_bytes + scale_bytes) / 256
-    with pytest.raises(ValueError, match="int4 needs head_dim a multiple of 32"):
-        PagedKVCache(2, H, 48, num_blocks, block_size, kv_dtype="int4")
-    with pytest.raises(ValueError, match="kv_dtype must be"):
-        PagedKVCache(2, H, D, num_blocks, block_size, kv_dtype="int2")
-
-
-@pytest.mark.parametrize("model_name", sorted(MODELS))
-def test_engine_on_a_quantized_pool_gives_each_request_its_tokens_alone(one_thread, model_name):
-    model = MODELS[model_name]()
-    fmt = "int8" if model_name == "gpt2" else "int4"
-    gen = torch.Generator().manual_seed(3)
-    system = torch.randint(0, 512, (9,), generator=gen).tolist()
-    prompts = [
-        (system if i % 2 else []) + torch.randint(0, 512, (1 + 3 * i % 13,), generator=gen).tolist() for i in range(8)
-    ]
-    max_new = [1 + 5 * i % 9 for i in range(8)]
-    kv = model.kv_shape
-    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 24, block_size=4, kv_dtype=fmt)
-    outputs = Engine(model, cache, chunk_size=8).generate(prompts, max_new_tokens=max_new)
-    for prompt, n, got in zip(prompts, max_new, outputs):
-        alone = KVCache(**kv, batch_size=1, max_cache_len=len(prompt) + n, kv_dtype=fmt)
-        assert got == generate(model, torch.tensor([prompt]), n, cache=alone)[0, len(prompt) :].tolist()
