@@ -177,20 +177,25 @@ def check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, wi
     """Shapes, dtypes and devices of ``paged_attention_reference``'s arguments (not the values of
     ``lengths`` and ``block_tables``)."""
     _check_pool(k_pool, v_pool)
-    H_kv, D = k_pool.shape[1], k_pool.shape[3]
-    if q.dim() != 4 or q.shape[3] != D:
-        raise ValueError(f"q must be (batch, q_heads, num_new, head_dim={D}), got shape {tuple(q.shape)}")
-    if q.device != k_pool.device:
-        raise ValueError(f"q must be on the pool's device {k_pool.device}, got {q.device}")
+    _check_queries(q, k_pool.shape[1], k_pool.shape[3], k_pool.device, block_tables, lengths, window)
+
+
+def _check_queries(q, kv_heads, head_dim, device, block_tables, lengths, window) -> None:
+    """q against a pool of ``kv_heads`` heads of ``head_dim`` values on ``device``, the window, and
+    the shapes of the tables and lengths."""
+    if q.dim() != 4 or q.shape[3] != head_dim:
+        raise ValueError(f"q must be (batch, q_heads, num_new, head_dim={head_dim}), got shape {tuple(q.shape)}")
+    if q.device != device:
+        raise ValueError(f"q must be on the pool's device {device}, got {q.device}")
     B, H_q, T, _ = q.shape
-    if H_kv == 0 or H_q == 0 or H_q % H_kv:
-        raise ValueError(f"query heads ({H_q}) must be a positive multiple of KV heads ({H_kv})")
+    if kv_heads == 0 or H_q == 0 or H_q % kv_heads:
+        raise ValueError(f"query heads ({H_q}) must be a positive multiple of KV heads ({kv_heads})")
     if T < 1:
         raise ValueError("q must hold at least one new token")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
-    check_block_tables(block_tables, B, k_pool.device)
-    _check_lengths(lengths, B, k_pool.device)
+    check_block_tables(block_tables, B, device)
+    _check_lengths(lengths, B, device)
 
 
 def _check_attention_values(q, k_pool, block_tables, lengths, window) -> None:
@@ -242,22 +247,36 @@ def paged_attention_reference(
     """
     check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, window)
     _check_attention_values(q, k_pool, block_tables, lengths, window)
-    block_size = k_pool.shape[2]
-    T = q.shape[2]
+    gather = _row_gather(q.shape[2], k_pool.shape[2], block_tables, lengths, window)
+    return reference_attention(
+        q, gather(k_pool), gather(v_pool), lengths, window, scale, return_lse=return_lse, softcap=softcap, sinks=sinks
+    )
+
+
+def _bytes(codes: torch.Tensor) -> torch.Tensor:
+    # float8 codes move as bytes: indexing and torch.where are not implemented for float8 everywhere.
+    return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+
+
+def _row_gather(T, block_size, block_tables, lengths, window):
+    """The function that gathers a pool (num_blocks, H_kv, block_size, ...) into rows (B, H_kv,
+    positions, ...) where slot p holds position p of the row. Positions no query sees (before the
+    window, past the row's end) are zeroed rather than read: they may hold anything, NaN included,
+    and a masked NaN would still poison the weighted sum."""
     blocks_needed = max(1, -(-int(lengths.max()) // block_size)) if len(lengths) else 1
-    capacity = block_tables.shape[1] * block_size
-    first, end = _read_range(lengths, T, window, capacity)
-    j = torch.arange(blocks_needed, device=q.device).view(1, -1)
+    first, end = _read_range(lengths, T, window, block_tables.shape[1] * block_size)
+    j = torch.arange(blocks_needed, device=lengths.device).view(1, -1)
     read = (j * block_size < end.view(-1, 1)) & ((j + 1) * block_size > first.view(-1, 1))
     ids = torch.where(read, block_tables[:, :blocks_needed].long(), 0)
-    # (B, blocks, H_kv, block_size, D) -> (B, H_kv, blocks * block_size, D). Positions no query
-    # sees (before the window, past the row's end) are zeroed rather than read: they may hold
-    # anything, NaN included, and a masked NaN would still poison the weighted sum.
-    position = torch.arange(blocks_needed * block_size, device=q.device).view(1, 1, -1, 1)
-    seen = (position >= first.view(-1, 1, 1, 1)) & (position < end.view(-1, 1, 1, 1))
-    k = torch.where(seen, k_pool[ids].transpose(1, 2).flatten(2, 3), 0)
-    v = torch.where(seen, v_pool[ids].transpose(1, 2).flatten(2, 3), 0)
-    return reference_attention(q, k, v, lengths, window, scale, return_lse=return_lse, softcap=softcap, sinks=sinks)
+    position = torch.arange(blocks_needed * block_size, device=lengths.device).view(1, 1, -1)
+    seen = (position >= first.view(-1, 1, 1)) & (position < end.view(-1, 1, 1))  # (B, 1, positions)
+
+    def gather(pool):
+        rows = _bytes(pool)[ids].transpose(1, 2).flatten(2, 3)  # (B, blocks, H_kv, block_size, ...) -> rows
+        mask = seen.view(*seen.shape, *([1] * (rows.dim() - 3)))
+        return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).view(pool.dtype)
+
+    return gather
 
 
 # ---- quantized pools ---------------------------------------------------------------------------
@@ -268,11 +287,6 @@ def paged_attention_reference(
 # ``quantize.quantize`` and the attention is ``quantize.reference_quantized_attention`` on the
 # gathered codes and scales, so a paged quantized pool and a contiguous quantized cache holding the
 # same codes agree by construction.
-
-
-def _bytes(codes: torch.Tensor) -> torch.Tensor:
-    # float8 codes move as bytes: indexing and torch.where are not implemented for float8 everywhere.
-    return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
 
 
 def check_quantized_pool(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
@@ -363,42 +377,15 @@ def paged_quantized_attention_reference(
     some query sees are gathered into the contiguous quantized layout (slot ``p`` holds position
     ``p``; the others hold zero codes and scales), then ``quantize.reference_quantized_attention``."""
     fmt, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
-    if q.dim() != 4 or q.shape[3] != D:
-        raise ValueError(f"q must be (batch, q_heads, num_new, head_dim={D}), got shape {tuple(q.shape)}")
-    B, H_q, T, _ = q.shape
-    if q.device != k_data.device:
-        raise ValueError(f"q must be on the pool's device {k_data.device}, got {q.device}")
-    H_kv = k_data.shape[1]
-    if H_q == 0 or H_q % H_kv:
-        raise ValueError(f"query heads ({H_q}) must be a positive multiple of KV heads ({H_kv})")
-    if T < 1:
-        raise ValueError("q must hold at least one new token")
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
-    check_block_tables(block_tables, B, k_data.device)
-    _check_lengths(lengths, B, k_data.device)
+    _check_queries(q, k_data.shape[1], D, k_data.device, block_tables, lengths, window)
     _check_attention_values(q, k_data, block_tables, lengths, window)
-    block_size = k_data.shape[2]
-    blocks_needed = max(1, -(-int(lengths.max()) // block_size)) if len(lengths) else 1
-    capacity = block_tables.shape[1] * block_size
-    first, end = _read_range(lengths, T, window, capacity)
-    j = torch.arange(blocks_needed, device=q.device).view(1, -1)
-    read = (j * block_size < end.view(-1, 1)) & ((j + 1) * block_size > first.view(-1, 1))
-    ids = torch.where(read, block_tables[:, :blocks_needed].long(), 0)
-    position = torch.arange(blocks_needed * block_size, device=q.device).view(1, 1, -1)
-    seen = (position >= first.view(-1, 1, 1)) & (position < end.view(-1, 1, 1))  # (B, 1, positions)
-
-    def gathered(pool):  # (num_blocks, H_kv, block_size, ...) -> (B, H_kv, positions, ...), unseen zeroed
-        rows = _bytes(pool)[ids].transpose(1, 2).flatten(2, 3)
-        mask = seen.view(*seen.shape, *([1] * (rows.dim() - 3)))
-        return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).view(pool.dtype)
-
+    gather = _row_gather(q.shape[2], k_data.shape[2], block_tables, lengths, window)
     return quantize.reference_quantized_attention(
         q,
-        gathered(k_data),
-        gathered(k_scales),
-        gathered(v_data),
-        gathered(v_scales),
+        gather(k_data),
+        gather(k_scales),
+        gather(v_data),
+        gather(v_scales),
         lengths,
         fmt,
         window=window,
