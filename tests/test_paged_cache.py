@@ -501,17 +501,37 @@ def test_bytes_allocated_counts_scales():
 
 @pytest.mark.parametrize("model_name", sorted(QUANTIZABLE_MODELS))
 def test_engine_on_a_quantized_pool_gives_each_request_its_tokens_alone(model_name):
+    """Requests joining, finishing, sharing a prompt prefix's blocks and being preempted when the small
+    pool runs out: each gets the tokens it gets alone on the contiguous quantized cache."""
     model = QUANTIZABLE_MODELS[model_name]()
     fmt = "int8" if model_name == "gpt2" else "int4"
     gen = torch.Generator().manual_seed(3)
-    system = torch.randint(0, 512, (9,), generator=gen).tolist()
+    system = torch.randint(0, 512, (12,), generator=gen).tolist()
     prompts = [
-        (system if i % 2 else []) + torch.randint(0, 512, (1 + 3 * i % 13,), generator=gen).tolist() for i in range(8)
+        (system if i % 2 else []) + torch.randint(0, 512, (1 + 3 * i % 13,), generator=gen).tolist() for i in range(12)
     ]
-    max_new = [1 + 5 * i % 9 for i in range(8)]
+    max_new = [24 if i % 5 == 0 else 1 + 5 * i % 9 for i in range(12)]
     kv = model.kv_shape
-    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 24, block_size=4, kv_dtype=fmt)
-    outputs = Engine(model, cache, chunk_size=8).generate(prompts, max_new_tokens=max_new)
+    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 16, block_size=4, kv_dtype=fmt)
+    engine = Engine(model, cache, chunk_size=8)
+    outputs = engine.generate(prompts, max_new_tokens=max_new)
+    assert engine.preemptions > 0 and engine.reused_tokens > 0
     for prompt, n, got in zip(prompts, max_new, outputs):
         alone = KVCache(**kv, batch_size=1, max_cache_len=len(prompt) + n, kv_dtype=fmt)
         assert got == generate(model, torch.tensor([prompt]), n, cache=alone)[0, len(prompt) :].tolist()
+
+
+def test_refused_quantized_step_changes_no_byte():
+    cache = PagedKVCache(LAYERS, KV_HEADS, 32, num_blocks=4, block_size=4, kv_dtype="fp8_e4m3")
+    cache.add_sequence("a")
+    cache.schedule(["a"])
+    cache.start_step(3)
+    pools = [byte_view(t).clone() for t in (cache.k, cache.k_scale, cache.v, cache.v_scale)]
+    q, new = torch.randn(1, Q_HEADS, 3, 32), torch.randn(1, KV_HEADS, 3, 32)
+    with pytest.raises(TypeError, match="must be torch.float32"):
+        cache.attend(0, q, new.half(), new)  # the cache's dtype, not its storage, is what k must have
+    with pytest.raises(ValueError, match="q must have shape"):
+        cache.attend(0, q[:, :, :2], new, new)
+    assert all(torch.equal(byte_view(t), p) for t, p in zip((cache.k, cache.k_scale, cache.v, cache.v_scale), pools))
+    cache.attend(0, q, new, new)  # the refused calls left the step usable
+    assert not torch.equal(byte_view(cache.k), pools[0])
