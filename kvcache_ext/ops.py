@@ -290,12 +290,13 @@ def kv_format_of(data: torch.Tensor) -> str:
     return fmt
 
 
-def check_quantized_cache(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
-    """Shapes, dtypes, layout and device of a quantized cache against the capability table;
-    returns its format and head_dim."""
+def check_quantized_cache(k_data, k_scales, v_data, v_scales, dims="batch, kv_heads, slots") -> tuple[str, int]:
+    """Shapes, dtypes, layout and device of a quantized cache (or, with ``dims`` "num_blocks,
+    kv_heads, block_size", of a paged pool) against the capability table; returns its format and
+    head_dim."""
     fmt = kv_format_of(k_data)
     if k_data.dim() != 4:
-        raise ValueError(f"k_data must be (batch, kv_heads, slots, head_dim bytes), got shape {tuple(k_data.shape)}")
+        raise ValueError(f"k_data must be ({dims}, head_dim bytes), got shape {tuple(k_data.shape)}")
     if v_data.shape != k_data.shape or v_data.dtype != k_data.dtype:
         raise ValueError(
             f"v_data must match k_data {k_data.dtype} {tuple(k_data.shape)}, got {v_data.dtype} {tuple(v_data.shape)}"
@@ -538,7 +539,7 @@ if _native.available:
 def check_quantized_pool(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
     """Shapes, dtypes, block size, head_dim, layout and device of a quantized pool against the
     capability table; returns its format and head_dim."""
-    fmt, head_dim = check_quantized_cache(k_data, k_scales, v_data, v_scales)
+    fmt, head_dim = check_quantized_cache(k_data, k_scales, v_data, v_scales, "num_blocks, kv_heads, block_size")
     if k_data.shape[2] not in PAGED_BLOCK_SIZES:
         raise ValueError(f"block_size (k_data's dimension 2) must be one of {PAGED_BLOCK_SIZES}, got {k_data.shape[2]}")
     return fmt, head_dim
