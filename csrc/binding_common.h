@@ -11,6 +11,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -225,18 +226,17 @@ inline bool disjoint(const torch::stable::Tensor& a, const torch::stable::Tensor
   return a.numel() == 0 || b.numel() == 0 || a_begin + span_bytes(a) <= b_begin || b_begin + span_bytes(b) <= a_begin;
 }
 
-// The device-independent checks of a quantized cache (python_ref/quantize.py): data and scales
-// of keys and values, and lengths; shapes, dtypes, layout, no shared memory. Returns the format
-// and head_dim (values per cached vector). Devices and the slot limit are each binding's to check.
-inline std::pair<KvFormat, int64_t> check_quantized_cache_layout(const torch::stable::Tensor& k_data,
-                                                                 const torch::stable::Tensor& k_scales,
-                                                                 const torch::stable::Tensor& v_data,
-                                                                 const torch::stable::Tensor& v_scales,
-                                                                 const torch::stable::Tensor& lengths) {
+// The device-independent checks of quantized storage (python_ref/quantize.py): data and scales
+// of keys and values, laid out (`dims`, head_dim) = (batch, kv_heads, slots, ...) for a cache or
+// (num_blocks, kv_heads, block_size, ...) for a paged pool; shapes, dtypes, layout, no shared
+// memory. Returns the format and head_dim (values per cached vector).
+inline std::pair<KvFormat, int64_t> check_quantized_storage(const torch::stable::Tensor& k_data,
+                                                            const torch::stable::Tensor& k_scales,
+                                                            const torch::stable::Tensor& v_data,
+                                                            const torch::stable::Tensor& v_scales, const char* dims) {
   using torch::headeronly::ScalarType;
   using torch::stable::Tensor;
-  STD_TORCH_CHECK(k_data.dim() == 4, "k_data must be (batch, kv_heads, slots, head_dim bytes), got shape ",
-                  shape_of(k_data));
+  STD_TORCH_CHECK(k_data.dim() == 4, "k_data must be (", dims, ", head_dim bytes), got shape ", shape_of(k_data));
   STD_TORCH_CHECK(v_data.dim() == 4 && v_data.sizes().equals(k_data.sizes()), "v_data must have k_data's shape ",
                   shape_of(k_data), ", got ", shape_of(v_data));
   STD_TORCH_CHECK(v_data.scalar_type() == k_data.scalar_type(), "v_data must be ", dtype_name(k_data.scalar_type()),
@@ -255,10 +255,8 @@ inline std::pair<KvFormat, int64_t> check_quantized_cache_layout(const torch::st
     const bool shape_ok = int4 ? t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(2) == S &&
                                      t->size(3) == D / kInt4Group && (t->size(3) == 1 || t->stride(3) == 1)
                                : t->dim() == 3 && t->size(0) == B && t->size(1) == H && t->size(2) == S;
-    STD_TORCH_CHECK(
-        shape_ok, name, " must be ",
-        int4 ? "(batch, kv_heads, slots, head_dim / 32) with contiguous groups" : "(batch, kv_heads, slots)", " for ",
-        shape_of(k_data), " data, got ", shape_of(*t));
+    STD_TORCH_CHECK(shape_ok, name, " must be (", dims, int4 ? ", head_dim / 32) with contiguous groups" : ")", " for ",
+                    shape_of(k_data), " data, got ", shape_of(*t));
     STD_TORCH_CHECK(t->scalar_type() == scale_type, name, " must be ", dtype_name(scale_type), ", got ",
                     dtype_name(t->scalar_type()));
   }
@@ -272,11 +270,40 @@ inline std::pair<KvFormat, int64_t> check_quantized_cache_layout(const torch::st
       STD_TORCH_CHECK(disjoint(*written[i], *written[j]),
                       "k_data, k_scales, v_data and v_scales must not share memory");
   }
-  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "lengths must have shape (", B, ",), got ",
-                  shape_of(lengths));
-  STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
-                  dtype_name(lengths.scalar_type()));
   return {format, D};
+}
+
+// check_quantized_storage of a quantized cache (batch, kv_heads, slots, ...), and its lengths.
+// Devices and the slot limit are each binding's to check.
+inline std::pair<KvFormat, int64_t> check_quantized_cache_layout(const torch::stable::Tensor& k_data,
+                                                                 const torch::stable::Tensor& k_scales,
+                                                                 const torch::stable::Tensor& v_data,
+                                                                 const torch::stable::Tensor& v_scales,
+                                                                 const torch::stable::Tensor& lengths) {
+  const auto format_and_head_dim =
+      check_quantized_storage(k_data, k_scales, v_data, v_scales, "batch, kv_heads, slots");
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == k_data.size(0), "lengths must have shape (", k_data.size(0),
+                  ",), got ", shape_of(lengths));
+  STD_TORCH_CHECK(lengths.scalar_type() == torch::headeronly::ScalarType::Long, "lengths must be int64, got ",
+                  dtype_name(lengths.scalar_type()));
+  return format_and_head_dim;
+}
+
+// check_quantized_storage of a quantized paged pool (num_blocks, kv_heads, block_size, ...) and
+// its block size. Returns the format, head_dim and log2(block_size).
+inline std::tuple<KvFormat, int64_t, int64_t> check_quantized_pool_layout(const torch::stable::Tensor& k_data,
+                                                                          const torch::stable::Tensor& k_scales,
+                                                                          const torch::stable::Tensor& v_data,
+                                                                          const torch::stable::Tensor& v_scales) {
+  const auto [format, D] =
+      check_quantized_storage(k_data, k_scales, v_data, v_scales, "num_blocks, kv_heads, block_size");
+  const int64_t block_size = k_data.size(2);
+  STD_TORCH_CHECK(block_size_supported(block_size),
+                  "block_size (k_data's dimension 2) must be a power of two from 1 to ", kMaxBlockSize, ", got ",
+                  block_size);
+  int64_t shift = 0;
+  while ((int64_t{1} << shift) < block_size) ++shift;
+  return {format, D, shift};
 }
 
 // append_kv_quantized's new keys/values against a quantized cache of head_dim D: shapes, a float

@@ -76,4 +76,19 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
       "decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, "
       "Tensor lengths, int? window=None, float? scale=None, float? softcap=None, Tensor? sinks=None) "
       "-> (Tensor, Tensor)");
+
+  // The paged forms of the two quantized ops: pools of codes k_data/v_data [num_blocks, kv_heads,
+  // block_size, head_dim] (head_dim / 2 bytes for int4) and scales k_scales/v_scales float32
+  // [num_blocks, kv_heads, block_size] or float16 [num_blocks, kv_heads, block_size, head_dim /
+  // 32], the quantized layout with blocks in place of rows; block_tables, lengths, new_counts and
+  // the refusals as for paged_append_kv / paged_decode_attention. The append quantizes exactly as
+  // append_kv_quantized; the attention is decode_attention_quantized's over the positions the
+  // tables hold, the quantized kernel in its block-table address mode.
+  m.def(
+      "paged_append_kv_quantized(Tensor(a!) k_data, Tensor(b!) k_scales, Tensor(c!) v_data, Tensor(d!) v_scales, "
+      "Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths, Tensor? new_counts=None) -> ()");
+  m.def(
+      "paged_decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, "
+      "Tensor block_tables, Tensor lengths, int? window=None, float? scale=None, float? softcap=None, "
+      "Tensor? sinks=None) -> (Tensor out, Tensor lse)");
 }

@@ -3,7 +3,7 @@
 ``KVCache`` drops into any model that speaks python_ref's cache protocol; ``append_kv`` and
 ``decode_attention`` are the ops behind it (``append_kv_quantized`` and
 ``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``; ``paged_append_kv`` and
-``paged_decode_attention`` for block pools); ``capabilities(device)`` is the table of what the
+``paged_decode_attention`` for block pools, their ``_quantized`` forms for quantized ones); ``capabilities(device)`` is the table of what the
 kernels support. ``PagedKVCache`` keeps many sequences in one pool of blocks (shared
 copy-on-write, prompt prefixes cached); ``Engine`` serves many requests at once on it
 (continuous batching). Without a loadable native library the package warns once and runs the same API
@@ -21,7 +21,9 @@ from .ops import (
     decode_attention_quantized,
     gather_rows,
     paged_append_kv,
+    paged_append_kv_quantized,
     paged_decode_attention,
+    paged_decode_attention_quantized,
 )
 from .paged import BlockPool, PagedKVCache, PoolExhaustedError
 
@@ -38,6 +40,8 @@ __all__ = [
     "decode_attention_quantized",
     "paged_append_kv",
     "paged_decode_attention",
+    "paged_append_kv_quantized",
+    "paged_decode_attention_quantized",
     "build_info",
     "capabilities",
     "Capabilities",

@@ -50,6 +50,9 @@ class Capabilities:
     # Block sizes the native paged ops take on this device; empty: no paged kernel here, and the
     # paged ops run python_ref's paged reference (same semantics and checks, PAGED_BLOCK_SIZES).
     paged_block_sizes: tuple[int, ...]
+    # Quantized formats the native paged ops store on this device; the others run python_ref's
+    # paged quantized reference (same semantics and checks).
+    paged_kv_formats: tuple[str, ...]
 
     @property
     def native(self) -> bool:
@@ -114,6 +117,7 @@ def kernel_table(device_type: str) -> Capabilities:
         max_group=table["max_group"],
         kv_formats=tuple(table["kv_formats"]),
         paged_block_sizes=tuple(size for size in PAGED_BLOCK_SIZES if size <= table["paged_max_block_size"]),
+        paged_kv_formats=tuple(table["paged_kv_formats"]),
     )
 
 
@@ -130,6 +134,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         max_group=None,
         kv_formats=FORMATS,
         paged_block_sizes=(),
+        paged_kv_formats=(),
     )
 
 
@@ -143,12 +148,16 @@ def _paged_sizes(sizes: tuple[int, ...]) -> str:
     return f"powers of two from {sizes[0]} to {sizes[-1]}"
 
 
+def _paged_formats(formats: tuple[str, ...]) -> str:
+    return ", ".join(formats) if formats else "none (python_ref's paged quantized reference runs)"
+
+
 def limits_markdown() -> str:
     """README's limits table, rendered from the kernels' own tables (a test compares the two)."""
     rows = [
         "| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots "
-        "| quantized `kv_dtype` | paged `block_size` |",
-        "|---|---|---|---|---|---|---|---|",
+        "| quantized `kv_dtype` | paged `block_size` | paged quantized `kv_dtype` |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for table in (kernel_table("cpu"), kernel_table("cuda"), python_fallback_table("cpu")):
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in table.dtypes)
@@ -161,7 +170,8 @@ def limits_markdown() -> str:
         rows.append(
             f"| {table.kernels} | {dtypes} | {head_dim} | {group} | 0 to {_power_of_two(table.max_length)} "
             f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} "
-            f"| {_paged_sizes(table.paged_block_sizes)} |"
+            f"| {_paged_sizes(table.paged_block_sizes)} "
+            f"| {_paged_formats(table.paged_kv_formats)} |"
         )
     return "\n".join(rows)
 

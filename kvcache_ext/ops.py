@@ -290,12 +290,13 @@ def kv_format_of(data: torch.Tensor) -> str:
     return fmt
 
 
-def check_quantized_cache(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
-    """Shapes, dtypes, layout and device of a quantized cache against the capability table;
-    returns its format and head_dim."""
+def check_quantized_cache(k_data, k_scales, v_data, v_scales, dims="batch, kv_heads, slots") -> tuple[str, int]:
+    """Shapes, dtypes, layout and device of a quantized cache (or, with ``dims`` "num_blocks,
+    kv_heads, block_size", of a paged pool) against the capability table; returns its format and
+    head_dim."""
     fmt = kv_format_of(k_data)
     if k_data.dim() != 4:
-        raise ValueError(f"k_data must be (batch, kv_heads, slots, head_dim bytes), got shape {tuple(k_data.shape)}")
+        raise ValueError(f"k_data must be ({dims}, head_dim bytes), got shape {tuple(k_data.shape)}")
     if v_data.shape != k_data.shape or v_data.dtype != k_data.dtype:
         raise ValueError(
             f"v_data must match k_data {k_data.dtype} {tuple(k_data.shape)}, got {v_data.dtype} {tuple(v_data.shape)}"
@@ -522,5 +523,113 @@ if _native.available:
         q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
     ):
         _check_one_device(q, k_pool, v_pool, block_tables, lengths, sinks)
+        B, H_q, T, _ = q.shape
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+
+
+# ---- quantized paged pools ------------------------------------------------------------------
+# The quantized layout with blocks in place of rows (python_ref/paged.py's "quantized pools"): codes
+# k_data/v_data (num_blocks, kv_heads, block_size, head_dim or head_dim / 2) and scales k_scales/
+# v_scales (num_blocks, kv_heads, block_size[, head_dim / 32]). Shapes, dtypes and devices are checked
+# here, the values of lengths, new_counts and table entries by whatever runs the op, as for the plain
+# paged ops above. Where the device's paged kernels do not store the format
+# (capabilities().paged_kv_formats), python_ref's paged quantized reference runs.
+
+
+def check_quantized_pool(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
+    """Shapes, dtypes, block size, head_dim, layout and device of a quantized pool against the
+    capability table; returns its format and head_dim."""
+    fmt, head_dim = check_quantized_cache(k_data, k_scales, v_data, v_scales, "num_blocks, kv_heads, block_size")
+    if k_data.shape[2] not in PAGED_BLOCK_SIZES:
+        raise ValueError(f"block_size (k_data's dimension 2) must be one of {PAGED_BLOCK_SIZES}, got {k_data.shape[2]}")
+    return fmt, head_dim
+
+
+def _paged_quantized_native(k_data: torch.Tensor, fmt: str) -> bool:
+    table = capabilities(k_data.device)
+    return fmt in table.paged_kv_formats and k_data.shape[2] in table.paged_block_sizes
+
+
+def paged_append_kv_quantized(
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+) -> None:
+    """:func:`paged_append_kv` into a quantized pool: token ``t < new_counts[b]`` of row ``b`` is
+    quantized into codes and scales at position ``lengths[b] + t`` through the block tables, exactly
+    as :func:`append_kv_quantized` quantizes (``python_ref.quantize.quantize``). Same refusals as
+    :func:`paged_append_kv`, before anything is written."""
+    fmt, _ = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    paged.check_paged_append_quantized_arguments(
+        k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+    )
+    if _paged_quantized_native(k_data, fmt):
+        torch.ops.kvcache_ext.paged_append_kv_quantized(
+            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+        )
+    else:
+        paged.paged_append_quantized_reference(
+            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+        )
+
+
+def paged_decode_attention_quantized(
+    q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+):
+    """:func:`paged_decode_attention` over a quantized pool, dequantized in the kernel's registers:
+    ``python_ref.paged.paged_quantized_attention_reference``. ``q`` float32, bfloat16 or float16;
+    returns ``(out, lse)`` (``out`` in q's dtype)."""
+    fmt, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be (batch, q_heads, num_new, head_dim={D}), got shape {tuple(q.shape)}")
+    paged.check_block_tables(block_tables, q.shape[0], k_data.device)
+    capacity = block_tables.shape[1] * k_data.shape[2]  # positions a table holds
+    check_queries(q, q.shape[0], k_data.shape[1], capacity, D, k_data.device, window, scale, softcap, sinks)
+    check_lengths(lengths, q.shape[0], k_data.device)
+    if not _paged_quantized_native(k_data, fmt):
+        out, lse = paged.paged_quantized_attention_reference(
+            q,
+            k_data,
+            k_scales,
+            v_data,
+            v_scales,
+            block_tables,
+            lengths,
+            window,
+            scale,
+            return_lse=True,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        return out, lse.float()
+    return torch.ops.kvcache_ext.paged_decode_attention_quantized(
+        q,
+        k_data,
+        k_scales,
+        v_data,
+        v_scales,
+        block_tables,
+        lengths,
+        window,
+        None if scale is None else float(scale),
+        None if softcap is None else float(softcap),
+        None if sinks is None else sinks.float(),
+    )
+
+
+if _native.available:
+
+    @torch.library.register_fake("kvcache_ext::paged_append_kv_quantized")
+    def _paged_append_kv_quantized_fake(
+        k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+    ):
+        _check_one_device(k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts)
+        return None
+
+    @torch.library.register_fake("kvcache_ext::paged_decode_attention_quantized")
+    def _paged_decode_attention_quantized_fake(
+        q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+    ):
+        _check_one_device(q, k_data, k_scales, v_data, v_scales, block_tables, lengths, sinks)
         B, H_q, T, _ = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)

@@ -25,8 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from python_ref import quantize as quant
+
 from .capabilities import PAGED_BLOCK_SIZES, capabilities
-from .ops import paged_append_kv, paged_decode_attention
+from . import quantized
+from .ops import (
+    paged_append_kv,
+    paged_append_kv_quantized,
+    paged_decode_attention,
+    paged_decode_attention_quantized,
+)
 
 
 class PoolExhaustedError(RuntimeError):
@@ -295,6 +303,12 @@ class PagedKVCache:
     Without ``schedule`` (``python_ref.generate`` knows nothing of sequences), a cache holding no
     sequence takes its rows from the first step: ``B`` new sequences with ids ``0 .. B-1``.
     ``reset()`` frees every sequence (cached prefixes stay findable).
+
+    ``kv_dtype`` (None: keys/values stored in ``dtype``) stores them quantized, ``"int8"``,
+    ``"fp8_e4m3"`` or ``"int4"`` (``python_ref/quantize.py``), as ``KVCache(kv_dtype=...)`` does: then
+    ``k``/``v`` hold the codes, ``(num_layers, num_blocks, kv_heads, block_size, head_dim)`` (head_dim / 2
+    bytes for int4), and ``k_scale``/``v_scale`` their scales, which copy-on-write copies with them;
+    ``dtype`` stays that of q, k, v and the attention output.
     """
 
     def __init__(
@@ -306,6 +320,7 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        kv_dtype=None,
     ):
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -315,11 +330,23 @@ class PagedKVCache:
         table.check_head_dim(head_dim)
         if block_size not in PAGED_BLOCK_SIZES:  # what the paged ops take, on every device
             raise ValueError(f"block_size must be one of {PAGED_BLOCK_SIZES}, got {block_size!r}")
+        self.kv_dtype = None if kv_dtype is None else quantized.kv_format(kv_dtype)
+        if self.kv_dtype is not None:
+            quantized.check_kv_format(self.kv_dtype, dtype, head_dim, device)
         self.pool = BlockPool(num_blocks, block_size)
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
+        self.dtype = dtype
         shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if self.kv_dtype is None:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.k_scale = self.v_scale = None
+        else:
+            codes_shape, scale_shape = quant.data_shape(self.kv_dtype, shape), quant.scale_shape(self.kv_dtype, shape)
+            self.k = torch.zeros(codes_shape, dtype=quant.storage_dtype(self.kv_dtype), device=device)
+            self.v = torch.zeros(codes_shape, dtype=quant.storage_dtype(self.kv_dtype), device=device)
+            self.k_scale = torch.zeros(scale_shape, dtype=quant.scale_dtype(self.kv_dtype), device=device)
+            self.v_scale = torch.zeros(scale_shape, dtype=quant.scale_dtype(self.kv_dtype), device=device)
         self._rows: list = []
         self._new_tokens: list[list[int]] | None = None  # what the next step feeds each row, if known
         self._step = None  # during a step: (T, block tables, lengths before) on the device
@@ -403,8 +430,8 @@ class PagedKVCache:
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != expected:
                 raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {expected}, got {tuple(t.shape)}")
-            if t.dtype != self.k.dtype or t.device != self.k.device:
-                raise TypeError(f"{name} must be {self.k.dtype} on {self.k.device}, got {t.dtype} on {t.device}")
+            if t.dtype != self.dtype or t.device != self.k.device:
+                raise TypeError(f"{name} must be {self.dtype} on {self.k.device}, got {t.dtype} on {t.device}")
         if q.dim() != 4 or q.shape[0] != batch or q.shape[2:] != (num_new, self.head_dim) or q.shape[1] % self.kv_heads:
             raise ValueError(
                 f"q must have shape (B={batch}, H_q (a multiple of {self.kv_heads}), T={num_new}, "
@@ -419,10 +446,15 @@ class PagedKVCache:
             self._rows = list(range(batch))
             self._reserve(num_new)
             num_new, block_tables, lengths_before = self._step
-        paged_append_kv(self.k[layer], self.v[layer], k, v, block_tables, lengths_before)
-        out, _ = paged_decode_attention(
-            q, self.k[layer], self.v[layer], block_tables, lengths_before + num_new, scale=scale
-        )
+        if self.kv_dtype is None:
+            paged_append_kv(self.k[layer], self.v[layer], k, v, block_tables, lengths_before)
+            out, _ = paged_decode_attention(
+                q, self.k[layer], self.v[layer], block_tables, lengths_before + num_new, scale=scale
+            )
+            return out
+        pools = (self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer])
+        paged_append_kv_quantized(*pools, k, v, block_tables, lengths_before)
+        out, _ = paged_decode_attention_quantized(q, *pools, block_tables, lengths_before + num_new, scale=scale)
         return out
 
     def finish_step(self) -> None:
@@ -441,7 +473,8 @@ class PagedKVCache:
 
     # -- memory ---------------------------------------------------------------------------------
     def bytes_allocated(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes of the pools, scales included."""
+        return sum(t.numel() * t.element_size() for t in self._pools())
 
     def bytes_used(self) -> int:
         """Bytes of the blocks sequences use (each shared block counted once)."""
@@ -449,6 +482,10 @@ class PagedKVCache:
         return self.bytes_allocated() // self.pool.num_blocks * in_use
 
     # -------------------------------------------------------------------------------------------
+    def _pools(self) -> list[torch.Tensor]:
+        """Every tensor that holds the blocks: keys and values (codes), and their scales if quantized."""
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
     def _check_between_steps(self, operation: str) -> None:
         if self._step is not None:
             raise RuntimeError(f"{operation}() inside a step: call it before start_step() or after finish_step()")
@@ -459,8 +496,8 @@ class PagedKVCache:
         copies = self.pool.reserve({seq_id: num_new for seq_id in self._rows})
         if copies:
             sources, targets = (torch.tensor(ids, device=self.k.device) for ids in zip(*copies))
-            self.k[:, targets] = self.k[:, sources]
-            self.v[:, targets] = self.v[:, sources]
+            for pool in self._pools():  # codes as bytes: float8 indexing is not implemented everywhere
+                quantized.as_bytes(pool)[:, targets] = quantized.as_bytes(pool)[:, sources]
         tables = [self.pool.block_table(seq_id) for seq_id in self._rows]
         width = max(len(table) for table in tables)
         # Entries past a row's last block are never read: any valid id will do.

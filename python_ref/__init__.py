@@ -7,12 +7,19 @@ from .generate import generate
 from .gpt2 import GPT2_CONFIGS, GPT2Config, GPTModel, build_gpt2
 from .llama import LLAMA_CONFIGS, Llama3RopeScaling, LlamaConfig, LlamaModel, build_llama
 from .llama_weights import load_llama
-from .paged import paged_append_reference, paged_attention_reference
+from .paged import (
+    paged_append_quantized_reference,
+    paged_append_reference,
+    paged_attention_reference,
+    paged_quantized_attention_reference,
+)
 
 __all__ = [
     "reference_attention",
+    "paged_append_quantized_reference",
     "paged_append_reference",
     "paged_attention_reference",
+    "paged_quantized_attention_reference",
     "CacheOverflowError",
     "ConcatCache",
     "NoCache",

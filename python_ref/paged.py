@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from . import quantize
 from .attention import reference_attention
 
 BLOCK_TABLE_DTYPES = (torch.int32, torch.int64)
@@ -176,20 +177,25 @@ def check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, wi
     """Shapes, dtypes and devices of ``paged_attention_reference``'s arguments (not the values of
     ``lengths`` and ``block_tables``)."""
     _check_pool(k_pool, v_pool)
-    H_kv, D = k_pool.shape[1], k_pool.shape[3]
-    if q.dim() != 4 or q.shape[3] != D:
-        raise ValueError(f"q must be (batch, q_heads, num_new, head_dim={D}), got shape {tuple(q.shape)}")
-    if q.device != k_pool.device:
-        raise ValueError(f"q must be on the pool's device {k_pool.device}, got {q.device}")
+    _check_queries(q, k_pool.shape[1], k_pool.shape[3], k_pool.device, block_tables, lengths, window)
+
+
+def _check_queries(q, kv_heads, head_dim, device, block_tables, lengths, window) -> None:
+    """q against a pool of ``kv_heads`` heads of ``head_dim`` values on ``device``, the window, and
+    the shapes of the tables and lengths."""
+    if q.dim() != 4 or q.shape[3] != head_dim:
+        raise ValueError(f"q must be (batch, q_heads, num_new, head_dim={head_dim}), got shape {tuple(q.shape)}")
+    if q.device != device:
+        raise ValueError(f"q must be on the pool's device {device}, got {q.device}")
     B, H_q, T, _ = q.shape
-    if H_kv == 0 or H_q == 0 or H_q % H_kv:
-        raise ValueError(f"query heads ({H_q}) must be a positive multiple of KV heads ({H_kv})")
+    if kv_heads == 0 or H_q == 0 or H_q % kv_heads:
+        raise ValueError(f"query heads ({H_q}) must be a positive multiple of KV heads ({kv_heads})")
     if T < 1:
         raise ValueError("q must hold at least one new token")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
-    check_block_tables(block_tables, B, k_pool.device)
-    _check_lengths(lengths, B, k_pool.device)
+    check_block_tables(block_tables, B, device)
+    _check_lengths(lengths, B, device)
 
 
 def _check_attention_values(q, k_pool, block_tables, lengths, window) -> None:
@@ -241,19 +247,150 @@ def paged_attention_reference(
     """
     check_paged_attention_arguments(q, k_pool, v_pool, block_tables, lengths, window)
     _check_attention_values(q, k_pool, block_tables, lengths, window)
-    block_size = k_pool.shape[2]
-    T = q.shape[2]
+    gather = _row_gather(q.shape[2], k_pool.shape[2], block_tables, lengths, window)
+    return reference_attention(
+        q, gather(k_pool), gather(v_pool), lengths, window, scale, return_lse=return_lse, softcap=softcap, sinks=sinks
+    )
+
+
+def _bytes(codes: torch.Tensor) -> torch.Tensor:
+    # float8 codes move as bytes: indexing and torch.where are not implemented for float8 everywhere.
+    return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+
+
+def _row_gather(T, block_size, block_tables, lengths, window):
+    """The function that gathers a pool (num_blocks, H_kv, block_size, ...) into rows (B, H_kv,
+    positions, ...) where slot p holds position p of the row. Positions no query sees (before the
+    window, past the row's end) are zeroed rather than read: they may hold anything, NaN included,
+    and a masked NaN would still poison the weighted sum."""
     blocks_needed = max(1, -(-int(lengths.max()) // block_size)) if len(lengths) else 1
-    capacity = block_tables.shape[1] * block_size
-    first, end = _read_range(lengths, T, window, capacity)
-    j = torch.arange(blocks_needed, device=q.device).view(1, -1)
+    first, end = _read_range(lengths, T, window, block_tables.shape[1] * block_size)
+    j = torch.arange(blocks_needed, device=lengths.device).view(1, -1)
     read = (j * block_size < end.view(-1, 1)) & ((j + 1) * block_size > first.view(-1, 1))
     ids = torch.where(read, block_tables[:, :blocks_needed].long(), 0)
-    # (B, blocks, H_kv, block_size, D) -> (B, H_kv, blocks * block_size, D). Positions no query
-    # sees (before the window, past the row's end) are zeroed rather than read: they may hold
-    # anything, NaN included, and a masked NaN would still poison the weighted sum.
-    position = torch.arange(blocks_needed * block_size, device=q.device).view(1, 1, -1, 1)
-    seen = (position >= first.view(-1, 1, 1, 1)) & (position < end.view(-1, 1, 1, 1))
-    k = torch.where(seen, k_pool[ids].transpose(1, 2).flatten(2, 3), 0)
-    v = torch.where(seen, v_pool[ids].transpose(1, 2).flatten(2, 3), 0)
-    return reference_attention(q, k, v, lengths, window, scale, return_lse=return_lse, softcap=softcap, sinks=sinks)
+    position = torch.arange(blocks_needed * block_size, device=lengths.device).view(1, 1, -1)
+    seen = (position >= first.view(-1, 1, 1)) & (position < end.view(-1, 1, 1))  # (B, 1, positions)
+
+    def gather(pool):
+        rows = _bytes(pool)[ids].transpose(1, 2).flatten(2, 3)  # (B, blocks, H_kv, block_size, ...) -> rows
+        mask = seen.view(*seen.shape, *([1] * (rows.dim() - 3)))
+        return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).view(pool.dtype)
+
+    return gather
+
+
+# ---- quantized pools ---------------------------------------------------------------------------
+# The quantized layout of python_ref/quantize.py with blocks in place of rows: per layer, codes
+# k_data/v_data (num_blocks, H_kv, block_size, D) (D / 2 bytes for int4) and scales k_scales/v_scales
+# (num_blocks, H_kv, block_size) float32 or (num_blocks, H_kv, block_size, D / 32) float16. Block
+# tables, lengths and new_counts mean what they mean above; the append quantizes with
+# ``quantize.quantize`` and the attention is ``quantize.reference_quantized_attention`` on the
+# gathered codes and scales, so a paged quantized pool and a contiguous quantized cache holding the
+# same codes agree by construction.
+
+
+def check_quantized_pool(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
+    """Shapes, dtypes and devices of a quantized pool; returns its format and head_dim."""
+    fmt = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.uint8: "int4"}.get(k_data.dtype)
+    if fmt is None:
+        raise TypeError(f"k_data must be int8 (int8), float8_e4m3fn (fp8_e4m3) or uint8 (int4), got {k_data.dtype}")
+    _check_pool(k_data, v_data)
+    num_blocks, H, block_size, row = k_data.shape
+    head_dim = 2 * row if fmt == "int4" else row
+    quantize.check_head_dim(fmt, head_dim)
+    expected = quantize.scale_shape(fmt, (num_blocks, H, block_size, head_dim))
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if tuple(t.shape) != expected or t.dtype != quantize.scale_dtype(fmt):
+            raise ValueError(
+                f"{name} must be {quantize.scale_dtype(fmt)} of shape {expected} (num_blocks, kv_heads, block_size"
+                f"{', head_dim / 32' if fmt == 'int4' else ''}) for {fmt}, got {t.dtype} of shape {tuple(t.shape)}"
+            )
+        if t.device != k_data.device:
+            raise ValueError(f"{name} must be on the pool's device {k_data.device}, got {t.device}")
+    return fmt, head_dim
+
+
+def check_paged_append_quantized_arguments(
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+) -> None:
+    """Shapes, dtypes and devices of ``paged_append_quantized_reference``'s arguments (not the values
+    of ``lengths``, ``new_counts`` and ``block_tables``)."""
+    _, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    H = k_data.shape[1]
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t.dim() != 4 or t.shape[1] != H or t.shape[3] != D or t.shape != k_new.shape:
+            raise ValueError(
+                f"k_new and v_new must both be (batch, kv_heads={H}, num_new, head_dim={D}), got "
+                f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"
+            )
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.dtype != k_new.dtype:
+            raise TypeError(
+                f"k_new and v_new must share float32, bfloat16 or float16, got {k_new.dtype}, {v_new.dtype}"
+            )
+        if t.device != k_data.device:
+            raise ValueError(f"{name} must be on the pool's device {k_data.device}, got {t.device}")
+    B = k_new.shape[0]
+    check_block_tables(block_tables, B, k_data.device)
+    _check_lengths(lengths, B, k_data.device)
+    if new_counts is not None:
+        _check_lengths(new_counts, B, k_data.device, "new_counts")
+
+
+def paged_append_quantized_reference(
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+) -> None:
+    """:func:`paged_append_reference` into a quantized pool: token ``t < new_counts[b]`` of row ``b``
+    is quantized (``quantize.quantize``) into codes and scales at position ``lengths[b] + t``, in place.
+    The same refusals, before anything is written."""
+    check_paged_append_quantized_arguments(
+        k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+    )
+    fmt, _ = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    counts = _check_append_values(k_data, k_new, block_tables, lengths, new_counts)
+    block_size = k_data.shape[2]
+    T = k_new.shape[2]
+    rows, t = (torch.arange(T, device=k_data.device).view(1, -1) < counts.view(-1, 1)).nonzero(as_tuple=True)
+    positions = lengths[rows] + t
+    blocks = block_tables[rows, positions // block_size].long()
+    offsets = positions % block_size
+    for data, scales, new in ((k_data, k_scales, k_new), (v_data, v_scales, v_new)):
+        codes, new_scales = quantize.quantize(new[rows, :, t], fmt)  # (tokens, H_kv, ...)
+        _bytes(data)[blocks, :, offsets] = _bytes(codes)
+        scales[blocks, :, offsets] = new_scales
+
+
+def paged_quantized_attention_reference(
+    q,
+    k_data,
+    k_scales,
+    v_data,
+    v_scales,
+    block_tables,
+    lengths,
+    window=None,
+    scale=None,
+    return_lse=False,
+    softcap=None,
+    sinks=None,
+):
+    """:func:`paged_attention_reference` over a quantized pool: the codes and scales of the positions
+    some query sees are gathered into the contiguous quantized layout (slot ``p`` holds position
+    ``p``; the others hold zero codes and scales), then ``quantize.reference_quantized_attention``."""
+    fmt, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    _check_queries(q, k_data.shape[1], D, k_data.device, block_tables, lengths, window)
+    _check_attention_values(q, k_data, block_tables, lengths, window)
+    gather = _row_gather(q.shape[2], k_data.shape[2], block_tables, lengths, window)
+    return quantize.reference_quantized_attention(
+        q,
+        gather(k_data),
+        gather(k_scales),
+        gather(v_data),
+        gather(v_scales),
+        lengths,
+        fmt,
+        window=window,
+        scale=scale,
+        return_lse=return_lse,
+        softcap=softcap,
+        sinks=sinks,
+    )

@@ -1,5 +1,6 @@
 """PagedKVCache and its BlockPool: reference counts, copy-on-write, prefix caching, LRU recycling,
-exhaustion that changes nothing, memory accounting, attention and generation parity."""
+exhaustion that changes nothing, memory accounting, attention and generation parity; quantized
+pools (kv_dtype) against the contiguous quantized cache and in the Engine."""
 
 import random
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext import BlockPool, PagedKVCache, PoolExhaustedError
+from kvcache_ext import BlockPool, Engine, KVCache, PagedKVCache, PoolExhaustedError
 from python_ref import build_gpt2, build_llama, generate, reference_attention
+from python_ref.quantize import FORMATS, data_shape, scale_dtype, scale_shape, storage_dtype
 
 
 @pytest.fixture(autouse=True)
@@ -399,3 +401,137 @@ def test_generate_on_a_pool_too_small_for_the_batch_raises_and_creates_nothing()
     prompt = torch.tensor([[1, 2, 3]])
     expected = generate(model, prompt, 5, cache=kvcache_ext.KVCache(**kv, batch_size=1, max_cache_len=8))
     assert torch.equal(generate(model, prompt, 5, cache=cache), expected)  # 7 tokens: 2 blocks
+
+
+# ---- PagedKVCache(kv_dtype=...) ---------------------------------------------------------------------
+
+
+def byte_view(t):
+    """float8 codes as bytes (indexing float8 is not implemented everywhere); other tensors unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def same_bits(a, b):
+    a, b = a.contiguous(), b.contiguous()
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def empty_quantized_cache(fmt, H, S, D):
+    """One row of a contiguous quantized cache: k_data, k_scales, v_data, v_scales."""
+    shape = (1, H, S, D)
+    codes = [torch.zeros(data_shape(fmt, shape), dtype=torch.uint8).view(storage_dtype(fmt)) for _ in "kv"]
+    scales = [torch.zeros(scale_shape(fmt, shape), dtype=scale_dtype(fmt)) for _ in "kv"]
+    return [codes[0], scales[0], codes[1], scales[1]]
+
+
+# head_dim 32: the smallest int4 takes (one scale per group of 32)
+QUANTIZABLE_MODELS = {
+    "gpt2": lambda: build_gpt2("tiny", seed=0, n_heads=2, vocab_size=512),
+    "llama": lambda: build_llama("llama-tiny", seed=0, head_dim=32, vocab_size=512),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("model_name,block_size", [("gpt2", 4), ("llama", 8)])
+def test_generate_gives_the_tokens_of_the_contiguous_quantized_cache(fmt, model_name, block_size):
+    model = QUANTIZABLE_MODELS[model_name]()
+    prompt = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(0))
+    contiguous = KVCache(**model.kv_shape, batch_size=3, max_cache_len=32, kv_dtype=fmt)
+    expected = generate(model, prompt, 20, cache=contiguous)
+    kv = model.kv_shape
+    cache = PagedKVCache(
+        kv["num_layers"], kv["kv_heads"], kv["head_dim"], 3 * 32 // block_size, block_size, kv_dtype=fmt
+    )
+    assert cache.k.dtype == storage_dtype(fmt) and cache.k_scale.dtype == scale_dtype(fmt)
+    assert torch.equal(generate(model, prompt, 20, cache=cache), expected)
+    # The same quantization: the tokens' codes and scales are the contiguous cache's, bit for bit. The
+    # native kernel attends alike in both layouts; python_ref's attention (the fallback) sums over the
+    # slots of each layout, so there a later layer's keys may differ in the last bit: layer 0 only.
+    layers = slice(None) if kvcache_ext.native_available() else slice(0, 1)
+    for seq in range(3):
+        n, table = cache.pool.length(seq), cache.pool.block_table(seq)
+        assert n == int(contiguous.lengths[seq]) == 26
+        for pool, rows in ((cache.k, contiguous.k), (cache.v_scale, contiguous.v_scale)):
+            held = byte_view(pool)[layers, table].transpose(1, 2).flatten(2, 3)[:, :, :n]  # (layers, H, positions, ...)
+            assert same_bits(held, byte_view(rows)[layers, seq, :, :n])
+
+
+def test_fork_copies_scales_with_codes():
+    """A forked sequence shares its blocks until one writes into the shared, partly filled one: that
+    copy takes the scales with the codes, so both sequences keep attending to their own tokens."""
+    fmt, H, D = "int4", 2, 64
+    cache = PagedKVCache(1, H, D, num_blocks=8, block_size=4, kv_dtype=fmt)
+    gen = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(1, H, 6, D, generator=gen), torch.randn(1, H, 6, D, generator=gen)
+    cache.add_sequence("a")
+    cache.schedule(["a"])
+    cache.start_step(6)
+    cache.attend(0, torch.randn(1, H, 6, D), k0, v0)
+    cache.finish_step()
+    cache.fork("a", "b")
+    k1, v1 = torch.randn(2, H, 1, D, generator=gen), torch.randn(2, H, 1, D, generator=gen)
+    q = torch.randn(2, H, 1, D, generator=gen)
+    cache.schedule(["a", "b"])
+    cache.start_step(1)
+    out = cache.attend(0, q, k1, v1)
+    cache.finish_step()
+    assert cache.pool.block_table("a")[0] == cache.pool.block_table("b")[0]  # the full block stays shared
+    assert cache.pool.block_table("a")[1] != cache.pool.block_table("b")[1]  # the partly filled one was copied
+    for row in range(2):
+        contiguous = empty_quantized_cache(fmt, H, 8, D)
+        kvcache_ext.append_kv_quantized(*contiguous, k0, v0, torch.tensor([0]))
+        kvcache_ext.append_kv_quantized(*contiguous, k1[row : row + 1], v1[row : row + 1], torch.tensor([6]))
+        expected, _ = kvcache_ext.decode_attention_quantized(q[row : row + 1], *contiguous, torch.tensor([7]))
+        assert torch.equal(out[row : row + 1], expected)
+
+
+def test_bytes_allocated_counts_scales():
+    H, D, num_blocks, block_size = 2, 128, 10, 4
+    plain = PagedKVCache(2, H, D, num_blocks, block_size, dtype=torch.bfloat16)
+    for fmt, code_bytes, scale_bytes in (("int8", 128, 4), ("fp8_e4m3", 128, 4), ("int4", 64, 8)):
+        cache = PagedKVCache(2, H, D, num_blocks, block_size, dtype=torch.bfloat16, kv_dtype=fmt)
+        storages = sum(t.untyped_storage().nbytes() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale))
+        assert cache.bytes_allocated() == storages == 2 * 2 * num_blocks * H * block_size * (code_bytes + scale_bytes)
+        assert cache.bytes_allocated() / plain.bytes_allocated() == (code_bytes + scale_bytes) / 256
+    with pytest.raises(ValueError, match="int4 needs head_dim a multiple of 32"):
+        PagedKVCache(2, H, 48, num_blocks, block_size, kv_dtype="int4")
+    with pytest.raises(ValueError, match="kv_dtype must be"):
+        PagedKVCache(2, H, D, num_blocks, block_size, kv_dtype="int2")
+
+
+@pytest.mark.parametrize("model_name", sorted(QUANTIZABLE_MODELS))
+def test_engine_on_a_quantized_pool_gives_each_request_its_tokens_alone(model_name):
+    """Requests joining, finishing, sharing a prompt prefix's blocks and being preempted when the small
+    pool runs out: each gets the tokens it gets alone on the contiguous quantized cache."""
+    model = QUANTIZABLE_MODELS[model_name]()
+    fmt = "int8" if model_name == "gpt2" else "int4"
+    gen = torch.Generator().manual_seed(3)
+    system = torch.randint(0, 512, (12,), generator=gen).tolist()
+    prompts = [
+        (system if i % 2 else []) + torch.randint(0, 512, (1 + 3 * i % 13,), generator=gen).tolist() for i in range(12)
+    ]
+    max_new = [24 if i % 5 == 0 else 1 + 5 * i % 9 for i in range(12)]
+    kv = model.kv_shape
+    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 16, block_size=4, kv_dtype=fmt)
+    engine = Engine(model, cache, chunk_size=8)
+    outputs = engine.generate(prompts, max_new_tokens=max_new)
+    assert engine.preemptions > 0 and engine.reused_tokens > 0
+    for prompt, n, got in zip(prompts, max_new, outputs):
+        alone = KVCache(**kv, batch_size=1, max_cache_len=len(prompt) + n, kv_dtype=fmt)
+        assert got == generate(model, torch.tensor([prompt]), n, cache=alone)[0, len(prompt) :].tolist()
+
+
+def test_refused_quantized_step_changes_no_byte():
+    cache = PagedKVCache(LAYERS, KV_HEADS, 32, num_blocks=4, block_size=4, kv_dtype="fp8_e4m3")
+    cache.add_sequence("a")
+    cache.schedule(["a"])
+    cache.start_step(3)
+    pools = [byte_view(t).clone() for t in (cache.k, cache.k_scale, cache.v, cache.v_scale)]
+    q, new = torch.randn(1, Q_HEADS, 3, 32), torch.randn(1, KV_HEADS, 3, 32)
+    with pytest.raises(TypeError, match="must be torch.float32"):
+        cache.attend(0, q, new.half(), new)  # the cache's dtype, not its storage, is what k must have
+    with pytest.raises(ValueError, match="q must have shape"):
+        cache.attend(0, q[:, :, :2], new, new)
+    assert all(torch.equal(byte_view(t), p) for t, p in zip((cache.k, cache.k_scale, cache.v, cache.v_scale), pools))
+    cache.attend(0, q, new, new)  # the refused calls left the step usable
+    assert not torch.equal(byte_view(cache.k), pools[0])

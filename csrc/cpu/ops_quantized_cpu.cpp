@@ -1,6 +1,7 @@
-// CPU implementations of the quantized-cache ops catalogued in csrc/ops.cpp: every check before
-// any byte is written, the quantizer (bit for bit python_ref/quantize.py) and the launch of the
-// quantized decode-attention kernel on the shared thread schedule.
+// CPU implementations of the quantized-cache ops catalogued in csrc/ops.cpp, contiguous and paged:
+// every check before any byte is written (paged_rows.h's for block tables, as the plain paged ops
+// do), the quantizer (bit for bit python_ref/quantize.py) and the launch of the quantized
+// decode-attention kernel, in either address mode, on the shared thread schedule.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -19,6 +20,7 @@
 #include "../binding_common.h"
 #include "attention_schedule.h"
 #include "cpu_isa.h"
+#include "paged_rows.h"
 #include "quantized_problem.h"
 
 namespace kvcache_ext::cpu {
@@ -113,10 +115,6 @@ void quantize_vector(KvFormat format, const float* x, int64_t D, void* data, voi
 
 // ---- checks ---------------------------------------------------------------------------------
 
-void check_cpu(const Tensor& t, const char* what) {
-  STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");
-}
-
 // The quantized cache, on the CPU: data and scales of keys and values, and lengths. Returns the
 // format and head_dim (values per cached vector).
 std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const Tensor& k_scales, const Tensor& v_data,
@@ -127,7 +125,7 @@ std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const T
   for (const auto& [t, name] :
        {std::pair{&k_data, "k_data"}, std::pair{&k_scales, "k_scales"}, std::pair{&v_data, "v_data"},
         std::pair{&v_scales, "v_scales"}, std::pair{&lengths, "lengths"}})
-    check_cpu(*t, name);
+    check_cpu_tensor(*t, name);
   return format_and_head_dim;
 }
 
@@ -143,15 +141,13 @@ float element_as_float(const void* base, ElemType elem, int64_t index) {
 
 // ---- ops ------------------------------------------------------------------------------------
 
-void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
-                         Tensor lengths) {
-  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
-  const int64_t B = k_data.size(0), H = k_data.size(1), S = k_data.size(2);
-  const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
-  check_cpu(k_new, "k_new");
-  check_cpu(v_new, "v_new");
-  const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
-
+// Quantizes token t < count(b) of k_new/v_new [batch, kv_heads, num_new, head_dim] of every row b
+// into data/scales [outer, kv_heads, slots, ...] at (outer, slot) = place(b, t): the row and a
+// ring slot for a cache, a block and an offset for a paged pool. The places are all distinct.
+template <typename CountOf, typename Place>
+void quantize_into(KvFormat format, int64_t D, Tensor& k_data, Tensor& k_scales, Tensor& v_data, Tensor& v_scales,
+                   const Tensor& k_new, const Tensor& v_new, CountOf count_of, Place place) {
+  const int64_t B = k_new.size(0), H = k_new.size(1), T = k_new.size(2);
   const ElemType elem = elem_type_of(k_new, "k_new");
   const int64_t scale_size = format == KvFormat::kInt4 ? 2 : 4;
   struct Side {
@@ -174,24 +170,78 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
        {v_scales.stride(0), v_scales.stride(1), v_scales.stride(2)},
        {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
   };
-  // One work item per (K or V, row, head): T vectors of D values each.
+  // One work item per (K or V, row, head): up to T vectors of D values each.
   torch::stable::parallel_for(
       0, 2 * B * H, std::max<int64_t>(1, 1024 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t end) {
         float x[kMaxHeadDim];
         for (int64_t item = begin; item < end; ++item) {
           const Side& side = sides[item / (B * H)];
           const int64_t b = (item % (B * H)) / H, h = item % H;
-          for (int64_t t = 0; t < T; ++t) {
-            const int64_t slot = (len[b] % S + t) % S;  // len[b] + t could exceed int64
+          for (int64_t t = 0, count = count_of(b); t < count; ++t) {
+            const auto [outer, slot] = place(b, t);
             const int64_t src = b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2];
             for (int64_t d = 0; d < D; ++d) x[d] = element_as_float(side.src, elem, src + d * side.src_stride[3]);
-            char* data = side.data + b * side.data_stride[0] + h * side.data_stride[1] + slot * side.data_stride[2];
+            char* data = side.data + outer * side.data_stride[0] + h * side.data_stride[1] + slot * side.data_stride[2];
             char* scales =
                 side.scales +
-                (b * side.scale_stride[0] + h * side.scale_stride[1] + slot * side.scale_stride[2]) * scale_size;
+                (outer * side.scale_stride[0] + h * side.scale_stride[1] + slot * side.scale_stride[2]) * scale_size;
             quantize_vector(format, x, D, data, scales);
           }
         }
+      });
+}
+
+void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
+                         Tensor lengths) {
+  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  const int64_t S = k_data.size(2);
+  const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
+  check_cpu_tensor(k_new, "k_new");
+  check_cpu_tensor(v_new, "v_new");
+  const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
+  quantize_into(
+      format, D, k_data, k_scales, v_data, v_scales, k_new, v_new, [T](int64_t) { return T; },
+      [&](int64_t b, int64_t t) {
+        return std::pair{b, (len[b] % S + t) % S};  // len[b] + t could exceed int64
+      });
+}
+
+// The quantized pool pair on the CPU; returns the format, head_dim and log2(block_size).
+std::tuple<KvFormat, int64_t, int64_t> check_quantized_pool(const Tensor& k_data, const Tensor& k_scales,
+                                                            const Tensor& v_data, const Tensor& v_scales) {
+  const auto layout = check_quantized_pool_layout(k_data, k_scales, v_data, v_scales);
+  for (const auto& [t, name] : {std::pair{&k_data, "k_data"}, std::pair{&k_scales, "k_scales"},
+                                std::pair{&v_data, "v_data"}, std::pair{&v_scales, "v_scales"}})
+    check_cpu_tensor(*t, name);
+  return layout;
+}
+
+void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new,
+                               Tensor v_new, Tensor block_tables, Tensor lengths, std::optional<Tensor> new_counts) {
+  const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
+  const int64_t num_blocks = k_data.size(0), H = k_data.size(1);
+  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == D && t->sizes().equals(k_new.sizes()),
+                    "k_new and v_new must both be (batch, kv_heads=", H, ", num_new, head_dim=", D, "), got ",
+                    shape_of(k_new), " and ", shape_of(v_new));
+    elem_type_of(*t, name);
+    check_cpu_tensor(*t, name);
+  }
+  STD_TORCH_CHECK(v_new.scalar_type() == k_new.scalar_type(), "v_new must be ", dtype_name(k_new.scalar_type()),
+                  " like k_new, got ", dtype_name(v_new.scalar_type()));
+  const int64_t B = k_new.size(0), T = k_new.size(2);
+  check_block_tables(block_tables, B, shift);
+  check_cpu_tensor(block_tables, "block_tables");
+  check_row_vector(lengths, B, "lengths");
+  if (new_counts.has_value()) check_row_vector(*new_counts, B, "new_counts");
+  const PagedRows written = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
+  const int64_t in_block = (int64_t{1} << shift) - 1;
+  quantize_into(
+      format, D, k_data, k_scales, v_data, v_scales, k_new, v_new,
+      [&](int64_t b) { return written.end[b] - written.len[b]; },
+      [&](int64_t b, int64_t t) {
+        const int64_t pos = written.len[b] + t;
+        return std::pair{written.ids[b * written.width + (pos >> shift)], pos & in_block};
       });
 }
 
@@ -207,27 +257,22 @@ PartialAttentionFn quantized_kernel(KvFormat format, int64_t head_dim) {
   }
 }
 
-std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
-                                                      Tensor v_scales, Tensor lengths, std::optional<int64_t> window,
-                                                      std::optional<double> scale, std::optional<double> softcap,
-                                                      std::optional<Tensor> sinks) {
-  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
-  check_cpu(q, "q");
-  const int64_t B = k_data.size(0), H_kv = k_data.size(1), S = k_data.size(2);
-  const int64_t H_q = q.size(1), T = q.size(2);
-  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
-                  ") to match the cache, got ", shape_of(q));
-  const ElemType elem = elem_type_of(q, "q");
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  check_new_tokens_fit(T, S);
-  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
-                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  const float checked = checked_scale(scale, D);
-  check_softcap_and_sinks(softcap, sinks, q);
-  const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
+// Where a quantized attention's cache rows live: a row's own slots (block_ids null), or a paged
+// pool through checked block ids (attention_problem.h's address modes).
+struct QuantizedAddressing {
+  int64_t slots;
+  const int64_t* block_ids;
+  int64_t blocks_per_row, block_shift;
+};
 
+// Launches the quantized kernel over checked arguments: len holds each row's checked length.
+std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat format, int64_t D, const Tensor& k_data,
+                                                   const Tensor& k_scales, const Tensor& v_data, const Tensor& v_scales,
+                                                   const std::vector<int64_t>& len, const QuantizedAddressing& at,
+                                                   std::optional<int64_t> window, float scale,
+                                                   std::optional<double> softcap, const std::optional<Tensor>& sinks) {
+  const ElemType elem = elem_type_of(q, "q");
+  const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
   // The queries widened to float once (they are a few KB; the cache is what is large).
   std::vector<float> q_float(static_cast<size_t>(B * H_q * T * D));
   const void* q_base = q.const_data_ptr();
@@ -243,16 +288,19 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
   p.k_cache = k_data.const_data_ptr();
   p.v_cache = v_data.const_data_ptr();
   p.lengths = len.data();
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
+  p.batch = B, p.q_heads = H_q, p.kv_heads = k_data.size(1), p.num_new = T, p.head_dim = D, p.slots = at.slots;
   for (int i = 0; i < 3; ++i) {
     p.k_stride[i] = k_data.stride(i), p.v_stride[i] = v_data.stride(i);
     p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
   }
   p.window = std::min(window.value_or(0), kMaxLength);
-  p.scale = checked;
+  p.scale = scale;
   p.softcap = static_cast<float>(softcap.value_or(0.0));
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  p.block_ids = at.block_ids;
+  p.blocks_per_row = at.blocks_per_row;
+  p.block_shift = at.block_shift;
   p.format = format;
   p.q_float = q_float.data();
   p.k_scales = k_scales.const_data_ptr();
@@ -265,10 +313,63 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
   return {out, lse};
 }
 
+// q against kv_heads KV heads of head_dim D, and the attention options.
+void check_quantized_queries(const Tensor& q, int64_t H_kv, std::optional<int64_t> window,
+                             std::optional<double> softcap, const std::optional<Tensor>& sinks) {
+  elem_type_of(q, "q");
+  const int64_t H_q = q.size(1), T = q.size(2);
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
+                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  check_softcap_and_sinks(softcap, sinks, q);
+}
+
+std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
+                                                      Tensor v_scales, Tensor lengths, std::optional<int64_t> window,
+                                                      std::optional<double> scale, std::optional<double> softcap,
+                                                      std::optional<Tensor> sinks) {
+  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
+  check_cpu_tensor(q, "q");
+  const int64_t B = k_data.size(0), S = k_data.size(2);
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
+                  ") to match the cache, got ", shape_of(q));
+  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
+  check_new_tokens_fit(q.size(2), S);
+  const float checked = checked_scale(scale, D);
+  const std::vector<int64_t> len = row_lengths(lengths, q.size(2), "the tokens of each row, the new ones included");
+  return run_quantized_attention(q, format, D, k_data, k_scales, v_data, v_scales, len, {S, nullptr, 0, 0}, window,
+                                 checked, softcap, sinks);
+}
+
+std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
+                                                            Tensor v_scales, Tensor block_tables, Tensor lengths,
+                                                            std::optional<int64_t> window, std::optional<double> scale,
+                                                            std::optional<double> softcap,
+                                                            std::optional<Tensor> sinks) {
+  const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
+  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
+                  shape_of(q));
+  check_cpu_tensor(q, "q");
+  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
+  const int64_t B = q.size(0), T = q.size(2);
+  check_block_tables(block_tables, B, shift);
+  check_cpu_tensor(block_tables, "block_tables");
+  check_row_vector(lengths, B, "lengths");
+  const float checked = checked_scale(scale, D);
+  const PagedRows read = paged_read_rows(block_tables, lengths, T, window, shift, k_data.size(0));
+  return run_quantized_attention(q, format, D, k_data, k_scales, v_data, v_scales, read.len,
+                                 {block_tables.size(1) << shift, read.ids.data(), read.width, shift}, window, checked,
+                                 softcap, sinks);
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("append_kv_quantized", TORCH_BOX(&kvcache_ext::cpu::append_kv_quantized));
   m.impl("decode_attention_quantized", TORCH_BOX(&kvcache_ext::cpu::decode_attention_quantized));
+  m.impl("paged_append_kv_quantized", TORCH_BOX(&kvcache_ext::cpu::paged_append_kv_quantized));
+  m.impl("paged_decode_attention_quantized", TORCH_BOX(&kvcache_ext::cpu::paged_decode_attention_quantized));
 }

@@ -18,80 +18,13 @@
 #include "attention_problem.h"
 #include "attention_schedule.h"
 #include "cpu_isa.h"
+#include "paged_rows.h"
 
 namespace kvcache_ext::cpu {
 namespace {
 
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
-
-void check_cpu(const Tensor& t, const char* what) {
-  STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");
-}
-
-void check_row_vector(const Tensor& t, int64_t batch, const char* what) {
-  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == ScalarType::Long, what,
-                  " must be int64 of shape (", batch, ",), got ", dtype_name(t.scalar_type()), " of shape ",
-                  shape_of(t));
-  check_cpu(t, what);
-}
-
-// The block ids of the table entries that cover positions [first[b], end[b]) of each row, dense
-// [batch, width] (width: the most entries any row uses; entries outside a row's range stay 0 and
-// are never used), each checked to be a block id in [0, num_blocks). `what`: what the op does
-// with the block, for the error.
-struct UsedBlocks {
-  std::vector<int64_t> ids;
-  int64_t width;
-};
-
-UsedBlocks used_blocks(const Tensor& block_tables, const std::vector<int64_t>& first, const std::vector<int64_t>& end,
-                       int64_t shift, int64_t num_blocks, const char* what) {
-  const int64_t B = block_tables.size(0);
-  int64_t width = 0;
-  for (int64_t b = 0; b < B; ++b)
-    if (end[b] > first[b]) width = std::max(width, ((end[b] - 1) >> shift) + 1);
-  UsedBlocks used{std::vector<int64_t>(static_cast<size_t>(B * width), 0), width};
-  const bool wide = block_tables.scalar_type() == ScalarType::Long;
-  const void* data = block_tables.const_data_ptr();
-  for (int64_t b = 0; b < B; ++b) {
-    if (end[b] <= first[b]) continue;
-    for (int64_t j = first[b] >> shift; j <= (end[b] - 1) >> shift; ++j) {
-      const int64_t at = b * block_tables.stride(0) + j * block_tables.stride(1);
-      const int64_t id = wide ? static_cast<const int64_t*>(data)[at] : static_cast<const int32_t*>(data)[at];
-      STD_TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id, " is not a block id in [0, ",
-                      num_blocks, ") but row ", b, " ", what, " it");
-      used.ids[b * width + j] = id;
-    }
-  }
-  return used;
-}
-
-// Refuses two written positions in one (block, offset): rows writing a shared block would race
-// (copy-on-write is the caller's job). Each used entry writes one range of offsets of its block.
-void check_distinct_writes(const UsedBlocks& written, const std::vector<int64_t>& first,
-                           const std::vector<int64_t>& end, int64_t shift) {
-  struct Span {
-    int64_t block, begin, end, row, entry;  // offsets [begin, end) within the block
-  };
-  std::vector<Span> spans;
-  for (int64_t b = 0; b < static_cast<int64_t>(first.size()); ++b) {
-    if (end[b] <= first[b]) continue;
-    for (int64_t j = first[b] >> shift; j <= (end[b] - 1) >> shift; ++j) {
-      const int64_t base = j << shift;
-      spans.push_back({written.ids[b * written.width + j], std::max(first[b], base) - base,
-                       std::min(end[b], base + (int64_t{1} << shift)) - base, b, j});
-    }
-  }
-  std::sort(spans.begin(), spans.end(),
-            [](const Span& x, const Span& y) { return x.block != y.block ? x.block < y.block : x.begin < y.begin; });
-  for (size_t i = 1; i < spans.size(); ++i) {
-    const Span &a = spans[i - 1], &c = spans[i];
-    STD_TORCH_CHECK(a.block != c.block || c.begin >= a.end, "block ", c.block, " would be written twice: by row ",
-                    a.row, " (table entry ", a.entry, ") and row ", c.row, " (table entry ", c.entry,
-                    "); give each written block one owner (copy-on-write is the caller's job)");
-  }
-}
 
 void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths,
                      std::optional<Tensor> new_counts) {
@@ -103,30 +36,18 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
                     shape_of(k_new), " and ", shape_of(v_new));
     STD_TORCH_CHECK(t->scalar_type() == k_pool.scalar_type(), name, " must be ", dtype_name(k_pool.scalar_type()),
                     " like the pool, got ", dtype_name(t->scalar_type()));
-    check_cpu(*t, name);
+    check_cpu_tensor(*t, name);
   }
-  check_cpu(k_pool, "k_pool");
-  check_cpu(v_pool, "v_pool");
+  check_cpu_tensor(k_pool, "k_pool");
+  check_cpu_tensor(v_pool, "v_pool");
   const int64_t B = k_new.size(0), T = k_new.size(2);
   check_block_tables(block_tables, B, shift);
-  check_cpu(block_tables, "block_tables");
+  check_cpu_tensor(block_tables, "block_tables");
   check_row_vector(lengths, B, "lengths");
   if (new_counts.has_value()) check_row_vector(*new_counts, B, "new_counts");
 
-  const int64_t capacity = block_tables.size(1) << shift;
-  std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
-  std::vector<int64_t> end(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    STD_TORCH_CHECK(len[b] <= capacity, "lengths must count the tokens already in each row: at most ", capacity,
-                    " (max_blocks_per_row x block_size), got ", len[b], " for row ", b);
-    const int64_t count = new_counts.has_value() ? new_counts->const_data_ptr<int64_t>()[b * new_counts->stride(0)] : T;
-    STD_TORCH_CHECK(count >= 0 && count <= T && count <= capacity - len[b], "row ", b, " holds ", len[b], " of the ",
-                    capacity, " positions its table has room for and cannot take ", count,
-                    " new tokens (new tokens per row: between 0 and ", T, ", within the table)");
-    end[b] = len[b] + count;
-  }
-  const UsedBlocks written = used_blocks(block_tables, len, end, shift, num_blocks, "writes");
-  check_distinct_writes(written, len, end, shift);
+  const PagedRows written = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
+  const std::vector<int64_t>&len = written.len, &end = written.end;
 
   const int64_t elem = static_cast<int64_t>(k_pool.element_size()), in_block = (int64_t{1} << shift) - 1;
   struct Side {
@@ -185,32 +106,22 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   check_block_tables(block_tables, B, shift);
   check_row_vector(lengths, B, "lengths");
-  check_cpu(q, "q");
-  check_cpu(k_pool, "k_pool");
-  check_cpu(v_pool, "v_pool");
-  check_cpu(block_tables, "block_tables");
+  check_cpu_tensor(q, "q");
+  check_cpu_tensor(k_pool, "k_pool");
+  check_cpu_tensor(v_pool, "v_pool");
+  check_cpu_tensor(block_tables, "block_tables");
   check_softcap_and_sinks(softcap, sinks, q);
   const float checked = checked_scale(scale, D);
 
   const int64_t capacity = block_tables.size(1) << shift;
-  const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
-  // Positions some query of a row sees: [first, len). Blocks before first are never read (a
-  // sliding-window cache may have released them).
-  const int64_t reach = std::min(window.value_or(capacity), capacity);
-  std::vector<int64_t> first(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    STD_TORCH_CHECK(len[b] <= capacity, "lengths must count the tokens of each row: at most ", capacity,
-                    " (max_blocks_per_row x block_size), got ", len[b], " for row ", b);
-    first[b] = std::max<int64_t>(0, len[b] - T - reach + 1);
-  }
-  const UsedBlocks read = used_blocks(block_tables, first, len, shift, num_blocks, "reads");
+  const PagedRows read = paged_read_rows(block_tables, lengths, T, window, shift, num_blocks);
 
   AttentionProblem p{};
   p.elem = elem_type_of(q, "q");
   p.q = q.const_data_ptr();
   p.k_cache = k_pool.const_data_ptr();
   p.v_cache = v_pool.const_data_ptr();
-  p.lengths = len.data();
+  p.lengths = read.len.data();
   p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = capacity;
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_pool.stride(i), p.v_stride[i] = v_pool.stride(i);

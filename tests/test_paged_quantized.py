@@ -1,0 +1,537 @@
+"""Quantized paged pools: paged_append_kv_quantized and paged_decode_attention_quantized against the
+contiguous quantized ops on the same tokens (bit for bit), python_ref's quantizer and paged quantized
+reference, and the float64 oracle; refused inputs change no byte; a fuzz of block tables.
+PagedKVCache(kv_dtype=...) is tested in test_paged_cache.py."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import kvcache_ext
+from attention_oracle import attention_float64, attention_plain
+from python_ref import (
+    paged_append_quantized_reference,
+    paged_quantized_attention_reference,
+)
+from python_ref.quantize import FORMATS, data_shape, dequantize, quantize, scale_dtype, scale_shape, storage_dtype
+
+pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}
+REFUSALS = (ValueError, TypeError, IndexError)
+WRAPPER_REFUSALS = (*REFUSALS, RuntimeError)  # the binding checks the values of lengths and tables
+
+
+def byte_view(t):
+    """float8 codes as bytes (indexing float8 is not implemented everywhere); other tensors unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def same_bits(a, b):
+    a, b = a.contiguous(), b.contiguous()
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def garbage_pool(fmt, num_blocks, H, block_size, D):
+    """Codes of random bytes (NaN codes among fp8's) and NaN scales: anything read outside the rows shows."""
+    shape = (num_blocks, H, block_size, D)
+    codes = torch.randint(0, 256, data_shape(fmt, shape), dtype=torch.uint8).view(storage_dtype(fmt))
+    scales = torch.full(scale_shape(fmt, shape), float("nan"), dtype=scale_dtype(fmt))
+    return codes, scales
+
+
+def paged_layout(fmt, contiguous, lengths, block_size, spare_blocks=3, table_dtype=torch.int32):
+    """The codes and scales of a contiguous quantized cache (k_data, k_scales, v_data, v_scales), (B, H, S,
+    ...), copied into pools through block tables with the blocks in random order among spare ones;
+    everything else in the pools is garbage, table entries past a row's need are -1."""
+    k_data = contiguous[0]
+    B, H = k_data.shape[:2]
+    D = 2 * k_data.shape[3] if fmt == "int4" else k_data.shape[3]
+    needed = [-(-int(n) // block_size) for n in lengths]
+    num_blocks = sum(needed) + spare_blocks
+    ids = torch.randperm(num_blocks)
+    table = torch.full((B, max(needed) + 1), -1, dtype=table_dtype)
+    pools = [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
+    used = 0
+    for b in range(B):
+        for j in range(needed[b]):
+            block = int(ids[used])
+            used += 1
+            table[b, j] = block
+            count = min(block_size, int(lengths[b]) - j * block_size)
+            for pool, source in zip(pools, contiguous):
+                byte_view(pool)[block, :, :count] = byte_view(source)[b, :, j * block_size : j * block_size + count]
+    return pools, table
+
+
+def quantized_tokens(fmt, dtype, batch, kv_heads, group, num_new, head_dim, lengths, non_contiguous):
+    slots = max(lengths)
+    if non_contiguous:  # (B, T, H, D) storage viewed as (B, H, T, D): what a model's transpose gives
+        q = torch.randn(batch, num_new, kv_heads * group, head_dim, dtype=dtype).transpose(1, 2)
+    else:
+        q = torch.randn(batch, kv_heads * group, num_new, head_dim, dtype=dtype)
+    k_data, k_scales = quantize(torch.randn(batch, kv_heads, slots, head_dim) * 2, fmt)
+    v_data, v_scales = quantize(torch.randn(batch, kv_heads, slots, head_dim), fmt)
+    return q, (k_data, k_scales, v_data, v_scales), torch.tensor(lengths)
+
+
+def check_paged_quantized_attention(fmt, q, contiguous, lengths, block_size, window=None, **options):
+    pools, table = paged_layout(fmt, contiguous, lengths, block_size)
+    out, lse = kvcache_ext.paged_decode_attention_quantized(q, *pools, table, lengths, window=window, **options)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    # The contiguous quantized op on the same codes: one kernel body visits the same positions in the
+    # same order, so the results are the same bits.
+    expected, expected_lse = kvcache_ext.decode_attention_quantized(q, *contiguous, lengths, window=window, **options)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    reference, reference_lse = paged_quantized_attention_reference(
+        q, *pools, table, lengths, window=window, return_lse=True, **options
+    )
+    k64 = dequantize(contiguous[0], contiguous[1], fmt, torch.float64)
+    v64 = dequantize(contiguous[2], contiguous[3], fmt, torch.float64)
+    exact = attention_float64(q, k64, v64, lengths, window, **options)
+    plain = attention_plain(q, k64.to(q.dtype), v64.to(q.dtype), lengths, window, **options)
+    paged_error = (out.double() - exact).abs().max().item()
+    plain_error = (plain.double() - exact).abs().max().item()
+    assert paged_error <= 2 * plain_error + 1e-5, (paged_error, plain_error)
+    reference_error = (reference.double() - exact).abs().max().item()
+    assert reference_error <= 2 * plain_error + 1e-5, (reference_error, plain_error)
+    torch.testing.assert_close(lse, reference_lse.float(), atol=1e-4, rtol=1e-5)
+
+
+# format x head_dim x (GQA group, new tokens, window, block size): each value of each next to each
+# other one somewhere; odd head_dims and lengths, non-contiguous q by turns.
+COMBINATIONS = [(1, 1, None, 16), (3, 1, 5, 1), (1, 3, 5, 16), (3, 3, None, 1)]
+GRID = [
+    (fmt, head_dim, *combination)
+    for fmt, head_dim in [("int8", 40), ("fp8_e4m3", 24), ("int4", 64), ("int8", 128), ("int4", 96)]
+    for combination in COMBINATIONS
+]
+GRID += [("fp8_e4m3", 256, 2, 1, None, 256), ("int4", 256, 8, 2, 40, 4), ("int8", 8, 5, 4, None, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt,head_dim,group,num_new,window,block_size", GRID)
+def test_paged_quantized_attention_parity(fmt, dtype, head_dim, group, num_new, window, block_size):
+    non_contiguous = (head_dim + group + num_new) % 2 == 1
+    lengths = [num_new, 37, 161]  # the shortest a row can be, one that ends inside a block, a longer one
+    q, contiguous, lengths = quantized_tokens(fmt, dtype, 3, 2, group, num_new, head_dim, lengths, non_contiguous)
+    check_paged_quantized_attention(fmt, q, contiguous, lengths, block_size, window)
+
+
+@pytest.fixture(params=list(ISAS))
+def isa(request):
+    chosen = torch.ops.kvcache_ext.select_cpu_isa(ISAS[request.param])
+    try:
+        if chosen != ISAS[request.param]:
+            pytest.skip(f"this CPU has no {request.param}")
+        yield request.param
+    finally:
+        torch.ops.kvcache_ext.select_cpu_isa(2)  # back to the best the CPU has
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_cpu_code_path(isa, fmt):
+    for dtype, (head_dim, group, num_new, window, block_size) in zip(
+        DTYPES, [(64, 1, 1, None, 8), (96, 4, 3, 6, 2), (32, 2, 2, None, 16)]
+    ):
+        q, contiguous, lengths = quantized_tokens(fmt, dtype, 2, 2, group, num_new, head_dim, [num_new + 1, 200], True)
+        check_paged_quantized_attention(fmt, q, contiguous, lengths, block_size, window)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_split_k_softcap_sinks_and_scale(fmt):
+    """One row and KV head over 3000 positions with two threads: split-K over a block table."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, contiguous, lengths = quantized_tokens(fmt, torch.float32, 1, 1, 4, 1, 64, [3001], False)
+        check_paged_quantized_attention(fmt, q, contiguous, lengths, 16)
+        options = dict(softcap=5.0, sinks=torch.linspace(-2.0, 1.0, 4))
+        check_paged_quantized_attention(fmt, q, contiguous, lengths, 16, window=1000, **options)
+        pools, table = paged_layout(fmt, contiguous, lengths, 16)
+        out, _ = kvcache_ext.paged_decode_attention_quantized(q, *pools, table, lengths, scale=0.3)
+        assert torch.equal(out, kvcache_ext.decode_attention_quantized(q, *contiguous, lengths, scale=0.3)[0])
+    finally:
+        torch.set_num_threads(previous)
+
+
+# ---- append --------------------------------------------------------------------------------------
+
+
+def expected_append(pools, k_new, v_new, table, lengths, counts, fmt):
+    """The pools after an append, token by token from the definition, with python_ref's quantizer."""
+    pools = [t.clone() for t in pools]
+    block_size = pools[0].shape[2]
+    for b in range(k_new.shape[0]):
+        for t in range(int(counts[b])):
+            position = int(lengths[b]) + t
+            block, offset = int(table[b, position // block_size]), position % block_size
+            for side, new in ((0, k_new), (2, v_new)):
+                codes, scales = quantize(new[b, :, t], fmt)
+                byte_view(pools[side])[block, :, offset] = byte_view(codes)
+                pools[side + 1][block, :, offset] = scales
+    return pools
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "block_size,non_contiguous,with_counts", [(1, False, True), (4, True, False), (16, True, True)]
+)
+def test_paged_append_codes_are_python_refs(fmt, dtype, block_size, non_contiguous, with_counts):
+    B, H, T, D = 3, 2, 5, 64
+    lengths = torch.tensor([0, 7, 13])
+    counts = torch.tensor([5, 0, 3]) if with_counts else torch.full((B,), T)
+    max_blocks = -(-(13 + T) // block_size)
+    num_blocks = B * max_blocks + 2
+    table = torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    pools = [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
+    scale = torch.tensor(10.0) ** torch.empty(B, H, T, 1).uniform_(-4, 4)  # magnitudes far apart
+    if non_contiguous:
+        k_new = (torch.randn(B, T, H, D) * scale.transpose(1, 2)).to(dtype).transpose(1, 2)
+        v_new = (torch.randn(B, H, D, T) * scale.transpose(2, 3)).to(dtype).transpose(2, 3)  # head_dim strided
+    else:
+        k_new, v_new = (torch.randn(B, H, T, D) * scale).to(dtype), (torch.randn(B, H, T, D) * scale).to(dtype)
+    expected = expected_append(pools, k_new, v_new, table, lengths, counts, fmt)
+    reference = [t.clone() for t in pools]
+    paged_append_quantized_reference(*reference, k_new, v_new, table, lengths, counts if with_counts else None)
+    kvcache_ext.paged_append_kv_quantized(*pools, k_new, v_new, table, lengths, counts if with_counts else None)
+    for got, want, ref in zip(pools, expected, reference):  # NaN scales compared as bits
+        assert same_bits(got, want) and same_bits(ref, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_append_then_attend_equals_the_contiguous_quantized_cache(fmt):
+    """Rows growing by different numbers of tokens per step, in both layouts: the same codes and
+    the same attention, bit for bit."""
+    B, H, D, block_size, steps, T = 3, 2, 64, 4, 4, 6
+    pools = [*garbage_pool(fmt, 40, H, block_size, D), *garbage_pool(fmt, 40, H, block_size, D)]
+    table = torch.randperm(40)[:36].view(B, 12)
+    cache = [*garbage_pool(fmt, B, H, 48, D), *garbage_pool(fmt, B, H, 48, D)]  # (B, H, 48, ...)
+    lengths = torch.zeros(B, dtype=torch.long)
+    for _ in range(steps):
+        counts = torch.randint(2, T + 1, (B,))  # at least the two new tokens each row's queries are
+        k_new, v_new = torch.randn(B, H, T, D, dtype=torch.bfloat16), torch.randn(B, H, T, D, dtype=torch.bfloat16)
+        kvcache_ext.paged_append_kv_quantized(*pools, k_new, v_new, table, lengths, counts)
+        for b in range(B):  # the contiguous op appends all T tokens of a row: one row at a time
+            c = int(counts[b])
+            row = [t[b : b + 1] for t in cache]
+            kvcache_ext.append_kv_quantized(*row, k_new[b : b + 1, :, :c], v_new[b : b + 1, :, :c], lengths[b : b + 1])
+        lengths += counts
+        q = torch.randn(B, 2 * H, 2, D, dtype=torch.bfloat16)
+        out, lse = kvcache_ext.paged_decode_attention_quantized(q, *pools, table, lengths)
+        expected, expected_lse = kvcache_ext.decode_attention_quantized(q, *cache, lengths)
+        assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+
+
+# ---- refusals: nothing changes -------------------------------------------------------------------
+
+
+def pools_of(fmt, num_blocks=8, block_size=4, D=32, H=2):
+    return [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
+
+
+def append_case(fmt="int8", **changes):
+    B, H, T, D = 2, 2, 3, 32
+    k_data, k_scales, v_data, v_scales = pools_of(fmt)
+    case = dict(
+        k_data=k_data,
+        k_scales=k_scales,
+        v_data=v_data,
+        v_scales=v_scales,
+        k_new=torch.randn(B, H, T, D),
+        v_new=torch.randn(B, H, T, D),
+        block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
+        lengths=torch.tensor([2, 5]),
+        new_counts=None,
+    )
+    case.update(changes)
+    return case
+
+
+BAD_APPENDS = {
+    "negative id": dict(block_tables=torch.tensor([[0, -1, 2], [3, 4, 5]], dtype=torch.int32)),
+    "id past the pool": dict(block_tables=torch.tensor([[0, 8, 2], [3, 4, 5]], dtype=torch.int32)),
+    "int64 id past int32": dict(block_tables=torch.tensor([[0, 2**40, 2], [3, 4, 5]])),
+    "block written by two rows": dict(
+        block_tables=torch.tensor([[0, 4, 2], [3, 4, 5]], dtype=torch.int32), lengths=torch.tensor([2, 4])
+    ),
+    "block written twice by one row": dict(
+        k_new=torch.randn(2, 2, 6, 32),
+        v_new=torch.randn(2, 2, 6, 32),
+        block_tables=torch.tensor([[0, 0, 2], [3, 4, 5]], dtype=torch.int32),
+        lengths=torch.tensor([0, 0]),
+    ),
+    "length past the table": dict(lengths=torch.tensor([2, 13])),
+    "negative length": dict(lengths=torch.tensor([-1, 5])),
+    "huge length": dict(lengths=torch.tensor([2, 2**62])),
+    "count above T": dict(new_counts=torch.tensor([4, 0])),
+    "negative count": dict(new_counts=torch.tensor([-1, 0])),
+    "int32 lengths": dict(lengths=torch.tensor([2, 5], dtype=torch.int32)),
+    "float table": dict(block_tables=torch.zeros(2, 3)),
+    "table of wrong batch": dict(block_tables=torch.zeros(3, 3, dtype=torch.int32)),
+    "int8 new tokens": dict(
+        k_new=torch.zeros(2, 2, 3, 32, dtype=torch.int8), v_new=torch.zeros(2, 2, 3, 32, dtype=torch.int8)
+    ),
+    "k_new and v_new of two dtypes": dict(k_new=torch.randn(2, 2, 3, 32, dtype=torch.float16)),
+    "head_dim mismatch": dict(k_new=torch.randn(2, 2, 3, 16), v_new=torch.randn(2, 2, 3, 16)),
+    "scales of the wrong dtype": dict(k_scales=torch.zeros(8, 2, 4, dtype=torch.float16)),
+    "scales of the wrong shape": dict(v_scales=torch.zeros(8, 2, 2)),
+    "float32 codes": dict(k_data=torch.zeros(8, 2, 4, 32), v_data=torch.zeros(8, 2, 4, 32)),
+}
+# Limits of the kernels, not of the semantics: python_ref's reference takes any block size.
+KERNEL_LIMITS = {"block size not a power of two"}
+BAD_APPENDS["block size not a power of two"] = dict(
+    zip(("k_data", "k_scales", "v_data", "v_scales"), pools_of("int8", block_size=3))
+)
+
+
+@pytest.mark.parametrize("name", list(BAD_APPENDS))
+def test_refused_append_changes_no_byte(name):
+    case = append_case(**BAD_APPENDS[name])
+    pools = ("k_data", "k_scales", "v_data", "v_scales")
+    before = [case[p].clone() for p in pools]
+    callers = [
+        (lambda c: kvcache_ext.paged_append_kv_quantized(**c), WRAPPER_REFUSALS),
+        (lambda c: torch.ops.kvcache_ext.paged_append_kv_quantized(*c.values()), RuntimeError),
+    ]
+    if name not in KERNEL_LIMITS:
+        callers.append((lambda c: paged_append_quantized_reference(**c), REFUSALS))
+    for call, errors in callers:
+        with pytest.raises(errors):
+            call(case)
+        assert all(same_bits(case[p], b) for p, b in zip(pools, before))
+
+
+BAD_ATTENTIONS = {
+    "negative id": dict(block_tables=torch.tensor([[-1, 1], [3, 4]], dtype=torch.int32)),
+    "id past the pool": dict(block_tables=torch.tensor([[0, 1], [8, 4]], dtype=torch.int32)),
+    "length below T": dict(lengths=torch.tensor([1, 5])),
+    "length past the table": dict(lengths=torch.tensor([2, 9])),
+    "q heads not a multiple": dict(q=torch.randn(2, 3, 2, 32)),
+    "int8 q": dict(q=torch.zeros(2, 4, 2, 32, dtype=torch.int8)),
+    "q of another head_dim": dict(q=torch.randn(2, 4, 2, 16)),
+    "window zero": dict(window=0),
+    "non-finite scale": dict(scale=math.inf),
+    "int16 table": dict(block_tables=torch.tensor([[0, 1], [3, 4]], dtype=torch.int16)),
+    "int4 scales of float32": dict(fmt="int4", k_scales=torch.zeros(8, 2, 4, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ATTENTIONS))
+def test_refused_attention(name):
+    changes = dict(BAD_ATTENTIONS[name])
+    k_data, k_scales, v_data, v_scales = pools_of(changes.pop("fmt", "int8"))
+    case = dict(
+        q=torch.randn(2, 4, 2, 32),
+        k_data=k_data,
+        k_scales=k_scales.nan_to_num(),
+        v_data=v_data,
+        v_scales=v_scales.nan_to_num(),
+        block_tables=torch.tensor([[0, 1], [3, 4]], dtype=torch.int32),
+        lengths=torch.tensor([2, 5]),
+        window=None,
+        scale=None,
+    )
+    case.update(changes)
+    with pytest.raises(WRAPPER_REFUSALS):
+        kvcache_ext.paged_decode_attention_quantized(**case)
+    with pytest.raises(RuntimeError):
+        torch.ops.kvcache_ext.paged_decode_attention_quantized(*case.values())
+    if name not in ("non-finite scale", "int8 q"):  # like reference_attention, the reference computes with them
+        with pytest.raises(REFUSALS):
+            paged_quantized_attention_reference(**case)
+
+
+# ---- the op contract -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_opcheck(fmt):
+    q, contiguous, lengths = quantized_tokens(fmt, torch.bfloat16, 2, 2, 2, 2, 64, [3, 9], True)
+    pools, table = paged_layout(fmt, contiguous, lengths, 4)
+    pools[1], pools[3] = pools[1].nan_to_num(), pools[3].nan_to_num()  # opcheck compares pools across runs
+    # opcheck's schema test compares tensors with arithmetic that float8 lacks: for fp8 the other three run.
+    checks = (
+        {}
+        if fmt != "fp8_e4m3"
+        else dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    )
+    table = table.clamp(min=0)
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.paged_decode_attention_quantized.default,
+        (q, *pools, table, lengths, 4, None),
+        **checks,
+    )
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.paged_decode_attention_quantized.default,
+        (q, *pools, table, lengths, None, 0.2, 10.0, torch.randn(4)),
+        **checks,
+    )
+    k_new, v_new = torch.randn(2, 2, 3, 64, dtype=torch.bfloat16), torch.randn(2, 2, 3, 64, dtype=torch.bfloat16)
+    fresh = pools_of(fmt, num_blocks=6, D=64)
+    fresh[1], fresh[3] = fresh[1].nan_to_num(), fresh[3].nan_to_num()
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.paged_append_kv_quantized.default,
+        (
+            *fresh,
+            k_new,
+            v_new,
+            torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
+            lengths - 3,
+            torch.tensor([3, 1]),
+        ),
+        **checks,
+    )
+
+
+def test_capabilities_state_the_paged_formats():
+    assert kvcache_ext.capabilities("cpu").paged_kv_formats == FORMATS
+    # No quantized paged CUDA kernel: on CUDA tensors the ops run python_ref's paged quantized reference.
+    assert kvcache_ext.capabilities("cuda").paged_kv_formats == ()
+
+
+def test_a_quantized_paged_step_compiles_without_graph_breaks():
+    B, H, D, block_size = 2, 2, 32, 4
+    pools = pools_of("int4", num_blocks=6, block_size=block_size, D=D)
+    pools[1], pools[3] = pools[1].nan_to_num(), pools[3].nan_to_num()  # compared across the two runs
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32)
+    lengths, counts = torch.tensor([3, 6]), torch.tensor([2, 1])
+    k_new, v_new, q = torch.randn(B, H, 2, D), torch.randn(B, H, 2, D), torch.randn(B, 2 * H, 1, D)
+
+    def step(*pools):
+        kvcache_ext.paged_append_kv_quantized(*pools, k_new, v_new, table, lengths, counts)
+        return kvcache_ext.paged_decode_attention_quantized(q, *pools, table, lengths + counts)
+
+    eager = [t.clone() for t in pools]
+    expected = step(*eager)
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(*pools)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+    assert all(same_bits(a, b) for a, b in zip(pools, eager))
+
+
+# ---- fuzz of block tables --------------------------------------------------------------------------
+
+EXTREME_IDS = [-(2**63), -(2**31), -1, 2**31 - 1, 2**31, 2**63 - 1]
+
+
+@st.composite
+def append_calls(draw):
+    B = draw(st.integers(1, 3))
+    T = draw(st.integers(0, 3))
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    max_blocks = draw(st.integers(0, 4))
+    wide = draw(st.booleans())
+    num_blocks = draw(st.integers(0, B * max_blocks + 2))
+    ids = draw(st.permutations(range(max(num_blocks, B * max_blocks))))
+    table = [list(ids[b * max_blocks : (b + 1) * max_blocks]) for b in range(B)]
+    extremes = [i for i in EXTREME_IDS if wide or -(2**31) <= i < 2**31] + [num_blocks]
+    for _ in range(draw(st.integers(0, 2)) if max_blocks else 0):
+        b, j = draw(st.integers(0, B - 1)), draw(st.integers(0, max_blocks - 1))
+        copy_of = table[draw(st.integers(0, B - 1))][draw(st.integers(0, max_blocks - 1))]
+        table[b][j] = draw(st.sampled_from(extremes + [copy_of]))
+    capacity = max_blocks * block_size
+    bad_lengths = st.sampled_from([-1, capacity + 1, 2**62, -(2**63), 2**63 - 1])
+    lengths = draw(st.lists(st.integers(0, max(capacity - T, 0)) | bad_lengths, min_size=B, max_size=B))
+    counts = st.integers(0, T) | st.sampled_from([-1, T + 1, 2**63 - 1])
+    counts = draw(st.none() | st.lists(counts, min_size=B, max_size=B))
+    return B, T, block_size, num_blocks, table, wide, lengths, counts, draw(st.sampled_from(FORMATS))
+
+
+def valid_append(table, block_size, num_blocks, lengths, counts, T):
+    """Whether the contract accepts the call, from the definition."""
+    written = set()
+    for b, row in enumerate(table):
+        n, c = lengths[b], T if counts is None else counts[b]
+        if n < 0 or not 0 <= c <= T or n + c > len(row) * block_size:
+            return False
+        for position in range(n, n + c):
+            block = row[position // block_size]
+            if not 0 <= block < num_blocks or (block, position % block_size) in written:
+                return False
+            written.add((block, position % block_size))
+    return True
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(append_calls())
+def test_fuzz_append_block_tables(call):
+    B, T, block_size, num_blocks, table, wide, lengths, counts, fmt = call
+    H, D = 1, 32
+    pools = [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
+    k_new, v_new = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32).reshape(B, len(table[0]))
+    lengths_t, counts_t = torch.tensor(lengths), None if counts is None else torch.tensor(counts)
+    accepted = valid_append(table, block_size, num_blocks, lengths, counts, T)
+    event("append accepted" if accepted else "append refused")
+    for call_op, errors in (
+        (kvcache_ext.paged_append_kv_quantized, WRAPPER_REFUSALS),
+        (torch.ops.kvcache_ext.paged_append_kv_quantized, RuntimeError),
+        (paged_append_quantized_reference, REFUSALS),
+    ):
+        got = [t.clone() for t in pools]
+        if accepted:
+            call_op(*got, k_new, v_new, block_tables, lengths_t, counts_t)
+            expected = expected_append(pools, k_new, v_new, block_tables, lengths, counts or [T] * B, fmt)
+        else:
+            with pytest.raises(errors):
+                call_op(*got, k_new, v_new, block_tables, lengths_t, counts_t)
+            expected = pools
+        assert all(same_bits(a, b) for a, b in zip(got, expected))
+
+
+@st.composite
+def attention_calls(draw):
+    """Valid tables (random block orders, shared blocks allowed) with a few entries corrupted."""
+    B = draw(st.integers(1, 3))
+    T = draw(st.integers(1, 3))
+    block_size = draw(st.sampled_from([1, 2, 8]))
+    max_blocks = draw(st.integers(1, 4))
+    num_blocks = draw(st.integers(1, 8))
+    wide = draw(st.booleans())
+    row = st.lists(st.integers(0, num_blocks - 1), min_size=max_blocks, max_size=max_blocks)
+    table = draw(st.lists(row, min_size=B, max_size=B))
+    extremes = [i for i in EXTREME_IDS if wide or -(2**31) <= i < 2**31] + [num_blocks]
+    for _ in range(draw(st.integers(0, 2))):
+        table[draw(st.integers(0, B - 1))][draw(st.integers(0, max_blocks - 1))] = draw(st.sampled_from(extremes))
+    capacity = max_blocks * block_size
+    bad_lengths = st.sampled_from([0, T - 1, capacity + 1, 2**62, -(2**63)])
+    lengths = draw(st.lists(st.integers(min(T, capacity), capacity) | bad_lengths, min_size=B, max_size=B))
+    window = draw(st.none() | st.integers(1, capacity + 2))
+    return T, block_size, num_blocks, table, wide, lengths, window, draw(st.sampled_from(FORMATS))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(attention_calls())
+def test_fuzz_attention_block_tables(call):
+    """Refused exactly when a row's length is out of range or a position some query sees has no valid
+    block; otherwise the reference's result."""
+    T, block_size, num_blocks, table, wide, lengths, window, fmt = call
+    B, D = len(table), 32
+    k_data, k_scales = quantize(torch.randn(num_blocks, 1, block_size, D), fmt)
+    v_data, v_scales = quantize(torch.randn(num_blocks, 1, block_size, D), fmt)
+    block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32)
+    q = torch.randn(B, 2, T, D)
+    seen_from = [0 if window is None else max(0, n - T - window + 1) for n in lengths]
+    readable = all(
+        T <= n <= len(row) * block_size and all(0 <= row[p // block_size] < num_blocks for p in range(first, n))
+        for n, first, row in zip(lengths, seen_from, table)
+    )
+    event("attention accepted" if readable else "attention refused")
+    args = (q, k_data, k_scales, v_data, v_scales, block_tables, torch.tensor(lengths), window)
+    if readable:
+        out, lse = kvcache_ext.paged_decode_attention_quantized(*args)
+        reference, reference_lse = paged_quantized_attention_reference(*args, return_lse=True)
+        torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, reference_lse, atol=2e-5, rtol=1e-5)
+    else:
+        with pytest.raises(WRAPPER_REFUSALS):
+            kvcache_ext.paged_decode_attention_quantized(*args)
+        with pytest.raises(RuntimeError):
+            torch.ops.kvcache_ext.paged_decode_attention_quantized(*args)
+        with pytest.raises(REFUSALS):
+            paged_quantized_attention_reference(*args)
