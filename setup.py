@@ -42,6 +42,7 @@ if x86:
         "csrc/cpu/decode_attention_avx512bf16.cpp",
         "csrc/cpu/quantized_avx2.cpp",
         "csrc/cpu/quantized_avx512.cpp",
+        "csrc/cpu/quantized_avx512bf16.cpp",
     ]
     isas = ["avx512_bf16", "avx512", "avx2", "baseline"]
 # No -march=native: the wheel must run on any CPU of its architecture; the AVX2/AVX-512

@@ -33,8 +33,9 @@ def attention_float64(q, k_cache, v_cache, lengths, window=None, scale=None, sof
     return out
 
 
-def attention_plain(q, k_cache, v_cache, lengths, window=None, softcap=None, sinks=None):
-    """Masked attention computed entirely in the inputs' dtype: plain PyTorch's error baseline."""
+def attention_plain(q, k_cache, v_cache, lengths, window=None, softcap=None, sinks=None, return_lse=False):
+    """Masked attention computed entirely in the inputs' dtype: plain PyTorch's error baseline.
+    With ``return_lse``, also the log-sum-exp of each query's scores, computed in that dtype too."""
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
     keys = k_cache.repeat_interleave(H_q // H_kv, dim=1)
@@ -50,7 +51,7 @@ def attention_plain(q, k_cache, v_cache, lengths, window=None, softcap=None, sin
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is None:
-        return torch.softmax(scores, dim=-1) @ values
-    sink = sinks.to(scores.dtype).view(1, H_q, 1, 1).expand(B, H_q, T, 1)
-    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S] @ values
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, H_q, 1, 1).expand(B, H_q, T, 1)], dim=-1)
+    out = torch.softmax(scores, dim=-1)[..., :S] @ values
+    return (out, torch.logsumexp(scores, dim=-1)) if return_lse else out

@@ -30,6 +30,7 @@ uint32_t& register_of(CpuidValues& cpu, const detail::Feature& feature) {
   switch (feature.reg) {
     case detail::Register::kLeaf1Ecx: return cpu.leaf1_ecx;
     case detail::Register::kLeaf7Ebx: return cpu.leaf7_ebx;
+    case detail::Register::kLeaf7Ecx: return cpu.leaf7_ecx;
     default: return cpu.leaf7_1_eax;
   }
 }

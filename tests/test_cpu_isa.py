@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "csrc" / "cpu" / "cpu_isa.h"
 ISAS = kvcache_ext.CPU_ISAS
 # Linux's /proc/cpuinfo names for the features whose GCC target names differ.
-LINUX_FLAG = {"avx512bf16": "avx512_bf16"}
+LINUX_FLAG = {"avx512bf16": "avx512_bf16", "avx512vnni": "avx512_vnni"}
 X86_LINUX = platform.machine().lower() in ("x86_64", "amd64") and Path("/proc/cpuinfo").exists()
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the decision test")
@@ -46,7 +46,7 @@ def decision_program(tmp_path_factory):
 
 def copy_features(isa):
     """The features a copy is compiled for, from the macro its target pragma uses."""
-    match = re.search(rf'#define KVCACHE_EXT_{isa.upper()}_FEATURES "([^"]*)"', HEADER.read_text())
+    match = re.search(rf'#define KVCACHE_EXT_{isa.upper()}_FEATURES\s*(?:\\\n\s*)?"([^"]*)"', HEADER.read_text())
     return match.group(1).split(",")
 
 

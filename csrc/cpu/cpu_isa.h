@@ -16,8 +16,10 @@
 // report one and not the other and the compiled code uses both.
 #define KVCACHE_EXT_AVX2_FEATURES "avx,avx2,fma,f16c,bmi2"
 #define KVCACHE_EXT_AVX512_FEATURES "avx512f,avx512bw,avx512vl,avx512dq,avx,avx2,fma,f16c,bmi2"
-// AVX-512 and the bfloat16 dot product vdpbf16ps (Cooper Lake, Sapphire Rapids and newer, Zen 4).
-#define KVCACHE_EXT_AVX512_BF16_FEATURES "avx512f,avx512bw,avx512vl,avx512dq,avx,avx2,fma,f16c,bmi2,avx512bf16"
+// AVX-512 with the bfloat16 dot product vdpbf16ps and the int16 one vpdpwssd (VNNI): Cooper Lake,
+// Sapphire Rapids and newer, Zen 4 (every CPU with AVX512-BF16 so far also has AVX512-VNNI).
+#define KVCACHE_EXT_AVX512_BF16_FEATURES \
+  "avx512f,avx512bw,avx512vl,avx512dq,avx,avx2,fma,f16c,bmi2,avx512bf16,avx512vnni"
 
 // `#pragma GCC target(MACRO)` does not expand the macro; _Pragma of a stringified argument does.
 #define KVCACHE_EXT_PRAGMA(text) _Pragma(#text)
@@ -43,6 +45,7 @@ struct CpuidValues {
   uint32_t max_leaf = 0;     // CPUID.(EAX=0):EAX, the highest basic leaf; leaf 7 is valid if >= 7
   uint32_t leaf1_ecx = 0;    // CPUID.(EAX=1):ECX
   uint32_t leaf7_ebx = 0;    // CPUID.(EAX=7,ECX=0):EBX
+  uint32_t leaf7_ecx = 0;    // CPUID.(EAX=7,ECX=0):ECX
   uint32_t leaf7_1_eax = 0;  // CPUID.(EAX=7,ECX=1):EAX; 0 where leaf 7 has no subleaf 1
   uint64_t xcr0 = 0;         // XGETBV(ECX=0): register state the OS saves; read only if OSXSAVE
 };
@@ -56,7 +59,7 @@ constexpr uint64_t kXcr0Avx = (1u << 1) | (1u << 2);
 constexpr uint64_t kXcr0Avx512 = kXcr0Avx | (1u << 5) | (1u << 6) | (1u << 7);
 constexpr uint32_t kLeaf1EcxOsxsave = 1u << 27;  // the OS enabled XGETBV (and so XCR0 is readable)
 
-enum class Register { kLeaf1Ecx, kLeaf7Ebx, kLeaf7Subleaf1Eax };
+enum class Register { kLeaf1Ecx, kLeaf7Ebx, kLeaf7Ecx, kLeaf7Subleaf1Eax };
 
 struct Feature {
   const char* name;  // as GCC's target pragma spells it
@@ -75,6 +78,7 @@ constexpr Feature kFeatures[] = {
     {"avx512dq", Register::kLeaf7Ebx, 17, kXcr0Avx512},
     {"avx512bw", Register::kLeaf7Ebx, 30, kXcr0Avx512},
     {"avx512vl", Register::kLeaf7Ebx, 31, kXcr0Avx512},
+    {"avx512vnni", Register::kLeaf7Ecx, 11, kXcr0Avx512},
     {"avx512bf16", Register::kLeaf7Subleaf1Eax, 5, kXcr0Avx512},
 };
 
@@ -101,6 +105,7 @@ constexpr bool has_feature(const CpuidValues& cpu, const Feature& feature) {
   if (leaf7 && cpu.max_leaf < 7) return false;  // leaf 7 absent: its registers are not features
   const uint32_t value = feature.reg == Register::kLeaf1Ecx   ? cpu.leaf1_ecx
                          : feature.reg == Register::kLeaf7Ebx ? cpu.leaf7_ebx
+                         : feature.reg == Register::kLeaf7Ecx ? cpu.leaf7_ecx
                                                               : cpu.leaf7_1_eax;
   if ((value >> feature.bit & 1u) == 0) return false;
   const uint64_t xcr0 = cpu.leaf1_ecx & kLeaf1EcxOsxsave ? cpu.xcr0 : 0;
@@ -139,6 +144,7 @@ inline CpuidValues read_cpuid() {
   if (cpu.max_leaf >= 7) {
     __cpuid_count(7, 0, eax, ebx, ecx, edx);
     cpu.leaf7_ebx = ebx;
+    cpu.leaf7_ecx = ecx;
     if (eax >= 1) {  // leaf 7's EAX: its highest subleaf
       __cpuid_count(7, 1, eax, ebx, ecx, edx);
       cpu.leaf7_1_eax = eax;

@@ -33,6 +33,7 @@ KVCACHE_EXT_DECLARE_QUANTIZED_ISA(baseline)
 #if defined(__x86_64__)
 KVCACHE_EXT_DECLARE_QUANTIZED_ISA(avx2)
 KVCACHE_EXT_DECLARE_QUANTIZED_ISA(avx512)
+KVCACHE_EXT_DECLARE_QUANTIZED_ISA(avx512bf16)
 #endif
 #undef KVCACHE_EXT_DECLARE_QUANTIZED_ISA
 
@@ -248,8 +249,7 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
 PartialAttentionFn quantized_kernel(KvFormat format, int64_t head_dim) {
   switch (active_isa()) {
 #if defined(__x86_64__)
-    // The quantized kernel has no vdpbf16ps blocks: the AVX-512 copy serves the BF16 level too.
-    case Isa::kAvx512Bf16:
+    case Isa::kAvx512Bf16: return avx512bf16::quantized_partial_attention_kernel(format, head_dim);
     case Isa::kAvx512: return avx512::quantized_partial_attention_kernel(format, head_dim);
     case Isa::kAvx2: return avx2::quantized_partial_attention_kernel(format, head_dim);
 #endif

@@ -188,5 +188,23 @@ inline f32x8 exp_nonpositive(f32x8 x) {
   return x < -87.0f ? splat<f32x8>(0.0f) : poly * two_n;
 }
 
+// The layout of an accumulator row that sums two positions per instruction (vdpbf16ps on
+// bfloat16 values, vpdpwssd on int16 ones): vpunpck{l,h}wd interleave the two rows' 16-bit values
+// within 128-bit lanes, so the 32 dimensions 32c .. 32c + 31 of the row are kept as two vectors,
+// "low" with dimensions 32c + 8i + e and "high" with 32c + 8i + 4 + e in lane 4i + e (i, e < 4).
+// The accumulator stays in this layout while positions are added and is put in dimension order
+// once, at the end (dp_layout_to_dims).
+inline void dp_layout_to_dims(float* row, int64_t head_dim) {
+  float dims[32];
+  for (int64_t c = 0; c < head_dim; c += 32) {
+    for (int i = 0; i < 4; ++i)
+      for (int e = 0; e < 4; ++e) {
+        dims[8 * i + e] = row[c + 4 * i + e];
+        dims[8 * i + 4 + e] = row[c + 16 + 4 * i + e];
+      }
+    std::memcpy(row + c, dims, sizeof dims);
+  }
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cpu::KVCACHE_EXT_ISA
