@@ -393,10 +393,12 @@ class PagedKVCache:
             counts = counts.tolist()
         if self._new_tokens is not None:
             announced = [len(tokens) for tokens in self._new_tokens]
-            if announced != (counts or [num_new] * len(announced)):
+            if counts is None and announced != [num_new] * len(announced):
+                per_row = announced[0] if len(set(announced)) == 1 else announced
+                raise ValueError(f"schedule() announced {per_row} new tokens per row, the step has {num_new}")
+            if counts is not None and announced != counts:
                 raise ValueError(
-                    f"schedule() announced {announced} new tokens for the rows, the step adds "
-                    f"{counts or [num_new] * len(announced)}"
+                    f"schedule() announced {announced} new tokens for the rows, the step's counts are {counts}"
                 )
         if not self._rows:
             if self.pool.sequences:
