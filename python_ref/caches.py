@@ -29,8 +29,8 @@ Rows that grow unevenly (``counts``): prompts of different lengths in one batch,
 new prompt while the others decode. The T tokens of every row are right-padded: tokens
 ``t < counts[b]`` of row b are real, at positions ``lengths[b] + t``; tokens ``t >= counts[b]`` are
 padding: their keys/values are not stored, no query attends to them, and ``attend``'s outputs at
-their places are unspecified (finite garbage, not zeros: the model must ignore them; a query of the
-padding attends to whatever the slots after the row's tokens hold). The row grows by ``counts[b]``.
+their places are unspecified (not zeros: a query of the padding attends to whatever the slots after
+the row's tokens hold; the model must ignore them). The row grows by ``counts[b]``.
 Padding needs no room of its own but the step as a whole must fit: T tokens after the longest row.
 Why right padding works with bottom-right aligned queries: attention runs as if every row held
 ``lengths[b] + T`` tokens, so real query t sits at its true position ``lengths[b] + t`` and the
@@ -456,8 +456,8 @@ class PreallocatedCache(nn.Module):
                 counts = counts.cpu()  # a CPU cache checks every count on the host
             counts, host = checked_step_counts(counts, num_new, self.batch_size)
             counts = counts.to(self.lengths.device)
-            if host is not None and len(host):
-                growth = (int(host.min()), int(host.max()))
+            # Counts on a GPU are not read back: a row may add anything from 0 to T tokens.
+            growth = (0, num_new) if host is None else (int(host.min()), int(host.max()))
         if self.window is None and self.seq_length + num_new > self.slots:
             raise CacheOverflowError(
                 f"KV cache overflow: the longest row holds {self.seq_length} tokens and "
