@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .capabilities import PAGED_BLOCK_SIZES, capabilities
 from python_ref.caches import checked_step_counts
 
+from .capabilities import PAGED_BLOCK_SIZES, capabilities
 from .ops import paged_append_kv, paged_decode_attention
 
 
