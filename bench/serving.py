@@ -7,8 +7,8 @@ is served three ways on a GPT-2 and a Llama-style model (random weights, built o
 - static batching on ``KVCache``: a batch is formed from the requests that have arrived, padded to
   its longest prompt, and runs until its slowest request is done (finished rows keep decoding).
   KVCache rows hold their own lengths, so no left padding: the prompts are right-padded for the
-  prefill and each row is then rewound to its own prompt (``KVCache.rewind``), which gives every
-  request the tokens it gets alone;
+  prefill, whose ``counts`` store each row's own prompt only (and whose logits are computed only
+  at each row's last prompt token), which gives every request the tokens it gets alone;
 - transformers' ``generate`` on the same batches, left-padded with an attention mask, on the HF
   model whose weights ours are loaded from (``GPT2LMHeadModel`` / ``LlamaForCausalLM``).
 
@@ -291,9 +291,10 @@ def run_static(model, workload: list[Request], sizes: Sizes) -> Run:
         cache = KVCache(**kv, batch_size=len(batch), max_cache_len=longest + steps - 1)
         run.allocated = max(run.allocated, cache.bytes_allocated())
         padded = torch.tensor([r.prompt + [0] * (longest - len(r.prompt)) for r in requests])
-        logits = model(padded, cache)
-        cache.rewind([longest - length for length in lengths])  # each row keeps its own prompt only
-        next_tokens = choose_next_token(logits[torch.arange(len(batch)), torch.tensor(lengths) - 1].float())
+        # Right-padded prompts: each row stores its own prompt only, logits only at its last token.
+        prompt_lengths = torch.tensor(lengths)
+        logits = model(padded, cache, counts=prompt_lengths, logits_at=prompt_lengths - 1)
+        next_tokens = choose_next_token(logits[:, 0].float())
         generated = [[] for _ in batch]
         for step in range(steps):
             if step:

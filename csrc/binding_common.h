@@ -64,6 +64,15 @@ inline bool elements_distinct(const torch::stable::Tensor& t) {
   return true;
 }
 
+// append_kv's optional new_counts: int64 of shape (batch,), one count of stored tokens per row.
+// (Values and device are each binding's to check.)
+inline void check_new_counts_layout(const torch::stable::Tensor& new_counts, int64_t batch) {
+  STD_TORCH_CHECK(new_counts.dim() == 1 && new_counts.size(0) == batch &&
+                      new_counts.scalar_type() == torch::headeronly::ScalarType::Long,
+                  "new_counts must be int64 of shape (", batch, ",), got ", dtype_name(new_counts.scalar_type()),
+                  " of shape ", shape_of(new_counts));
+}
+
 // The device-independent checks of a cache pair and its lengths: shapes, dtypes, layout.
 inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch::stable::Tensor& v_cache,
                                const torch::stable::Tensor& lengths) {

@@ -7,10 +7,13 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // Writes k_new/v_new [batch, kv_heads, num_new, head_dim] (any strides) into
   // k_cache/v_cache [batch, kv_heads, slots, head_dim] in place: token t of row b goes to slot
   // (lengths[b] + t) % slots. lengths [batch] int64 counts the tokens already in each row and
-  // is not changed. The caller checks capacity (a non-ring cache must have room).
+  // is not changed. The caller checks capacity (a non-ring cache must have room). new_counts
+  // [batch] int64, each in [0, num_new] (default: num_new for every row): only tokens
+  // t < new_counts[b] of row b are written (a step that adds fewer tokens to some rows, padded
+  // on the right); the slots of the others keep what they held.
   m.def(
       "append_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
-      "Tensor lengths) -> ()");
+      "Tensor lengths, Tensor? new_counts=None) -> ()");
 
   // Attention of q [batch, q_heads, num_new, head_dim] over the cache, lengths [batch] int64
   // counting each row's tokens with the new ones included; exactly python_ref's

@@ -92,11 +92,11 @@ class KVCache(PreallocatedCache):
             piece = slice(0, self.chunk_size)
             q, k, v = q[:, :, piece], k[:, :, piece], v[:, :, piece]
         k_cache, v_cache = self.k[layer], self.v[layer]
-        ops.check_append_kv(k_cache, v_cache, k, v, self.lengths)
+        ops.check_append_kv(k_cache, v_cache, k, v, self.lengths, self._step_counts)
         ops.check_decode_attention(q, k_cache, v_cache, self.lengths, self.window, scale)
 
-    def _append(self, layer, k, v, lengths):
-        ops.run_append_kv(self.k[layer], self.v[layer], k, v, lengths)  # checked by _check_step
+    def _append(self, layer, k, v, lengths, counts):
+        ops.run_append_kv(self.k[layer], self.v[layer], k, v, lengths, counts)  # checked by _check_step
 
     def _gather_rows(self, src_rows):
         # In place, per layer: only the rows that change are written (python_ref copies the

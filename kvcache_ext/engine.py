@@ -1,11 +1,12 @@
 """Continuous batching over python_ref models with a :class:`~kvcache_ext.paged.PagedKVCache`.
 
-Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further:
-the requests that are decoding (one new token each) together in one forward pass, the requests still
-reading their prompt one chunk of at most ``chunk_size`` tokens each, in forward passes grouped by
-chunk length (a pass adds the same number of tokens to each of its rows; rows may hold different
-lengths, and the cache gives each row its own positions). A request that finishes frees its blocks at
-once; a request added between steps joins at the next one.
+Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further,
+all in one forward pass: a request that is decoding adds one token, a request still reading its
+prompt a chunk of at most ``chunk_size`` tokens. The rows are right-padded to the longest piece and
+the cache protocol's ``counts`` say how many tokens of each row are real (the padding is neither
+stored nor attended); the cache gives each row its own positions, and the model computes logits only
+at each row's last new token. A request that finishes frees its blocks at once; a request added
+between steps joins at the next one.
 
 A waiting request whose prompt starts with full blocks that a running request is still computing
 waits until they are stored: then it takes them from the prefix cache instead of computing them too.
@@ -197,16 +198,7 @@ class Engine:
         """Admit waiting requests, run every running one a piece further; returns the tokens chosen,
         as ``(request_id, token)`` in order. Finished requests are kept until :meth:`pop_finished`."""
         self._admit()
-        decoding = [r for r in self._running if len(r.tokens) - r.computed == 1]
-        by_chunk: dict[int, list[_Request]] = {}
-        for request in self._running:
-            pending = len(request.tokens) - request.computed
-            if pending > 1:
-                by_chunk.setdefault(min(pending, self.chunk_size), []).append(request)
-        events = []
-        for group in [decoding, *by_chunk.values()]:
-            events += self._forward(group)
-        return events
+        return self._forward(list(self._running))
 
     def _add_all(self, prompts, max_new_tokens, temperature=0.0, top_k=None, generators=None) -> list[int]:
         counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -263,13 +255,19 @@ class Engine:
         return False
 
     def _forward(self, group: list[_Request]) -> list[tuple[int, int]]:
-        group = [r for r in group if r in self._running]  # an earlier pass of this step may have preempted some
+        """One forward pass over ``group``: each request's next piece (its pending tokens, at most
+        ``chunk_size``), right-padded to the longest."""
         while group:
-            count = min(len(group[0].tokens) - group[0].computed, self.chunk_size)  # the same for every row
-            new_tokens = [r.tokens[r.computed : r.computed + count] for r in group]
+            counts = [min(len(r.tokens) - r.computed, self.chunk_size) for r in group]
+            new_tokens = [r.tokens[r.computed : r.computed + count] for r, count in zip(group, counts)]
+            longest = max(counts)
+            padded = torch.tensor([tokens + [0] * (longest - len(tokens)) for tokens in new_tokens])
             self.cache.schedule([r.request_id for r in group], new_tokens)
+            step_counts = torch.tensor(counts)
             try:
-                logits = self.model(torch.tensor(new_tokens, device=self.cache.k.device), self.cache)
+                logits = self.model(
+                    padded.to(self.cache.k.device), self.cache, counts=step_counts, logits_at=step_counts - 1
+                )
                 break
             except PoolExhaustedError:  # raised before the pass changed anything
                 victim = max(self._running, key=lambda r: r.request_id)  # the newest request
@@ -278,8 +276,8 @@ class Engine:
         else:
             return []
         events = []
-        last_logits = logits[:, -1]
-        for row, request in enumerate(group):
+        last_logits = logits[:, 0]  # (rows, vocab): each row's last new token
+        for row, (request, count) in enumerate(zip(group, counts)):
             request.computed += count
             if request.computed < len(request.tokens):
                 continue  # more of the prompt to read

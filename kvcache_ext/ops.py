@@ -102,8 +102,44 @@ def check_length_values(lengths: torch.Tensor, lowest: int, what: str) -> None:
         )
 
 
-def check_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
-    """Everything ``append_kv`` needs of its arguments, values of ``lengths`` excepted."""
+def check_new_counts(new_counts, batch: int, device: torch.device) -> None:
+    """``append_kv``'s optional ``new_counts``: int64 of shape ``(batch,)`` on the cache's device."""
+    if new_counts is None:
+        return
+    if not isinstance(new_counts, torch.Tensor) or new_counts.dtype != torch.long or new_counts.shape != (batch,):
+        got = (
+            f"{new_counts.dtype} of shape {tuple(new_counts.shape)}"
+            if isinstance(new_counts, torch.Tensor)
+            else new_counts
+        )
+        raise ValueError(f"new_counts must be int64 of shape ({batch},), one count per row, got {got!r}")
+    if new_counts.device != device:
+        raise ValueError(f"new_counts must be on the cache's device {device}, got {new_counts.device}")
+
+
+def check_new_count_values(new_counts, num_new: int) -> None:
+    """``0 <= new_counts <= num_new`` where no kernel checks it (as :func:`check_length_values` does
+    for lengths: on the CPU without the native library; on CUDA only with ``KVCACHE_EXT_DEBUG=1``)."""
+    if new_counts is None:
+        return
+    if new_counts.device.type == "cpu":
+        if capabilities("cpu").native:
+            return
+        bad = ((new_counts < 0) | (new_counts > num_new)).nonzero()
+        if len(bad):
+            row = int(bad[0, 0])
+            raise ValueError(
+                f"new_counts must be between 0 and num_new={num_new}, got {int(new_counts[row])} for row {row}"
+            )
+    elif os.environ.get(DEBUG_ENV) == "1":
+        torch._assert_async(
+            ((new_counts >= 0) & (new_counts <= num_new)).all(),
+            f"kvcache_ext: new_counts must be between 0 and num_new={num_new}",
+        )
+
+
+def check_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
+    """Everything ``append_kv`` needs of its arguments, values of ``lengths`` and ``new_counts`` excepted."""
     check_cache_pair(k_cache, v_cache)
     B, H, S, D = k_cache.shape
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -120,6 +156,7 @@ def check_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
     if k_new.shape[2] > S:
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_cache.device)
+    check_new_counts(new_counts, B, k_cache.device)
 
 
 def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None) -> None:
@@ -164,20 +201,25 @@ def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> No
             raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
-def append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
-    """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the caches at slots ``(lengths + t) % S``."""
-    check_append_kv(k_cache, v_cache, k_new, v_new, lengths)
+def append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
+    """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the caches at slots ``(lengths + t) % S``.
+
+    ``new_counts`` ``(B,)`` int64, each in ``[0, T]`` (None: ``T`` for every row): only tokens
+    ``t < new_counts[b]`` of row ``b`` are written, the others are padding (a step that adds fewer
+    tokens to some rows); their slots keep what they held. Values are checked like ``lengths``'."""
+    check_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts)
     check_length_values(lengths, 0, "the tokens already in each row")
-    run_append_kv(k_cache, v_cache, k_new, v_new, lengths)
+    check_new_count_values(new_counts, k_new.shape[2])
+    run_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts)
 
 
-def run_append_kv(k_cache, v_cache, k_new, v_new, lengths) -> None:
+def run_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
     """``append_kv`` on arguments the caller has checked (``check_append_kv``): the native op, or
     the pure-PyTorch path where no kernel serves the device."""
     if capabilities(k_cache.device).native:
-        torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
+        torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts)
     else:
-        append_to_slots(k_cache, v_cache, k_new, v_new, lengths)
+        append_to_slots(k_cache, v_cache, k_new, v_new, lengths, new_counts)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
@@ -258,8 +300,8 @@ def gather_rows(k_cache, v_cache, src_rows) -> None:
 if _native.available:
 
     @torch.library.register_fake("kvcache_ext::append_kv")
-    def _append_kv_fake(k_cache, v_cache, k_new, v_new, lengths):
-        _check_one_device(k_cache, v_cache, k_new, v_new, lengths)
+    def _append_kv_fake(k_cache, v_cache, k_new, v_new, lengths, new_counts=None):
+        _check_one_device(k_cache, v_cache, k_new, v_new, lengths, new_counts)
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention")

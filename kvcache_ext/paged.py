@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from python_ref import quantize as quant
+from python_ref.caches import checked_step_counts
 
 from .capabilities import PAGED_BLOCK_SIZES, capabilities
 from . import quantized
@@ -298,7 +299,9 @@ class PagedKVCache:
     for T tokens in every row (copying shared blocks about to be written) and returns each row's
     positions; ``attend`` writes the layer's keys/values through the block table and attends over the
     row's tokens; ``finish_step`` records them. A step adds T tokens to every row, whatever each row
-    holds already: each row gets its own positions.
+    holds already: each row gets its own positions. With ``start_step(T, counts)`` row ``b`` adds only
+    its first ``counts[b]`` tokens (prompt chunks and decode tokens in one pass; the protocol's
+    right padding: the rest is neither stored nor attended, and takes no blocks).
 
     Without ``schedule`` (``python_ref.generate`` knows nothing of sequences), a cache holding no
     sequence takes its rows from the first step: ``B`` new sequences with ids ``0 .. B-1``.
@@ -349,7 +352,10 @@ class PagedKVCache:
             self.v_scale = torch.zeros(scale_shape, dtype=quant.scale_dtype(self.kv_dtype), device=device)
         self._rows: list = []
         self._new_tokens: list[list[int]] | None = None  # what the next step feeds each row, if known
-        self._step = None  # during a step: (T, block tables, lengths before) on the device
+        # during a step: (T, block tables, lengths before, counts or None) on the device, and the
+        # counts on the host (None: T for every row)
+        self._step = None
+        self._step_counts: list[int] | None = None
 
     # -- sequences ------------------------------------------------------------------------------
     def add_sequence(self, seq_id, prompt: Sequence[int] | None = None) -> int:
@@ -379,8 +385,8 @@ class PagedKVCache:
 
     def schedule(self, seq_ids: Sequence, new_tokens: Sequence[Sequence[int]] | None = None) -> None:
         """The sequences the next forward passes compute, in row order. ``new_tokens``, if given, are
-        the token ids the next pass feeds each row; recording them lets the blocks they fill be found
-        by later prompts (prefix caching)."""
+        the token ids the next pass feeds each row (as many as the row's count in that step);
+        recording them lets the blocks they fill be found by later prompts (prefix caching)."""
         self._check_between_steps("schedule")
         seq_ids = list(seq_ids)
         for seq_id in seq_ids:
@@ -389,10 +395,9 @@ class PagedKVCache:
             raise ValueError(f"a sequence can be only one row of a step, got {seq_ids}")
         if new_tokens is not None:
             new_tokens = [_checked_token_ids(tokens, "new_tokens") for tokens in new_tokens]
-            if len(new_tokens) != len(seq_ids) or len({len(tokens) for tokens in new_tokens}) > 1:
+            if len(new_tokens) != len(seq_ids):
                 raise ValueError(
-                    f"new_tokens must hold one list of tokens per row ({len(seq_ids)}), all of one length, "
-                    f"got lengths {[len(tokens) for tokens in new_tokens]}"
+                    f"new_tokens must hold one list of tokens per row ({len(seq_ids)}), got {len(new_tokens)}"
                 )
         self._rows, self._new_tokens = seq_ids, new_tokens
 
@@ -401,28 +406,39 @@ class PagedKVCache:
     def seq_length(self) -> int:
         return max((self.pool.length(seq_id) for seq_id in self._rows), default=0)
 
-    def start_step(self, num_new: int) -> torch.Tensor:
+    def start_step(self, num_new: int, counts=None) -> torch.Tensor:
         # A step that failed part-way may be started again (as with PreallocatedCache): the room it
         # reserved is still there, and what it wrote lies past every row's length.
         if not isinstance(num_new, int) or isinstance(num_new, bool) or num_new < 1:
             raise ValueError(f"a step adds at least one token, got {num_new!r}")
-        if self._new_tokens is not None and len(self._new_tokens[0]) != num_new:
-            raise ValueError(
-                f"schedule() announced {len(self._new_tokens[0])} new tokens per row, the step has {num_new}"
-            )
+        if counts is not None:
+            # The pool's bookkeeping runs on the host: counts on a GPU are read back.
+            counts = checked_step_counts(counts.cpu() if isinstance(counts, torch.Tensor) else counts, num_new)[1]
+            if self._rows and len(counts) != len(self._rows):
+                raise ValueError(f"counts must hold one count per row ({len(self._rows)}), got {len(counts)}")
+            counts = counts.tolist()
+        if self._new_tokens is not None:
+            announced = [len(tokens) for tokens in self._new_tokens]
+            if counts is None and announced != [num_new] * len(announced):
+                per_row = announced[0] if len(set(announced)) == 1 else announced
+                raise ValueError(f"schedule() announced {per_row} new tokens per row, the step has {num_new}")
+            if counts is not None and announced != counts:
+                raise ValueError(
+                    f"schedule() announced {announced} new tokens for the rows, the step's counts are {counts}"
+                )
         if not self._rows:
             if self.pool.sequences:
                 raise RuntimeError("no rows scheduled: call schedule(seq_ids) before a step")
             # Rows are created by the first attend, which sees the batch size.
-            self._step = (num_new, None, None)
+            self._step, self._step_counts = (num_new, None, None, None), counts
             return torch.arange(num_new, device=self.k.device).unsqueeze(0)
-        self._reserve(num_new)
+        self._reserve(num_new, counts)
         return self._step[2].unsqueeze(1) + torch.arange(num_new, device=self.k.device)
 
     def attend(self, layer, q, k, v, scale=None):
         if self._step is None:
             raise RuntimeError("attend() called outside a step: call start_step(T) first")
-        num_new, block_tables, lengths_before = self._step
+        num_new, block_tables, lengths_before, new_counts = self._step
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
         batch = len(self._rows) if block_tables is not None else k.shape[0]
@@ -438,38 +454,41 @@ class PagedKVCache:
                 f"D={self.head_dim}), got {tuple(q.shape)}"
             )
         if block_tables is None:  # the first step of an unscheduled cache: one new sequence per row
-            needed = batch * math.ceil(num_new / self.block_size)
+            counts = self._step_counts or [num_new] * batch
+            if len(counts) != batch:
+                raise ValueError(f"counts must hold one count per row ({batch}), got {len(counts)}")
+            needed = sum(math.ceil(count / self.block_size) for count in counts)
             if needed > self.pool.num_free_blocks:
                 raise PoolExhaustedError(needed, self.pool.num_free_blocks)
             for seq_id in range(batch):
                 self.pool.add_sequence(seq_id)
             self._rows = list(range(batch))
-            self._reserve(num_new)
-            num_new, block_tables, lengths_before = self._step
+            self._reserve(num_new, self._step_counts)
+            num_new, block_tables, lengths_before, new_counts = self._step
         if self.kv_dtype is None:
-            paged_append_kv(self.k[layer], self.v[layer], k, v, block_tables, lengths_before)
+            paged_append_kv(self.k[layer], self.v[layer], k, v, block_tables, lengths_before, new_counts)
             out, _ = paged_decode_attention(
                 q, self.k[layer], self.v[layer], block_tables, lengths_before + num_new, scale=scale
             )
             return out
         pools = (self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer])
-        paged_append_kv_quantized(*pools, k, v, block_tables, lengths_before)
+        paged_append_kv_quantized(*pools, k, v, block_tables, lengths_before, new_counts)
         out, _ = paged_decode_attention_quantized(q, *pools, block_tables, lengths_before + num_new, scale=scale)
         return out
 
     def finish_step(self) -> None:
         if self._step is None:
             raise RuntimeError("finish_step() without start_step()")
-        num_new = self._step[0]
+        counts = self._step_counts or [self._step[0]] * len(self._rows)
         for row, seq_id in enumerate(self._rows):
-            self.pool.commit(seq_id, num_new, None if self._new_tokens is None else self._new_tokens[row])
-        self._step, self._new_tokens = None, None
+            self.pool.commit(seq_id, counts[row], None if self._new_tokens is None else self._new_tokens[row])
+        self._step, self._step_counts, self._new_tokens = None, None, None
 
     def reset(self) -> None:
         """Free every sequence; blocks registered in the prefix cache stay findable until recycled."""
         for seq_id in self.pool.sequences:
             self.pool.free(seq_id)
-        self._rows, self._new_tokens, self._step = [], None, None
+        self._rows, self._new_tokens, self._step, self._step_counts = [], None, None, None
 
     # -- memory ---------------------------------------------------------------------------------
     def bytes_allocated(self) -> int:
@@ -490,17 +509,22 @@ class PagedKVCache:
         if self._step is not None:
             raise RuntimeError(f"{operation}() inside a step: call it before start_step() or after finish_step()")
 
-    def _reserve(self, num_new: int) -> None:
-        """Room for ``num_new`` tokens in every row (or PoolExhaustedError, nothing changed), shared
-        blocks about to be written copied, and the step's block tables and lengths on the device."""
-        copies = self.pool.reserve({seq_id: num_new for seq_id in self._rows})
+    def _reserve(self, num_new: int, counts: list[int] | None) -> None:
+        """Room for ``counts[row]`` (default ``num_new``) tokens in every row (or PoolExhaustedError,
+        nothing changed), shared blocks about to be written copied, and the step's block tables,
+        lengths and counts on the device."""
+        copies = self.pool.reserve(dict(zip(self._rows, counts or [num_new] * len(self._rows))))
         if copies:
             sources, targets = (torch.tensor(ids, device=self.k.device) for ids in zip(*copies))
             for pool in self._pools():  # codes as bytes: float8 indexing is not implemented everywhere
                 quantized.as_bytes(pool)[:, targets] = quantized.as_bytes(pool)[:, sources]
         tables = [self.pool.block_table(seq_id) for seq_id in self._rows]
-        width = max(len(table) for table in tables)
-        # Entries past a row's last block are never read: any valid id will do.
+        held = [self.pool.length(seq_id) for seq_id in self._rows]
+        # Attention runs as if every row took all num_new tokens (the protocol's right padding): the
+        # tables cover that many. Entries past a row's last block are read only by its padding's
+        # queries, whose outputs nobody uses: any valid id will do.
+        width = max(max(len(table) for table in tables), -(-(max(held) + num_new) // self.block_size))
         block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
-        lengths = torch.tensor([self.pool.length(seq_id) for seq_id in self._rows], dtype=torch.long)
-        self._step = (num_new, block_tables.to(self.k.device), lengths.to(self.k.device))
+        lengths = torch.tensor(held, dtype=torch.long).to(self.k.device)
+        step_counts = None if counts is None else torch.tensor(counts, dtype=torch.long).to(self.k.device)
+        self._step, self._step_counts = (num_new, block_tables.to(self.k.device), lengths, step_counts), counts

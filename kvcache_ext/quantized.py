@@ -104,6 +104,14 @@ class QuantizedKVCache(KVCache):
                 name, torch.zeros(scale_shape, dtype=quant.scale_dtype(fmt), device=device), persistent=False
             )
 
+    def start_step(self, num_new: int, counts=None):
+        # The quantized append op stores every token of a step; padding would overwrite ring slots.
+        if counts is not None:
+            raise ValueError(
+                f"{type(self).__name__} adds the same tokens to every row: it takes no counts (use KVCache without kv_dtype)"
+            )
+        return super().start_step(num_new)
+
     def _check_step(self, layer, q, k, v, scale):
         if self._num_new is None:
             raise RuntimeError("attend() called outside a step: call start_step(T) first")
@@ -134,7 +142,7 @@ class QuantizedKVCache(KVCache):
         ops.check_append_kv_quantized(*cache, k[:, :, piece], v[:, :, piece], self.lengths)
         ops.check_decode_attention_quantized(q[:, :, piece], *cache, self.lengths, self.window, scale)
 
-    def _append(self, layer, k, v, lengths):
+    def _append(self, layer, k, v, lengths, counts):  # counts: always None (start_step refuses them)
         ops.append_kv_quantized(self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer], k, v, lengths)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):

@@ -2,9 +2,13 @@
 
 The protocol (every cache here, ``kvcache_ext.KVCache`` and ``kvcache_ext.PagedKVCache`` implement it):
 
-    cache.seq_length          -> int     tokens held by the longest row (host-side, no sync)
-    cache.start_step(T)       -> Tensor  positions of the T new tokens, (B, T) or (1, T) long;
-                                         raises, changing nothing, if T more tokens do not fit
+    cache.seq_length          -> int     tokens held by the longest row (host-side, no sync;
+                                         never below it, maybe above it after rows grew unevenly)
+    cache.start_step(T, counts=None) -> Tensor
+                                         positions of the T new tokens, (B, T) or (1, T) long;
+                                         raises, changing nothing, if T more tokens do not fit.
+                                         ``counts`` (B ints in [0, T], or a (B,) integer tensor):
+                                         row b adds only its first counts[b] tokens; see below
     cache.attend(layer, q, k, v) -> Tensor
                                          stores k, v (B, H_kv, T, D) of the new tokens for
                                          ``layer`` and returns the attention of q (B, H_q, T, D)
@@ -20,6 +24,18 @@ The protocol (every cache here, ``kvcache_ext.KVCache`` and ``kvcache_ext.PagedK
 
 A forward pass of a model is ``start_step`` once, ``attend`` once per layer, ``finish_step``
 once. Positions come from the cache, so there is no separate counter that can drift.
+
+Rows that grow unevenly (``counts``): prompts of different lengths in one batch, a row reset for a
+new prompt while the others decode. The T tokens of every row are right-padded: tokens
+``t < counts[b]`` of row b are real, at positions ``lengths[b] + t``; tokens ``t >= counts[b]`` are
+padding: their keys/values are not stored, no query attends to them, and ``attend``'s outputs at
+their places are unspecified (not zeros: a query of the padding attends to whatever the slots after
+the row's tokens hold; the model must ignore them). The row grows by ``counts[b]``.
+Padding needs no room of its own but the step as a whole must fit: T tokens after the longest row.
+Why right padding works with bottom-right aligned queries: attention runs as if every row held
+``lengths[b] + T`` tokens, so real query t sits at its true position ``lengths[b] + t`` and the
+causal mask hides every later slot, the padding's included. ``NoCache`` takes ``counts`` too (its
+attention is causal over the given tokens); ``ConcatCache`` refuses them (it stores every token).
 """
 
 from __future__ import annotations
@@ -36,14 +52,19 @@ from torch import nn
 from .attention import reference_attention
 
 
-def append_to_slots(k_cache, v_cache, k_new, v_new, lengths) -> None:
+def append_to_slots(k_cache, v_cache, k_new, v_new, lengths, counts=None) -> None:
     """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into ``(B, H_kv, S, D)`` caches in place:
     token ``t`` of row ``b`` goes to slot ``(lengths[b] + t) % S`` (the semantics of the native
-    ``append_kv``)."""
-    rows = torch.arange(k_cache.shape[0], device=k_new.device).unsqueeze(1)
-    slots = (lengths.unsqueeze(1) + torch.arange(k_new.shape[2], device=k_new.device)) % k_cache.shape[2]
-    k_cache[rows, :, slots] = k_new.permute(0, 2, 1, 3)
-    v_cache[rows, :, slots] = v_new.permute(0, 2, 1, 3)
+    ``append_kv``); with ``counts`` ``(B,)``, only the tokens ``t < counts[b]``."""
+    B, _, T, _ = k_new.shape
+    rows = torch.arange(B, device=k_new.device).unsqueeze(1).expand(B, T)
+    tokens = torch.arange(T, device=k_new.device).expand(B, T)
+    if counts is not None:
+        kept = tokens < counts.unsqueeze(1)
+        rows, tokens = rows[kept], tokens[kept]
+    slots = (lengths[rows] + tokens) % k_cache.shape[2]
+    k_cache[rows, :, slots] = k_new[rows, :, tokens]
+    v_cache[rows, :, slots] = v_new[rows, :, tokens]
 
 
 def sink_token_attention(q, sink_k, sink_v, lengths, window: int, scale=None):
@@ -82,23 +103,80 @@ def merge_attention(out_a, lse_a, out_b, lse_b, dtype):
     return (share_a * out_a.to(acc_dtype) + share_b * out_b.to(acc_dtype)).to(dtype)
 
 
-def start_forward(cache, idx: torch.Tensor, context_length: int) -> torch.Tensor:
-    """The checks every model's forward makes before it runs, then ``cache.start_step``.
+def start_forward(cache, idx: torch.Tensor, context_length: int, counts=None, logits_at=None) -> torch.Tensor:
+    """The checks every model's forward makes before it runs, then ``cache.start_step`` (with
+    ``counts``, the real tokens of each row of ``idx``, if given).
 
     Returns the positions of the tokens in ``idx`` ``(B, T)``; raises, changing nothing, for ids
-    that are not a (batch, tokens) integer tensor or tokens past the model's context length.
+    that are not a (batch, tokens) integer tensor, tokens past the model's context length, or
+    ``logits_at`` that is not ``(B,)`` or ``(B, K)`` indices of tokens in ``[0, T)``.
     """
     if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         raise ValueError(f"idx must be (batch, tokens) integer ids, got {idx.dtype} of shape {tuple(idx.shape)}")
     T = idx.shape[1]
     if T < 1:
         raise ValueError("idx must hold at least one token")
+    if logits_at is not None:
+        _check_logits_at(logits_at, idx.shape[0], T)
     if cache.seq_length + T > context_length:
         raise ValueError(
             f"the model has {context_length} positions: {cache.seq_length} cached + {T} new tokens = "
             f"{cache.seq_length + T} do not fit. Shorten the prompt or max_new_tokens."
         )
-    return cache.start_step(T).to(idx.device)
+    positions = cache.start_step(T) if counts is None else cache.start_step(T, counts)
+    return positions.to(idx.device)
+
+
+def _check_logits_at(logits_at, batch: int, num_tokens: int) -> None:
+    if not isinstance(logits_at, torch.Tensor) or logits_at.dtype not in (torch.long, torch.int32):
+        raise TypeError(f"logits_at must be an integer tensor of token indices, got {logits_at!r}")
+    if logits_at.dim() not in (1, 2) or logits_at.shape[0] != batch:
+        raise ValueError(
+            f"logits_at must be ({batch},) or ({batch}, K) token indices, got shape {tuple(logits_at.shape)}"
+        )
+    if logits_at.device.type == "cpu" and len(bad := ((logits_at < 0) | (logits_at >= num_tokens)).nonzero()):
+        raise ValueError(
+            f"logits_at must index the {num_tokens} tokens of each row, got {int(logits_at[tuple(bad[0])])} "
+            f"at {tuple(bad[0].tolist())}"
+        )
+
+
+def positions_for_logits(hidden: torch.Tensor, logits_at) -> torch.Tensor:
+    """The hidden states ``(B, T, E)`` of the tokens the logits are wanted for: all of them without
+    ``logits_at``, else ``(B, K, E)``, token ``logits_at[b, k]`` of row ``b`` (``(B,)``: K = 1).
+    A model applies its vocabulary projection only to these: at prefill the projection of every
+    position would cost more than the rest of the model (a 50k vocabulary against a 768 width)."""
+    if logits_at is None:
+        return hidden
+    index = logits_at.to(hidden.device, torch.long).view(hidden.shape[0], -1)
+    return hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+
+
+def checked_step_counts(counts, num_new: int, batch: int | None = None):
+    """``counts`` of a step of ``num_new`` tokens (see the protocol) as ``(tensor, host)``: an int64
+    tensor where it came from (ints become a CPU tensor) and, where that costs no synchronisation,
+    its CPU copy (else None). Checks the type, the shape ``(batch,)`` (when ``batch`` is known) and,
+    on the host, that every count lies in ``[0, num_new]``; raises TypeError/ValueError otherwise."""
+    if isinstance(counts, torch.Tensor):
+        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise TypeError(f"counts must be integers, got {counts.dtype}")
+    elif isinstance(counts, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+        counts = torch.tensor(list(counts), dtype=torch.long)
+    else:
+        raise TypeError(f"counts must be a sequence of ints or a 1-D integer tensor, got {counts!r}")
+    if counts.dim() != 1 or (batch is not None and counts.shape[0] != batch):
+        rows = "one per row" if batch is None else f"one per row, shape ({batch},)"
+        raise ValueError(f"counts must hold the new tokens of each row ({rows}), got shape {tuple(counts.shape)}")
+    counts = counts.long()
+    host = counts if counts.device.type == "cpu" else None
+    if host is not None:
+        bad = ((host < 0) | (host > num_new)).nonzero()
+        if len(bad):
+            row = int(bad[0, 0])
+            raise ValueError(
+                f"counts must lie in [0, {num_new}] (the step's new tokens), got {int(host[row])} for row {row}"
+            )
+    return counts, host
 
 
 SAVED_CACHE_KEY = "kvcache"  # the safetensors metadata entry that holds a saved cache's description
@@ -176,7 +254,11 @@ class NoCache:
     def __init__(self, window: int | None = None):
         self.window = window
 
-    def start_step(self, num_new: int) -> torch.Tensor:
+    def start_step(self, num_new: int, counts=None) -> torch.Tensor:
+        # Padding at the end of a row needs nothing here: attention over the given tokens is causal,
+        # so no real token sees it.
+        if counts is not None:
+            checked_step_counts(counts, num_new)
         self._num_new = num_new
         return torch.arange(num_new).unsqueeze(0)
 
@@ -214,7 +296,11 @@ class ConcatCache:
     def seq_length(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
-    def start_step(self, num_new: int) -> torch.Tensor:
+    def start_step(self, num_new: int, counts=None) -> torch.Tensor:
+        if counts is not None:
+            raise ValueError(
+                "ConcatCache adds the same tokens to every row: it takes no counts (use PreallocatedCache)"
+            )
         start = self.seq_length
         return torch.arange(start, start + num_new).unsqueeze(0)
 
@@ -249,8 +335,10 @@ class PreallocatedCache(nn.Module):
     Row lengths live in a device tensor (``lengths``) and, mirrored, on the host so that
     capacity checks never read device memory. The host mirror is one int, ``seq_length``: the
     longest row. (One int, not a list, also lets a compiled decode step treat it as a symbolic
-    value instead of recompiling for each new length; see tests/test_compile.py.) A step adds
-    the same number of tokens to every row, so steps keep it exact. Row operations whose effect
+    value instead of recompiling for each new length; see tests/test_compile.py.) A step that adds
+    the same number of tokens to every row keeps it exact; one with ``counts`` adds the largest
+    count (known on the host: the counts of a step on a GPU count as ``T`` each), which may
+    overstate the longest row, never understate it. Row operations whose effect
     on the longest row depends on device values (``reorder``, ``fork``, ``select``,
     ``reset_rows``, ``rewind`` with differing counts) keep it *conservative*: never below the
     true longest row, so capacity checks may refuse early but never let a row overflow, and
@@ -343,6 +431,8 @@ class PreallocatedCache(nn.Module):
         # then the fewest tokens any row can drop and still hold its window (see the docstring).
         self._ring_rewindable = None
         self._num_new = None
+        self._step_counts = None  # during a step with counts: the (B,) counts on the cache's device
+        self._step_growth = None  # during a step: (fewest, most) tokens a row adds, known on the host
 
     # -- protocol -------------------------------------------------------------------------
     @property
@@ -353,11 +443,21 @@ class PreallocatedCache(nn.Module):
         self.lengths.zero_()
         self._host_length = 0
         self._ring_rewindable = None
-        self._num_new = None
+        self._num_new = self._step_counts = self._step_growth = None
 
-    def start_step(self, num_new: int) -> torch.Tensor:
+    def start_step(self, num_new: int, counts=None) -> torch.Tensor:
+        """Positions ``(B, T)`` of the step's tokens; ``counts``: see the module docstring (rows that
+        grow unevenly). Refuses, changing nothing, a step that does not fit or bad counts."""
         if not isinstance(num_new, int) or num_new < 1:
             raise ValueError(f"a step adds at least one token, got {num_new!r}")
+        growth = (num_new, num_new)
+        if counts is not None:
+            if isinstance(counts, torch.Tensor) and self.lengths.device.type == "cpu":
+                counts = counts.cpu()  # a CPU cache checks every count on the host
+            counts, host = checked_step_counts(counts, num_new, self.batch_size)
+            counts = counts.to(self.lengths.device)
+            # Counts on a GPU are not read back: a row may add anything from 0 to T tokens.
+            growth = (0, num_new) if host is None else (int(host.min()), int(host.max()))
         if self.window is None and self.seq_length + num_new > self.slots:
             raise CacheOverflowError(
                 f"KV cache overflow: the longest row holds {self.seq_length} tokens and "
@@ -365,7 +465,7 @@ class PreallocatedCache(nn.Module):
                 f"with max_cache_len >= {self.seq_length + num_new}, or pass window=... to keep only "
                 "the most recent tokens."
             )
-        self._num_new = num_new
+        self._num_new, self._step_counts, self._step_growth = num_new, counts, growth
         return self.lengths.unsqueeze(1) + torch.arange(num_new, device=self.lengths.device)
 
     def attend(self, layer, q, k, v, scale=None):
@@ -384,18 +484,17 @@ class PreallocatedCache(nn.Module):
     def finish_step(self) -> None:
         if self._num_new is None:
             raise RuntimeError("finish_step() without start_step()")
-        self.lengths += self._num_new
-        if self.window is not None and (
-            self._ring_rewindable is not None or self._host_length + self._num_new > self.slots
-        ):
+        self.lengths += self._num_new if self._step_counts is None else self._step_counts
+        fewest, most = self._step_growth
+        if self.window is not None and (self._ring_rewindable is not None or self._host_length + most > self.slots):
             # A wrapped row holds `slots` tokens at most and needs its last window - 1: it can
             # drop slots - (window - 1) = chunk_size tokens, or what it regained since a rewind.
             spare = self.slots - (self.window - 1)
             self._ring_rewindable = (
-                spare if self._ring_rewindable is None else min(self._ring_rewindable + self._num_new, spare)
+                spare if self._ring_rewindable is None else min(self._ring_rewindable + fewest, spare)
             )
-        self._host_length = self._host_length + self._num_new
-        self._num_new = None
+        self._host_length = self._host_length + most
+        self._num_new = self._step_counts = self._step_growth = None
 
     # -- row operations (between steps) --------------------------------------------------
     def reorder(self, indices) -> None:
@@ -731,8 +830,8 @@ class PreallocatedCache(nn.Module):
         self.k.copy_(self.k.index_select(1, src_rows))
         self.v.copy_(self.v.index_select(1, src_rows))
 
-    def _append(self, layer, k, v, lengths):
-        append_to_slots(self.k[layer], self.v[layer], k, v, lengths)
+    def _append(self, layer, k, v, lengths, counts):
+        append_to_slots(self.k[layer], self.v[layer], k, v, lengths, counts)
 
     def _attention(self, layer, q, lengths_after, longest_after, scale):
         """The attention over what the layer's buffer holds, and its log-sum-exp."""
@@ -749,15 +848,25 @@ class PreallocatedCache(nn.Module):
         )
 
     # -------------------------------------------------------------------------------------
+    def _piece_counts(self, offset: int, num_new: int):
+        """The step's counts for its tokens ``[offset, offset + num_new)`` (a ring buffer's piece)."""
+        counts = self._step_counts
+        if counts is None or (offset == 0 and num_new == self._num_new):
+            return counts
+        return (counts - offset).clamp(0, num_new)
+
     def _append_and_attend(self, layer, q, k, v, offset, scale):
         # offset: tokens of this step that earlier pieces already stored
         T = k.shape[2]
         lengths_before = self.lengths + offset if offset else self.lengths
-        self._append(layer, k, v, lengths_before)
+        counts = self._piece_counts(offset, T)
+        self._append(layer, k, v, lengths_before, counts)
+        # Attention as if every row held all T tokens: with counts, each real query keeps its true
+        # position and the causal mask hides the padding's slots (see the module docstring).
         out, lse = self._attention(layer, q, lengths_before + T, self.seq_length + offset + T, scale)
         if not self.sink_tokens:
             return out
-        self._store_sink_tokens(layer, k, v, lengths_before)
+        self._store_sink_tokens(layer, k, v, lengths_before, counts)
         sink_out, sink_lse = sink_token_attention(
             q,
             self.sink_k[layer, :, :, : self.sink_tokens],
@@ -768,10 +877,13 @@ class PreallocatedCache(nn.Module):
         )
         return merge_attention(out, lse, sink_out, sink_lse, q.dtype)
 
-    def _store_sink_tokens(self, layer, k, v, lengths_before):
-        """New tokens at positions below ``sink_tokens`` go to their sink slot; the others to the scratch slot."""
-        positions = lengths_before.unsqueeze(1) + torch.arange(k.shape[2], device=k.device)
-        slots = positions.clamp(max=self.sink_tokens)
+    def _store_sink_tokens(self, layer, k, v, lengths_before, counts):
+        """New tokens at positions below ``sink_tokens`` go to their sink slot; the others, and
+        padding, to the scratch slot."""
+        tokens = torch.arange(k.shape[2], device=k.device)
+        slots = (lengths_before.unsqueeze(1) + tokens).clamp(max=self.sink_tokens)
+        if counts is not None:
+            slots = slots.masked_fill(tokens >= counts.unsqueeze(1), self.sink_tokens)
         rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
         self.sink_k[layer][rows, :, slots] = k.permute(0, 2, 1, 3)
         self.sink_v[layer][rows, :, slots] = v.permute(0, 2, 1, 3)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
 
-from .caches import NoCache
+from .caches import NoCache, checked_step_counts
 
 
 @torch.inference_mode()
@@ -20,6 +21,7 @@ def generate(
     generator: torch.Generator | None = None,
     eos_id: int | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    prompt_lengths=None,
 ) -> torch.Tensor:
     """Continue each row of ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens.
 
@@ -30,6 +32,14 @@ def generate(
     Rows that produced ``eos_id`` keep emitting it; generation stops once all rows have.
     ``on_token`` receives each new ``(B,)`` column of tokens as it is chosen.
     Returns ``(B, T + new)`` token ids.
+
+    Prompts of different lengths: ``prompt_lengths`` ``(B,)`` (ints or an integer tensor, each in
+    ``[1, T]``), row ``b``'s prompt being ``idx[b, :prompt_lengths[b]]`` and the rest of the row
+    padding (any ids; right padding, no attention mask needed: the cache's ``counts`` keep it out).
+    Each row then gets the tokens it gets alone. Row ``b`` of the result is its prompt, its new
+    tokens, then the padding it came with: the new tokens are columns
+    ``prompt_lengths[b] : prompt_lengths[b] + new``. Logits are computed only for each row's last
+    token (no vocabulary projection of the whole prompt).
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -37,24 +47,62 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be a positive int or None, got {top_k}")
+    B, T = idx.shape
+    if prompt_lengths is None:
+        lengths = None
+    else:
+        lengths, host = checked_step_counts(prompt_lengths, T, B)
+        if host is not None and len(host) and int(host.min()) < 1:
+            raise ValueError(f"prompt_lengths must be at least 1 (a prompt has a token), got {host.tolist()}")
+        lengths = lengths.to(idx.device)
+    # Models of your own need not take logits_at (python_ref's do): they compute every position's.
+    selects_logits = "logits_at" in inspect.signature(model.forward).parameters
     model.eval()
     if cache is not None:
         cache.reset()
-    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-    logits = None
+    finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     recompute = cache is None or isinstance(cache, NoCache)  # no cache: re-run the whole sequence
+    generated = idx.new_empty((B, 0))
     for step in range(max_new_tokens):
-        logits = model(idx if recompute or step == 0 else idx[:, -1:], cache)
+        if step == 0 or recompute:
+            # The whole prompt (and, recomputing, what came since), each row's last token's logits.
+            tokens = _with_generated(idx, generated, lengths)
+            if lengths is not None:
+                logits = model(tokens, cache, counts=lengths + step, logits_at=lengths + step - 1)
+            elif selects_logits:
+                logits = model(tokens, cache, logits_at=torch.full((B,), tokens.shape[1] - 1, device=idx.device))
+            else:
+                logits = model(tokens, cache)
+        else:
+            logits = model(generated[:, -1:], cache)
         next_token = choose_next_token(logits[:, -1].float(), temperature, top_k, generator)
         if eos_id is not None:
             next_token = torch.where(finished, torch.full_like(next_token, eos_id), next_token)
             finished |= next_token == eos_id
-        idx = torch.cat([idx, next_token.unsqueeze(1)], dim=1)
+        generated = torch.cat([generated, next_token.unsqueeze(1)], dim=1)
         if on_token is not None:
             on_token(next_token)
         if eos_id is not None and bool(finished.all()):
             break
-    return idx
+    return _with_generated(idx, generated, lengths)
+
+
+def _with_generated(idx, generated, lengths):
+    """Each row of ``idx`` ``(B, T)`` with its ``generated`` ``(B, N)`` tokens after its prompt
+    (the first ``lengths[b]`` tokens; all T without ``lengths``) and its padding after them."""
+    if lengths is None or generated.shape[1] == 0:
+        return torch.cat([idx, generated], dim=1)
+    B, T = idx.shape
+    N = generated.shape[1]
+    column = torch.arange(T + N, device=idx.device).expand(B, -1)
+    end_of_prompt = lengths.unsqueeze(1)
+    # Column j of the result comes from column source[j] of cat(idx, generated).
+    source = torch.where(
+        column < end_of_prompt,
+        column,
+        torch.where(column < end_of_prompt + N, T + column - end_of_prompt, column - N),
+    )
+    return torch.cat([idx, generated], dim=1).gather(1, source)
 
 
 def choose_next_token(logits, temperature=0.0, top_k=None, generator=None):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .caches import NoCache, start_forward
+from .caches import NoCache, positions_for_logits, start_forward
 from .tensor_parallel import (
     SINGLE_PROCESS,
     ColumnParallelLinear,
@@ -305,20 +305,26 @@ class LlamaModel(nn.Module):
             model.load_state_dict(state, assign=True)
         return model.eval()
 
-    def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache=None, counts=None, logits_at=None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids ``idx`` ``(B, T)``.
 
         With a cache, ``idx`` holds only the new tokens and their positions come from the cache
         (each row's length so far). Without one, ``idx`` is the whole sequence.
+
+        ``counts`` (B,): row ``b`` of ``idx`` holds ``counts[b]`` real tokens followed by padding
+        (prompts of different lengths, right-padded, in one pass; the cache protocol's ``counts``):
+        the padding is neither stored nor attended, and its logits are garbage. ``logits_at``
+        ``(B,)`` or ``(B, K)``: the only tokens of each row to compute logits for, returned as
+        ``(B, K, vocab)`` (K = 1 for ``(B,)``), e.g. ``counts - 1`` for each row's last token.
         """
         cache = NoCache() if cache is None else cache
-        positions = start_forward(cache, idx, self.cfg.context_length)
+        positions = start_forward(cache, idx, self.cfg.context_length, counts, logits_at)
         x = self.tok_emb(idx)
         cos, sin = self.rope(positions, x.dtype)
         for block in self.trf_blocks:
             x = block(x, cos, sin, cache)
         cache.finish_step()
-        return self.out_head(self.final_norm(x))
+        return self.out_head(self.final_norm(positions_for_logits(x, logits_at)))
 
 
 def build_llama(

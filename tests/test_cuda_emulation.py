@@ -242,12 +242,15 @@ def emulated_attention(
     return out.view, lse.view, plan
 
 
-def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths, max_words_per_launch=MAX_GRID_X):
+def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths, max_words_per_launch=MAX_GRID_X, counts=None):
     """Returns the word size the launcher chose and the number of launches it made. Every buffer
-    between guards, checked after; the caches' new contents are copied back into them."""
+    between guards, checked after; the caches' new contents are copied back into them. ``counts``:
+    append_kv's new_counts (None: every token)."""
     B, H, S, D = k_cache.shape
     caches = [Guarded(k_cache), Guarded(v_cache)]
     inputs = {"k_new": Guarded(k_new), "v_new": Guarded(v_new), "lengths": Guarded(lengths)}
+    if counts is not None:
+        inputs["counts"] = Guarded(counts)
     word_bytes, launches = ctypes.c_int(), ctypes.c_int()
     status = lib.emu_append_kv(
         ptr(caches[0].view),
@@ -258,6 +261,8 @@ def emulated_append(lib, k_cache, v_cache, k_new, v_new, lengths, max_words_per_
         int64s(list(k_new.stride()) + list(v_new.stride())),
         ptr(inputs["lengths"].view),
         ctypes.c_int64(lengths.stride(0)),
+        ctypes.c_void_p(None) if counts is None else ptr(inputs["counts"].view),
+        ctypes.c_int64(0 if counts is None else counts.stride(0)),
         int64s([B, H, k_new.shape[2], S, D]),
         ctypes.c_int64(k_cache.element_size()),
         ctypes.c_int64(max_words_per_launch),
@@ -588,6 +593,25 @@ def test_append_kv_token_chunks(emulator):
         emulator, k_cache, v_cache, k_new, v_new, lengths, max_words_per_launch=3 * D * 4 // 16
     )
     assert (word_bytes, launches) == (16, 4)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("max_words_per_launch", [MAX_GRID_X, 3 * 32 * 4 // 16], ids=["one_launch", "token_chunks"])
+def test_append_kv_stores_only_the_counted_tokens(emulator, max_words_per_launch):
+    # new_counts: row b stores its first counts[b] tokens, across token chunks too; a count outside
+    # [0, num_new] leaves its row untouched (it cannot be reported without a host sync).
+    counts = torch.tensor([0, 1, 4, 10, 7, -1, 11, INT64_MAX, INT64_MIN])
+    B, H, S, D, T = len(counts), 2, 12, 32, 10
+    g = torch.Generator().manual_seed(17)
+    k_cache, v_cache = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
+    k_new, v_new = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    lengths = torch.tensor([0, 5, 9, MAX_LENGTH, 3, 0, 0, 0, 0])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, (n, count) in enumerate(zip(lengths.tolist(), counts.tolist())):
+        for t in range(count if 0 <= count <= T else 0):
+            expected_k[b, :, (n + t) % S] = k_new[b, :, t]
+            expected_v[b, :, (n + t) % S] = v_new[b, :, t]
+    emulated_append(emulator, k_cache, v_cache, k_new, v_new, lengths, max_words_per_launch, counts=counts)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 

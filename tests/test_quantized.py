@@ -317,12 +317,13 @@ class ReferenceQuantizedCache(KVCache):
         super().__init__(*args, **kwargs)
         self.fmt = fmt
 
-    def _append(self, layer, k, v, lengths):  # store what the format stands for
+    def _append(self, layer, k, v, lengths, counts):  # store what the format stands for
         super()._append(
             layer,
             dequantize(*quantize(k, self.fmt), self.fmt, torch.float32).to(k.dtype),
             dequantize(*quantize(v, self.fmt), self.fmt, torch.float32).to(v.dtype),
             lengths,
+            counts,
         )
 
 

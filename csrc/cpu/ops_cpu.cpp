@@ -57,13 +57,25 @@ void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& len
   check_cpu(lengths, "lengths");
 }
 
-void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
+void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths,
+               std::optional<Tensor> new_counts) {
   check_cache(k_cache, v_cache, lengths);
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
   const int64_t T = check_new_tokens(k_cache, k_new, v_new);
   check_cpu(k_new, "k_new");
   check_cpu(v_new, "v_new");
   const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
+  std::vector<int64_t> count(static_cast<size_t>(B), T);  // tokens of each row that are stored
+  if (new_counts.has_value()) {
+    check_new_counts_layout(*new_counts, B);
+    check_cpu(*new_counts, "new_counts");
+    const int64_t* data = new_counts->const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      count[b] = data[b * new_counts->stride(0)];
+      STD_TORCH_CHECK(count[b] >= 0 && count[b] <= T, "new_counts must be between 0 and num_new=", T, ", got ",
+                      count[b], " for row ", b);
+    }
+  }
 
   const int64_t elem = static_cast<int64_t>(k_cache.element_size());
   struct Side {
@@ -88,7 +100,7 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
         for (int64_t item = begin; item < end; ++item) {
           const Side& side = sides[item / (B * H)];
           const int64_t b = (item % (B * H)) / H, h = item % H;
-          for (int64_t t = 0; t < T; ++t) {
+          for (int64_t t = 0; t < count[b]; ++t) {
             const int64_t slot = (len[b] % S + t) % S;  // len[b] + t could exceed int64
             char* dst =
                 side.cache + (b * side.cache_stride[0] + h * side.cache_stride[1] + slot * side.cache_stride[2]) * elem;

@@ -46,27 +46,32 @@ __global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(const AppendK
   }
 
   __shared__ int64_t first_slot;  // slot of this launch's first token in the row, -1: skip the row
+  __shared__ int64_t row_tokens;  // tokens of this launch that the row stores
   for (int64_t pair = blockIdx.y; pair < p.batch * p.kv_heads; pair += gridDim.y) {
     const int64_t b = pair / p.kv_heads, h = pair % p.kv_heads;
     if (threadIdx.x == 0) {
-      // An invalid length cannot be reported without a host sync: leave that row untouched
-      // rather than write outside the cache. Reducing the length modulo slots first keeps the
-      // sum below 2 * slots for any valid length (token_begin < num_new <= slots).
+      // An invalid length or count cannot be reported without a host sync: leave that row
+      // untouched rather than write outside the cache. Reducing the length modulo slots first
+      // keeps the sum below 2 * slots for any valid length (token_begin < num_new <= slots).
       const int64_t length = p.lengths[b * p.lengths_stride];
-      first_slot = length < 0 || length > kMaxLength ? -1 : (length % p.slots + p.token_begin) % p.slots;
+      const int64_t count = p.counts ? p.counts[b * p.counts_stride] : p.total_new;
+      const bool valid = length >= 0 && length <= kMaxLength && count >= 0 && count <= p.total_new;
+      first_slot = valid && count > p.token_begin ? (length % p.slots + p.token_begin) % p.slots : -1;
+      row_tokens = count - p.token_begin;
     }
     __syncthreads();
-    const int64_t slot0 = first_slot;
-    __syncthreads();  // first_slot is rewritten in the next iteration
+    const int64_t slot0 = first_slot, tokens_kept = row_tokens;
+    __syncthreads();  // first_slot and row_tokens are rewritten in the next iteration
     if (slot0 < 0) continue;
     Word values[kAppendWordsPerThread];
 #pragma unroll
     for (int i = 0; i < kAppendWordsPerThread; ++i)
-      if (token[i] != 0xffffffffu)
+      if (token[i] != 0xffffffffu && token[i] < tokens_kept)
         values[i] = source[b * ss[0] + h * ss[1] + (p.token_begin + token[i]) * ss[2] + w[i] * ss[3]];
 #pragma unroll
     for (int i = 0; i < kAppendWordsPerThread; ++i) {
-      if (token[i] == 0xffffffffu) continue;
+      // no word, or a padded token the row does not store
+      if (token[i] == 0xffffffffu || token[i] >= tokens_kept) continue;
       int64_t slot = slot0 + token[i];  // slot0 + token < slots + slots: wraps at most once
       if (slot >= p.slots) slot -= p.slots;
       cache[b * cs[0] + h * cs[1] + slot * cs[2] + w[i]] = values[i];
@@ -99,6 +104,7 @@ cudaError_t dispatch_append_kv(const AppendKvParams& p, Launch&& launch,
   for (int64_t token_begin = 0; token_begin < p.num_new; token_begin += tokens_per_launch) {
     AppendKvParams chunk = p;
     chunk.token_begin = token_begin;
+    chunk.total_new = p.num_new;
     chunk.num_new = p.num_new - token_begin < tokens_per_launch ? p.num_new - token_begin : tokens_per_launch;
     const int64_t words = chunk.num_new * p.words_per_row;
     const int64_t threads_needed = (words + kAppendWordsPerThread - 1) / kAppendWordsPerThread;

@@ -16,18 +16,22 @@ namespace kvcache_ext::cuda {
 // Copies rows of `words_per_row` words. A word is 16 bytes when every row start is 16-byte
 // aligned and the source's head_dim is contiguous (the fast path), otherwise one element
 // (2 or 4 bytes). All strides are counted in words. A row whose length is outside
-// [0, kMaxLength] is left untouched (lengths live on the device and cannot be checked first).
+// [0, kMaxLength] is left untouched (lengths live on the device and cannot be checked first), and
+// so is a row whose new_counts entry is outside [0, total_new].
 struct AppendKvParams {
   void* cache[2];               // K, V: [batch, kv_heads, slots, head_dim], head_dim contiguous
   const void* source[2];        // k_new, v_new: [batch, kv_heads, num_new, head_dim]
   const int64_t* lengths;       // [batch] tokens already in each row (device memory)
   int64_t lengths_stride;       // elements
+  const int64_t* counts;        // [batch] tokens of each row to store (device memory); nullptr: all
+  int64_t counts_stride;        // elements
   int64_t cache_stride[2][3];   // batch, head, slot
   int64_t source_stride[2][4];  // batch, head, token, word
   int64_t batch, kv_heads, num_new, slots;
   // One launch copies tokens [token_begin, token_begin + num_new) of the sources, so that its
   // num_new * words_per_row words fit the kernel's 32-bit indices (launch_append_kv splits).
   int64_t token_begin;
+  int64_t total_new;  // the sources' num_new, for the check of counts (set by dispatch_append_kv)
   int64_t words_per_row;
   int word_bytes;  // 16, 4 or 2
 };
@@ -69,6 +73,8 @@ struct AppendKvQuantizedParams {
   const void* source[2];        // k_new, v_new: [batch, kv_heads, num_new, head_dim]
   const int64_t* lengths;       // [batch] tokens already in each row (device memory)
   int64_t lengths_stride;       // elements
+  const int64_t* counts;        // [batch] tokens of each row to store (device memory); nullptr: all
+  int64_t counts_stride;        // elements
   int64_t data_stride[2][3];    // batch, head, slot
   int64_t scale_stride[2][3];   // batch, head, slot
   int64_t source_stride[2][4];  // batch, head, token, value

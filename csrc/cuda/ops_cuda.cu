@@ -101,12 +101,17 @@ std::tuple<Tensor, Tensor> plan_and_launch_decode(DecodeAttentionParams& p, cons
   return {out, lse};
 }
 
-void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths) {
+void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths,
+               std::optional<Tensor> new_counts) {
   check_cache(k_cache, v_cache, lengths);
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
   const int64_t T = check_new_tokens(k_cache, k_new, v_new);
   check_on_device(k_new, "k_new", k_cache);
   check_on_device(v_new, "v_new", k_cache);
+  if (new_counts.has_value()) {
+    check_new_counts_layout(*new_counts, B);
+    check_on_device(*new_counts, "new_counts", k_cache);
+  }
   if (T == 0 || B == 0 || H == 0) return;
 
   AppendKvParams p{};
@@ -116,6 +121,8 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
   p.source[1] = v_new.const_data_ptr();
   p.lengths = lengths.const_data_ptr<int64_t>();
   p.lengths_stride = lengths.stride(0);
+  p.counts = new_counts.has_value() ? new_counts->const_data_ptr<int64_t>() : nullptr;
+  p.counts_stride = new_counts.has_value() ? new_counts->stride(0) : 0;
   p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = S;
   const int64_t cache_stride[2][3] = {{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
                                       {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};

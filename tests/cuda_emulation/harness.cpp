@@ -244,12 +244,15 @@ int64_t emu_last_partial_lse(float* out, int64_t capacity) {
 // source_stride: k_new's 4 then v_new's 4 (elements). max_words_per_launch: the token chunks'
 // size limit. word_bytes_out: the path taken; launches_out: the launches made.
 int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, const void* k_new, const void* v_new,
-                  const int64_t* source_stride, const int64_t* lengths, int64_t lengths_stride, const int64_t* sizes,
-                  int64_t elem_bytes, int64_t max_words_per_launch, int* word_bytes_out, int* launches_out) {
+                  const int64_t* source_stride, const int64_t* lengths, int64_t lengths_stride, const int64_t* counts,
+                  int64_t counts_stride, const int64_t* sizes, int64_t elem_bytes, int64_t max_words_per_launch,
+                  int* word_bytes_out, int* launches_out) {
   AppendKvParams p{};
   p.cache[0] = k_cache, p.cache[1] = v_cache, p.source[0] = k_new, p.source[1] = v_new;
   p.lengths = lengths;
   p.lengths_stride = lengths_stride;
+  p.counts = counts;  // nullptr: every token of every row
+  p.counts_stride = counts_stride;
   p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3];
   const int64_t cs[2][3] = {{cache_stride[0], cache_stride[1], cache_stride[2]},
                             {cache_stride[3], cache_stride[4], cache_stride[5]}};
