@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../binding_common.h"
+#include "../paged_blocks.h"
 #include "attention_problem.h"
 #include "attention_schedule.h"
 #include "cpu_isa.h"
@@ -36,61 +37,13 @@ void check_row_vector(const Tensor& t, int64_t batch, const char* what) {
   check_cpu(t, what);
 }
 
-// The block ids of the table entries that cover positions [first[b], end[b]) of each row, dense
-// [batch, width] (width: the most entries any row uses; entries outside a row's range stay 0 and
-// are never used), each checked to be a block id in [0, num_blocks). `what`: what the op does
-// with the block, for the error.
-struct UsedBlocks {
-  std::vector<int64_t> ids;
-  int64_t width;
-};
-
-UsedBlocks used_blocks(const Tensor& block_tables, const std::vector<int64_t>& first, const std::vector<int64_t>& end,
-                       int64_t shift, int64_t num_blocks, const char* what) {
-  const int64_t B = block_tables.size(0);
-  int64_t width = 0;
-  for (int64_t b = 0; b < B; ++b)
-    if (end[b] > first[b]) width = std::max(width, ((end[b] - 1) >> shift) + 1);
-  UsedBlocks used{std::vector<int64_t>(static_cast<size_t>(B * width), 0), width};
-  const bool wide = block_tables.scalar_type() == ScalarType::Long;
-  const void* data = block_tables.const_data_ptr();
-  for (int64_t b = 0; b < B; ++b) {
-    if (end[b] <= first[b]) continue;
-    for (int64_t j = first[b] >> shift; j <= (end[b] - 1) >> shift; ++j) {
-      const int64_t at = b * block_tables.stride(0) + j * block_tables.stride(1);
-      const int64_t id = wide ? static_cast<const int64_t*>(data)[at] : static_cast<const int32_t*>(data)[at];
-      STD_TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id, " is not a block id in [0, ",
-                      num_blocks, ") but row ", b, " ", what, " it");
-      used.ids[b * width + j] = id;
-    }
-  }
-  return used;
-}
-
-// Refuses two written positions in one (block, offset): rows writing a shared block would race
-// (copy-on-write is the caller's job). Each used entry writes one range of offsets of its block.
-void check_distinct_writes(const UsedBlocks& written, const std::vector<int64_t>& first,
-                           const std::vector<int64_t>& end, int64_t shift) {
-  struct Span {
-    int64_t block, begin, end, row, entry;  // offsets [begin, end) within the block
-  };
-  std::vector<Span> spans;
-  for (int64_t b = 0; b < static_cast<int64_t>(first.size()); ++b) {
-    if (end[b] <= first[b]) continue;
-    for (int64_t j = first[b] >> shift; j <= (end[b] - 1) >> shift; ++j) {
-      const int64_t base = j << shift;
-      spans.push_back({written.ids[b * written.width + j], std::max(first[b], base) - base,
-                       std::min(end[b], base + (int64_t{1} << shift)) - base, b, j});
-    }
-  }
-  std::sort(spans.begin(), spans.end(),
-            [](const Span& x, const Span& y) { return x.block != y.block ? x.block < y.block : x.begin < y.begin; });
-  for (size_t i = 1; i < spans.size(); ++i) {
-    const Span &a = spans[i - 1], &c = spans[i];
-    STD_TORCH_CHECK(a.block != c.block || c.begin >= a.end, "block ", c.block, " would be written twice: by row ",
-                    a.row, " (table entry ", a.entry, ") and row ", c.row, " (table entry ", c.entry,
-                    "); give each written block one owner (copy-on-write is the caller's job)");
-  }
+// block_tables as the shared value checks (paged_blocks.h) read it.
+HostBlockTable host_table(const Tensor& block_tables) {
+  return {block_tables.const_data_ptr(),
+          block_tables.scalar_type() == ScalarType::Long,
+          block_tables.size(0),
+          block_tables.size(1),
+          {block_tables.stride(0), block_tables.stride(1)}};
 }
 
 void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths,
@@ -113,20 +66,12 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
   check_row_vector(lengths, B, "lengths");
   if (new_counts.has_value()) check_row_vector(*new_counts, B, "new_counts");
 
-  const int64_t capacity = block_tables.size(1) << shift;
-  std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
-  std::vector<int64_t> end(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    STD_TORCH_CHECK(len[b] <= capacity, "lengths must count the tokens already in each row: at most ", capacity,
-                    " (max_blocks_per_row x block_size), got ", len[b], " for row ", b);
-    const int64_t count = new_counts.has_value() ? new_counts->const_data_ptr<int64_t>()[b * new_counts->stride(0)] : T;
-    STD_TORCH_CHECK(count >= 0 && count <= T && count <= capacity - len[b], "row ", b, " holds ", len[b], " of the ",
-                    capacity, " positions its table has room for and cannot take ", count,
-                    " new tokens (new tokens per row: between 0 and ", T, ", within the table)");
-    end[b] = len[b] + count;
-  }
-  const UsedBlocks written = used_blocks(block_tables, len, end, shift, num_blocks, "writes");
-  check_distinct_writes(written, len, end, shift);
+  PagedRows rows;
+  const std::string error =
+      check_paged_append_values(host_table(block_tables), lengths.const_data_ptr<int64_t>(), lengths.stride(0),
+                                new_counts.has_value() ? new_counts->const_data_ptr<int64_t>() : nullptr,
+                                new_counts.has_value() ? new_counts->stride(0) : 0, T, shift, num_blocks, rows);
+  STD_TORCH_CHECK(error.empty(), error);
 
   const int64_t elem = static_cast<int64_t>(k_pool.element_size()), in_block = (int64_t{1} << shift) - 1;
   struct Side {
@@ -151,8 +96,8 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
         for (int64_t item = begin; item < stop; ++item) {
           const Side& side = sides[item / (B * H)];
           const int64_t b = (item % (B * H)) / H, h = item % H;
-          for (int64_t pos = len[b]; pos < end[b]; ++pos) {
-            const int64_t block = written.ids[b * written.width + (pos >> shift)], t = pos - len[b];
+          for (int64_t pos = rows.first[b]; pos < rows.end[b]; ++pos) {
+            const int64_t block = rows.ids[b * rows.width + (pos >> shift)], t = pos - rows.first[b];
             char* dst =
                 side.pool +
                 (block * side.pool_stride[0] + h * side.pool_stride[1] + (pos & in_block) * side.pool_stride[2]) * elem;
@@ -192,26 +137,22 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   check_softcap_and_sinks(softcap, sinks, q);
   const float checked = checked_scale(scale, D);
 
-  const int64_t capacity = block_tables.size(1) << shift;
-  const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
-  // Positions some query of a row sees: [first, len). Blocks before first are never read (a
+  // Positions some query of a row sees: [first, length). Blocks before first are never read (a
   // sliding-window cache may have released them).
-  const int64_t reach = std::min(window.value_or(capacity), capacity);
-  std::vector<int64_t> first(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    STD_TORCH_CHECK(len[b] <= capacity, "lengths must count the tokens of each row: at most ", capacity,
-                    " (max_blocks_per_row x block_size), got ", len[b], " for row ", b);
-    first[b] = std::max<int64_t>(0, len[b] - T - reach + 1);
-  }
-  const UsedBlocks read = used_blocks(block_tables, first, len, shift, num_blocks, "reads");
+  PagedRows rows;
+  const std::string error =
+      check_paged_attention_values(host_table(block_tables), lengths.const_data_ptr<int64_t>(), lengths.stride(0), T,
+                                   window.value_or(0), shift, num_blocks, rows);
+  STD_TORCH_CHECK(error.empty(), error);
 
   AttentionProblem p{};
   p.elem = elem_type_of(q, "q");
   p.q = q.const_data_ptr();
   p.k_cache = k_pool.const_data_ptr();
   p.v_cache = v_pool.const_data_ptr();
-  p.lengths = len.data();
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = capacity;
+  p.lengths = rows.end.data();
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D,
+  p.slots = block_tables.size(1) << shift;
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_pool.stride(i), p.v_stride[i] = v_pool.stride(i);
   p.window = std::min(window.value_or(0), kMaxLength);
@@ -219,8 +160,8 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   p.softcap = static_cast<float>(softcap.value_or(0.0));
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
-  p.block_ids = read.ids.data();
-  p.blocks_per_row = read.width;
+  p.block_ids = rows.ids.data();
+  p.blocks_per_row = rows.width;
   p.block_shift = shift;
 
   Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
