@@ -142,4 +142,17 @@ inline std::string check_paged_attention_values(const HostBlockTable& table, con
   return paged_detail::row_range_error(table, rows, block_shift, num_blocks, "reads");
 }
 
+// What the kernels of a checked call read, in one array (the CUDA binding copies it to the device
+// as is): each row's length (append: tokens held before, the first position written; attention:
+// tokens held), then for an append each row's count of tokens stored, then the block ids
+// [batch, width].
+inline std::vector<int64_t> packed_for_kernels(const PagedRows& rows, bool append) {
+  const size_t B = rows.first.size();
+  std::vector<int64_t> packed(append ? rows.first : rows.end);
+  if (append)
+    for (size_t b = 0; b < B; ++b) packed.push_back(rows.end[b] - rows.first[b]);
+  packed.insert(packed.end(), rows.ids.begin(), rows.ids.end());
+  return packed;
+}
+
 }  // namespace kvcache_ext

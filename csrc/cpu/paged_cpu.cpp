@@ -31,36 +31,20 @@ void check_cpu(const Tensor& t, const char* what) {
 }
 
 void check_row_vector(const Tensor& t, int64_t batch, const char* what) {
-  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == ScalarType::Long, what,
-                  " must be int64 of shape (", batch, ",), got ", dtype_name(t.scalar_type()), " of shape ",
-                  shape_of(t));
+  check_row_counts(t, batch, what);
   check_cpu(t, what);
-}
-
-// block_tables as the shared value checks (paged_blocks.h) read it.
-HostBlockTable host_table(const Tensor& block_tables) {
-  return {block_tables.const_data_ptr(),
-          block_tables.scalar_type() == ScalarType::Long,
-          block_tables.size(0),
-          block_tables.size(1),
-          {block_tables.stride(0), block_tables.stride(1)}};
 }
 
 void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths,
                      std::optional<Tensor> new_counts) {
   const int64_t shift = check_pool_layout(k_pool, v_pool);
   const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1), D = k_pool.size(3);
-  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == D && t->sizes().equals(k_new.sizes()),
-                    "k_new and v_new must both be (batch, kv_heads=", H, ", num_new, head_dim=", D, "), got ",
-                    shape_of(k_new), " and ", shape_of(v_new));
-    STD_TORCH_CHECK(t->scalar_type() == k_pool.scalar_type(), name, " must be ", dtype_name(k_pool.scalar_type()),
-                    " like the pool, got ", dtype_name(t->scalar_type()));
-    check_cpu(*t, name);
-  }
+  const int64_t T = check_paged_new_tokens(k_pool, k_new, v_new);
+  check_cpu(k_new, "k_new");
+  check_cpu(v_new, "v_new");
   check_cpu(k_pool, "k_pool");
   check_cpu(v_pool, "v_pool");
-  const int64_t B = k_new.size(0), T = k_new.size(2);
+  const int64_t B = k_new.size(0);
   check_block_tables(block_tables, B, shift);
   check_cpu(block_tables, "block_tables");
   check_row_vector(lengths, B, "lengths");
@@ -68,7 +52,7 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
 
   PagedRows rows;
   const std::string error =
-      check_paged_append_values(host_table(block_tables), lengths.const_data_ptr<int64_t>(), lengths.stride(0),
+      check_paged_append_values(host_block_table(block_tables), lengths.const_data_ptr<int64_t>(), lengths.stride(0),
                                 new_counts.has_value() ? new_counts->const_data_ptr<int64_t>() : nullptr,
                                 new_counts.has_value() ? new_counts->stride(0) : 0, T, shift, num_blocks, rows);
   STD_TORCH_CHECK(error.empty(), error);
@@ -119,15 +103,8 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
                                                   std::optional<Tensor> sinks) {
   const int64_t shift = check_pool_layout(k_pool, v_pool);
   const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
-  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
-                  shape_of(q));
-  STD_TORCH_CHECK(q.scalar_type() == k_pool.scalar_type(), "q must have the pool's dtype ",
-                  dtype_name(k_pool.scalar_type()), ", got ", dtype_name(q.scalar_type()));
+  check_paged_queries(q, k_pool, window);
   const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
-                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   check_block_tables(block_tables, B, shift);
   check_row_vector(lengths, B, "lengths");
   check_cpu(q, "q");
@@ -141,8 +118,8 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   // sliding-window cache may have released them).
   PagedRows rows;
   const std::string error =
-      check_paged_attention_values(host_table(block_tables), lengths.const_data_ptr<int64_t>(), lengths.stride(0), T,
-                                   window.value_or(0), shift, num_blocks, rows);
+      check_paged_attention_values(host_block_table(block_tables), lengths.const_data_ptr<int64_t>(), lengths.stride(0),
+                                   T, window.value_or(0), shift, num_blocks, rows);
   STD_TORCH_CHECK(error.empty(), error);
 
   AttentionProblem p{};
