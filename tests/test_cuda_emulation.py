@@ -1344,12 +1344,15 @@ def test_paged_append_refusals_change_nothing(emulator, change, message):
 
 
 # ---- sanitizers --------------------------------------------------------------------------------------
-# Small enough for ~20 s under ASan at -O0: every kernel family and the int64 edges. (Not
-# the deliberate misalignment self-tests: UBSan stops at those as a GPU would.)
+# Small enough for ~30 s under ASan at -O0: every kernel family (the paged modes too) and the
+# int64 edges. (Not the deliberate misalignment self-tests: UBSan stops at those as a GPU would.)
 SANITIZED_SELECTION = (
     "matches_reference and bfloat16 and (case2 or case4 or case6 or case9) "
     "or decode_edge_lengths and bfloat16 and 4 and w5 or long_cache or unaligned_caches and float16 "
-    "or forced_split_count and 64 or append_kv_edge_lengths and 3 or random_order or full3-3"
+    "or forced_split_count and 64 or append_kv_edge_lengths and 3 or random_order or full3-3 "
+    "or paged_attention_matches_reference and bfloat16 and (paged1 or paged3) or paged_attention_splits "
+    "or paged_attention_unaligned_pool and float16 or paged_append_matches_reference and float16 "
+    "or paged_append_token_chunks or paged_append_refusals or paged_attention_refusals"
 )
 
 
