@@ -499,6 +499,41 @@ def run_bench(json_path: str | None = None) -> dict:
         log(f"append: {result['append_kv']}")
 
     attempt("append", measure_append)
+
+    # Paged decode attention on the main shape, the pool in blocks of 16 handed out in random order,
+    # against the contiguous op on the same shape. Eager times only: the paged ops check lengths and
+    # block ids on a host copy (one synchronising round trip per call, included in the time), so
+    # they cannot be captured in a graph.
+    def measure_paged():
+        b, hq, hkv, length, d, dt = main_shape
+        block_size = 16
+        length = max(64, length // SHRINK) // block_size * block_size
+        blocks_per_row, element = length // block_size, torch.tensor([], dtype=dt).element_size()
+        read = 2 * b * hkv * length * d * element
+        sets = []
+        for _ in range(timer.copies(read)):
+            k_pool = torch.randn(b * blocks_per_row, hkv, block_size, d, device=DEVICE, dtype=dt)
+            table = torch.randperm(b * blocks_per_row, device=DEVICE).view(b, blocks_per_row).int()
+            lengths = torch.full((b,), length, device=DEVICE, dtype=torch.long)
+            q = torch.randn(b, hq, 1, d, device=DEVICE, dtype=dt)
+            sets.append((q, k_pool, torch.randn_like(k_pool), table, lengths))
+        paged = [lambda s=s: kvcache_ext.paged_decode_attention(*s) for s in sets]
+        paged_us = timer.eager_us(paged)
+        del sets
+        contiguous = [lambda s=s: kvcache_ext.decode_attention(*s) for s in decode_inputs(b, hq, hkv, length, d, dt, 2)]
+        result["paged_decode_attention"] = {
+            "shape": {"batch": b, "q_heads": hq, "kv_heads": hkv, "length": length, "head_dim": d},
+            "dtype": str(dt).split(".")[-1],
+            "block_size": block_size,
+            "bytes_read": read,
+            "us": round(paged_us, 1),
+            "gb_per_s": round(read / (paged_us * 1e-6) / 1e9, 1),
+            "contiguous_us": round(timer.eager_us(contiguous), 1),
+        }
+        log(f"paged decode attention: {result['paged_decode_attention']}")
+        torch.cuda.empty_cache()
+
+    attempt("paged decode attention", measure_paged)
     return result
 
 
@@ -764,6 +799,16 @@ def bench_markdown(bench) -> list[str]:
             f"bf16: {a['us']} us eager, {a['graph_us']} us graph, {a['gb_per_s']} GB/s = "
             f"{a['fraction_of_copy']} x copy (target >= 0.7: {'met' if a['target_met'] else 'NOT met'}); "
             f"one token: {a['one_token_us']} us eager, {a['one_token_graph_us']} us graph",
+        ]
+    p = bench.get("paged_decode_attention")
+    if p:
+        shape = p["shape"]
+        lines += [
+            "",
+            f"paged_decode_attention B={shape['batch']} Hq={shape['q_heads']} Hkv={shape['kv_heads']} "
+            f"L={shape['length']} D={shape['head_dim']} {p['dtype']}, blocks of {p['block_size']} in random order: "
+            f"{p['us']} us eager ({p['gb_per_s']} GB/s, the host check's round trip included) against "
+            f"{p['contiguous_us']} us for the contiguous op",
         ]
     return lines
 

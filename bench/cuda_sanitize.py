@@ -12,7 +12,10 @@ rows far past the ring, every dtype) and decode_attention (every dtype and head_
 and forced splits, strided q, a cache that is a slice of a larger one, lengths the public API
 refuses but the kernels must survive), and the quantized caches (append_kv_quantized and
 decode_attention_quantized for int8, fp8_e4m3 and int4: codes equal to the CPU kernel's, attention
-against float64 over the dequantized values; aligned and byte-offset rows). Each case
+against float64 over the dequantized values; aligned and byte-offset rows), and the paged ops
+(paged_append_kv with and without new_counts, block sizes 1 and 16; paged_decode_attention over
+random block tables with NaN in every unheld pool element, windows, forced splits, unaligned
+pools; an out-of-range id refused before any launch). Each case
 synchronises, so an error is attributed to it.
 
 Exit status: 0 every case ran and matched the reference, 1 a case failed (wrong result or a
@@ -232,6 +235,104 @@ def quantized_case(fmt, dtype, head_dim, group, num_new, window, splits, kvcache
     return f"error {error:.1e}, lse error {lse_error:.1e}"
 
 
+# ---- paged pools ---------------------------------------------------------------------------------
+def paged_table(ends, block_size, num_blocks, generator):
+    """Block tables drawn at random (no repeats) covering positions [0, ends[b]) of each row; one
+    spare entry per row, -1, never used."""
+    needed = [-(-n // block_size) for n in ends]
+    order = torch.randperm(num_blocks, generator=generator)
+    table = torch.full((len(ends), max(needed) + 1), -1, dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(needed):
+        table[b, :count] = order[used : used + count].to(torch.int32)
+        used += count
+    return table
+
+
+def paged_append_case(dtype, block_size, layout, with_counts, kvcache_ext):
+    B, H, T, D = 3, 2, 5, 64
+    g = torch.Generator().manual_seed(block_size * 3 + T)
+    lengths = [0, 7, 2 * block_size + 1]
+    counts = [5, 0, 3] if with_counts else [T] * B
+    ends = [n + c for n, c in zip(lengths, counts)]
+    num_blocks = sum(-(-n // block_size) for n in ends) + 2
+    table = paged_table(ends, block_size, num_blocks, g)
+    k_pool, v_pool = (torch.randn(num_blocks, H, block_size, D, generator=g).to(dtype) for _ in range(2))
+    if layout == "transposed":  # (B, T, H, D) storage: the element path
+        bases = [torch.randn(B, T, H, D, generator=g).to(dtype) for _ in range(2)]
+        k_new, v_new = (b.transpose(1, 2) for b in bases)
+        k_new_gpu, v_new_gpu = (b.to(DEVICE).transpose(1, 2) for b in bases)
+    else:
+        k_new, v_new = (torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(2))
+        k_new_gpu, v_new_gpu = k_new.to(DEVICE), v_new.to(DEVICE)
+    k_gpu, v_gpu = k_pool.to(DEVICE), v_pool.to(DEVICE)
+    count_tensor = torch.tensor(counts).to(DEVICE) if with_counts else None
+    kvcache_ext.paged_append_kv(
+        k_gpu, v_gpu, k_new_gpu, v_new_gpu, table.to(DEVICE), torch.tensor(lengths).to(DEVICE), count_tensor
+    )
+    synchronize()
+    for b, (start, count) in enumerate(zip(lengths, counts)):
+        for t in range(count):
+            block, offset = int(table[b, (start + t) // block_size]), (start + t) % block_size
+            k_pool[block, :, offset], v_pool[block, :, offset] = k_new[b, :, t], v_new[b, :, t]
+    if not (torch.equal(k_gpu.cpu(), k_pool) and torch.equal(v_gpu.cpu(), v_pool)):
+        raise AssertionError("pools differ from the expected copy")
+    return f"block_size {block_size}, strides k_new {tuple(k_new_gpu.stride())}"
+
+
+def paged_decode_case(
+    dtype, head_dim, group, num_new, window, block_size, splits, kvcache_ext, reference, offset=False
+):
+    B, H_kv = 3, 2
+    H_q = H_kv * group
+    lengths = [num_new, 9 + num_new, 300]
+    g = torch.Generator().manual_seed(head_dim * 5 + group + block_size)
+    q = torch.randn(B, H_q, num_new, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(B, H_kv, max(lengths), head_dim, generator=g).to(dtype) for _ in range(2))
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    table = paged_table(lengths, block_size, num_blocks, g)
+    # Pools NaN wherever no row holds a token (a stray read poisons the output); with `offset`, one
+    # element off 16-byte alignment (the element-load kernels).
+    numel = num_blocks * H_kv * block_size * head_dim
+    shift = 1 if offset else 0
+    pools = [torch.full((numel + shift,), float("nan"), dtype=dtype) for _ in range(2)]
+    views = [p[shift:].view(num_blocks, H_kv, block_size, head_dim) for p in pools]
+    for b, n in enumerate(lengths):
+        for position in range(n):
+            block, slot = int(table[b, position // block_size]), position % block_size
+            views[0][block, :, slot], views[1][block, :, slot] = k[b, :, position], v[b, :, position]
+    k_gpu, v_gpu = (p.to(DEVICE)[shift:].view(views[0].shape) for p in pools)
+    with with_env("KVCACHE_EXT_CUDA_SPLITS", splits):
+        out, lse = kvcache_ext.paged_decode_attention(
+            q.to(DEVICE), k_gpu, v_gpu, table.to(DEVICE), torch.tensor(lengths).to(DEVICE), window
+        )
+        synchronize()
+    lengths_cpu = torch.tensor(lengths)
+    exact, exact_lse = reference(q.double(), k.double(), v.double(), lengths_cpu, window, return_lse=True)
+    error = (out.cpu().double() - exact).abs().max().item()
+    lse_error = (lse.cpu().double() - exact_lse).abs().max().item()
+    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
+        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
+    return f"error {error:.1e}, lse error {lse_error:.1e}"
+
+
+def paged_refusal_case(kvcache_ext):
+    """An id the append would write out of range: refused on the host, before any launch."""
+    k_pool, v_pool = (torch.randn(8, 2, 4, 16).to(DEVICE) for _ in range(2))
+    before = (k_pool.cpu(), v_pool.cpu())
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    table[1, 1] = 8
+    k_new, v_new = (torch.randn(2, 2, 3, 16).to(DEVICE) for _ in range(2))
+    try:
+        kvcache_ext.paged_append_kv(k_pool, v_pool, k_new, v_new, table.to(DEVICE), torch.tensor([0, 3]).to(DEVICE))
+    except RuntimeError as error:
+        synchronize()
+        if not (torch.equal(k_pool.cpu(), before[0]) and torch.equal(v_pool.cpu(), before[1])):
+            raise AssertionError("a refused append wrote into a pool") from error
+        return "refused, pools unchanged"
+    raise AssertionError("an out-of-range block id was accepted")
+
+
 def build_cases(kvcache_ext, reference, quick: bool):
     cases = []  # (name, thunk)
 
@@ -390,6 +491,36 @@ def build_cases(kvcache_ext, reference, quick: bool):
                     reference,
                     offset=offset,
                 )
+    for dtype_name, dtype in DTYPES.items():
+        for block_size, layout, with_counts in ((1, "contiguous", True), (16, "transposed", False)):
+            add(
+                f"paged append {dtype_name} block_size={block_size} {layout} counts={with_counts}",
+                paged_append_case,
+                dtype,
+                block_size,
+                layout,
+                with_counts,
+                kvcache_ext,
+            )
+        # (head_dim, group, num_new, window, block_size, splits, offset)
+        paged_configs = [(64, 4, 1, None, 16, None, False), (128, 2, 3, 20, 4, 3, False), (80, 8, 2, None, 1, 1, True)]
+        for head_dim, group, num_new, window, block_size, splits, offset in paged_configs[: 1 if quick else None]:
+            add(
+                f"paged decode {dtype_name} D={head_dim} group={group} T={num_new} window={window} "
+                f"block_size={block_size} splits={splits}{' unaligned pools' if offset else ''}",
+                paged_decode_case,
+                dtype,
+                head_dim,
+                group,
+                num_new,
+                window,
+                block_size,
+                splits,
+                kvcache_ext,
+                reference,
+                offset=offset,
+            )
+    add("paged append refused id", paged_refusal_case, kvcache_ext)
     return cases
 
 

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "capabilities.h"
-
 #include "elem_type.h"
+#include "paged_blocks.h"
 
 namespace kvcache_ext {
 
@@ -145,6 +145,51 @@ inline void check_block_tables(const torch::stable::Tensor& block_tables, int64_
                   ", max_blocks_per_row), got shape ", shape_of(block_tables));
   STD_TORCH_CHECK(block_tables.size(1) <= (kMaxLength >> block_shift), "block_tables has ", block_tables.size(1),
                   " blocks per row: more positions than 2^62");
+}
+
+// The int64 (batch,) vectors of the paged ops (lengths, new_counts); devices are each binding's.
+inline void check_row_counts(const torch::stable::Tensor& t, int64_t batch, const char* what) {
+  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == torch::headeronly::ScalarType::Long, what,
+                  " must be int64 of shape (", batch, ",), got ", dtype_name(t.scalar_type()), " of shape ",
+                  shape_of(t));
+}
+
+// paged_append_kv's new keys/values against the pool: shapes and dtype. Returns num_new.
+inline int64_t check_paged_new_tokens(const torch::stable::Tensor& k_pool, const torch::stable::Tensor& k_new,
+                                      const torch::stable::Tensor& v_new) {
+  const int64_t H = k_pool.size(1), D = k_pool.size(3);
+  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == D && t->sizes().equals(k_new.sizes()),
+                    "k_new and v_new must both be (batch, kv_heads=", H, ", num_new, head_dim=", D, "), got ",
+                    shape_of(k_new), " and ", shape_of(v_new));
+    STD_TORCH_CHECK(t->scalar_type() == k_pool.scalar_type(), name, " must be ", dtype_name(k_pool.scalar_type()),
+                    " like the pool, got ", dtype_name(t->scalar_type()));
+  }
+  return k_new.size(2);
+}
+
+// paged_decode_attention's q against the pool, and window: shapes, dtype, GQA grouping.
+inline void check_paged_queries(const torch::stable::Tensor& q, const torch::stable::Tensor& k_pool,
+                                std::optional<int64_t> window) {
+  const int64_t H_kv = k_pool.size(1), D = k_pool.size(3);
+  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
+                  shape_of(q));
+  STD_TORCH_CHECK(q.scalar_type() == k_pool.scalar_type(), "q must have the pool's dtype ",
+                  dtype_name(k_pool.scalar_type()), ", got ", dtype_name(q.scalar_type()));
+  const int64_t H_q = q.size(1);
+  STD_TORCH_CHECK(q.size(2) >= 1, "q must hold at least one new token");
+  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
+                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+}
+
+// block_tables (host memory) as the paged ops' value checks (paged_blocks.h) read it.
+inline HostBlockTable host_block_table(const torch::stable::Tensor& block_tables) {
+  return {block_tables.const_data_ptr(),
+          block_tables.scalar_type() == torch::headeronly::ScalarType::Long,
+          block_tables.size(0),
+          block_tables.size(1),
+          {block_tables.stride(0), block_tables.stride(1)}};
 }
 
 // Each row's length, read through lengths' stride (it may be a view), checked to lie in

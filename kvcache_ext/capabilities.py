@@ -47,8 +47,9 @@ class Capabilities:
     max_slots: int
     max_group: int | None
     kv_formats: tuple[str, ...]  # quantized cache formats (python_ref/quantize.py) stored natively
-    # Block sizes the native paged ops take on this device; empty: no paged kernel here, and the
-    # paged ops run python_ref's paged reference (same semantics and checks, PAGED_BLOCK_SIZES).
+    # Block sizes the native paged ops take on this device (CPU and CUDA: PAGED_BLOCK_SIZES); empty:
+    # no paged kernel here (the python fallback), and the paged ops run python_ref's paged reference
+    # (same semantics and checks).
     paged_block_sizes: tuple[int, ...]
     # Quantized formats the native paged ops store on this device; the others run python_ref's
     # paged quantized reference (same semantics and checks).

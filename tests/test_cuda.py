@@ -588,3 +588,168 @@ def test_quantized_checks_match_the_cpu_binding():
     bad[1] = bad[1].float()  # int4 scales must be float16
     with pytest.raises(RuntimeError, match="k_scales must be"):
         torch.ops.kvcache_ext.decode_attention_quantized(q.cuda(), *bad, lengths.cuda(), None, None)
+
+
+# ---- paged pools ---------------------------------------------------------------------------------
+# The CPU paged tests (tests/test_paged_ops.py) on CUDA: the same kernels in their block-table
+# address mode, the binding's value checks on a host copy of lengths, counts and tables.
+PAGED_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def paged_copy(k, v, lengths, block_size, table_dtype=torch.int32, spare_blocks=3, seed=0):
+    """The tokens of contiguous k/v (B, H, S, D) copied into block pools through a table of blocks
+    in random order among spare ones; every other pool element is NaN and every unused table entry
+    -1, so reading either shows. Also returns the contiguous cache of the slots the binding plans
+    with (the used table width times block_size; zeros past each row), whose decode_attention
+    visits the same positions in the same order."""
+    B, H, _, D = k.shape
+    needed = [-(-int(n) // block_size) for n in lengths]
+    num_blocks = sum(needed) + spare_blocks
+    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    table = torch.full((B, max(needed) + 1), -1, dtype=table_dtype)
+    k_pool = torch.full((num_blocks, H, block_size, D), float("nan"), dtype=k.dtype)
+    v_pool = k_pool.clone()
+    slots = max(needed) * block_size
+    same_k, same_v = (torch.zeros(B, H, slots, D, dtype=k.dtype) for _ in range(2))
+    used = 0
+    for b in range(B):
+        n = int(lengths[b])
+        same_k[b, :, :n], same_v[b, :, :n] = k[b, :, :n], v[b, :, :n]
+        for j in range(needed[b]):
+            block, used = int(ids[used]), used + 1
+            table[b, j] = block
+            count = min(block_size, n - j * block_size)
+            k_pool[block, :, :count] = k[b, :, j * block_size : j * block_size + count]
+            v_pool[block, :, :count] = v[b, :, j * block_size : j * block_size + count]
+    return k_pool, v_pool, table, same_k, same_v
+
+
+def check_paged_on_cuda(q, k, v, lengths, block_size, window=None, table_dtype=torch.int32, **options):
+    """CUDA paged attention: bit for bit the CUDA contiguous kernel on the same positions, close to
+    the CPU paged op, and within twice python_ref's same-dtype error of the float64 reference."""
+    k_pool, v_pool, table, same_k, same_v = paged_copy(k, v, lengths, block_size, table_dtype)
+    args = (k_pool, v_pool, table, lengths)
+    out, lse = kvcache_ext.paged_decode_attention(q.cuda(), *(t.cuda() for t in args), window=window, **options)
+    same_out, same_lse = kvcache_ext.decode_attention(
+        q.cuda(), same_k.cuda(), same_v.cuda(), lengths.cuda(), window=window, **options
+    )
+    assert torch.equal(out, same_out) and torch.equal(lse, same_lse)
+    cpu_out, cpu_lse = kvcache_ext.paged_decode_attention(q, *args, window=window, **options)
+    atol, rtol = PAGED_TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.cpu().float(), cpu_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-3, rtol=1e-4)
+    exact = reference_attention(q.double(), same_k.double(), same_v.double(), lengths, window, **options)
+    plain = reference_attention(q, same_k, same_v, lengths, window, **options)
+    assert max_error(out.cpu(), exact) <= 2 * max_error(plain, exact) + 1e-5
+
+
+PAGED_GRID = list(itertools.product(DTYPES, [64, 80], [1, 4], [1, 3], [None, 5], [1, 16]))
+PAGED_GRID += [
+    (torch.bfloat16, 128, 2, 1, None, 256),
+    (torch.float16, 24, 3, 2, 40, 4),
+    (torch.float32, 256, 1, 4, None, 32),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,group,num_new,window,block_size",
+    PAGED_GRID,
+    ids=[f"{str(c[0]).split('.')[-1]}-D{c[1]}-g{c[2]}-T{c[3]}-w{c[4]}-bs{c[5]}" for c in PAGED_GRID],
+)
+def test_paged_attention_parity(dtype, head_dim, group, num_new, window, block_size):
+    lengths = [num_new, 37 + num_new, 100]
+    q, k, v, lengths = random_problem(3, 2 * group, 2, num_new, head_dim, 100, lengths, dtype, num_new == 3, seed=7)
+    check_paged_on_cuda(q, k, v, lengths, block_size, window, torch.int64 if block_size == 16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_paged_attention_long_rows_split_kv(dtype):
+    # Few rows, long tables: Flash-Decoding splits over the blocks, softcap and sinks in the combine.
+    q, k, v, lengths = random_problem(2, 8, 2, 1, 128, 6000, [6000, 2500], dtype, False, seed=8)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    check_paged_on_cuda(q, k, v, lengths, 16, softcap=20.0, sinks=sinks)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "block_size,non_contiguous,with_counts", [(1, False, True), (4, True, False), (16, True, True)]
+)
+def test_paged_append_equals_cpu(dtype, block_size, non_contiguous, with_counts):
+    B, H, T, D = 3, 2, 5, 40
+    g = torch.Generator().manual_seed(block_size)
+    lengths = torch.tensor([0, 7, 13])
+    counts = torch.tensor([5, 0, 3]) if with_counts else None
+    max_blocks = -(-(13 + T) // block_size)
+    num_blocks = B * max_blocks + 2
+    table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    k_pool, v_pool = (torch.randn(num_blocks, H, block_size, D, generator=g).to(dtype) for _ in range(2))
+    if non_contiguous:
+        k_new = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+        v_new = torch.randn(B, H, D, T, generator=g).to(dtype).transpose(2, 3)  # head_dim not contiguous
+    else:
+        k_new, v_new = (torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(2))
+    gpu = [t.cuda() for t in (k_pool, v_pool, k_new, v_new, table, lengths)]
+    kvcache_ext.paged_append_kv(*gpu, None if counts is None else counts.cuda())
+    kvcache_ext.paged_append_kv(k_pool, v_pool, k_new, v_new, table, lengths, counts)
+    assert torch.equal(gpu[0].cpu(), k_pool) and torch.equal(gpu[1].cpu(), v_pool)
+
+
+@pytest.mark.parametrize("change", ["unwritable_id", "shared_block", "past_table", "count_above_new_tokens"])
+def test_paged_append_refusals_change_nothing(change):
+    # Values only the host copy can see: a RuntimeError from the binding, and no byte written.
+    B, H, T, D, block_size = 2, 2, 3, 16, 4
+    lengths, counts = torch.tensor([2, 0]), torch.tensor([3, 2])
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    if change == "unwritable_id":
+        table[0, 1] = 8
+    elif change == "shared_block":
+        table[1, 0] = table[0, 1]  # row 0 writes its offset 0, row 1 offsets 0 and 1
+    elif change == "past_table":
+        lengths[1] = 15
+    else:
+        counts[0] = 4
+    k_pool, v_pool = torch.randn(8, H, block_size, D).cuda(), torch.randn(8, H, block_size, D).cuda()
+    before = (k_pool.clone(), v_pool.clone())
+    k_new, v_new = torch.randn(B, H, T, D).cuda(), torch.randn(B, H, T, D).cuda()
+    with pytest.raises(RuntimeError):
+        kvcache_ext.paged_append_kv(k_pool, v_pool, k_new, v_new, table.cuda(), lengths.cuda(), counts.cuda())
+    assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
+
+
+@pytest.mark.parametrize("entry", [-1, 10, 2**31 - 1])
+def test_paged_attention_refuses_an_id_it_would_read(entry):
+    q = torch.randn(2, 4, 1, 32).cuda()
+    k_pool, v_pool = torch.randn(10, 2, 8, 32).cuda(), torch.randn(10, 2, 8, 32).cuda()
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    table[1, 3] = entry
+    lengths = torch.tensor([20, 30])
+    with pytest.raises(RuntimeError, match=r"block_tables\[1, 3\] = .* is not a block id in \[0, 10\) but row 1 reads"):
+        kvcache_ext.paged_decode_attention(q, k_pool, v_pool, table.cuda(), lengths.cuda())
+    lengths[1] = 24  # the entry is past what row 1 holds: never read
+    out, _ = kvcache_ext.paged_decode_attention(q, k_pool, v_pool, table.cuda(), lengths.cuda())
+    assert bool(out.isfinite().all())
+
+
+def test_paged_ops_opcheck():
+    k_pool, v_pool = torch.randn(6, 2, 4, 16).cuda(), torch.randn(6, 2, 4, 16).cuda()
+    table, lengths = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32).cuda(), torch.tensor([5, 9]).cuda()
+    q = torch.randn(2, 4, 1, 16).cuda()
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.paged_decode_attention.default, (q, k_pool, v_pool, table, lengths), {"window": 4}
+    )
+    k_new, v_new = torch.randn(2, 2, 3, 16).cuda(), torch.randn(2, 2, 3, 16).cuda()
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.paged_append_kv.default,
+        (k_pool, v_pool, k_new, v_new, table, torch.tensor([1, 2]).cuda(), torch.tensor([3, 1]).cuda()),
+    )
+
+
+def test_paged_greedy_generation_cuda_equals_cpu():
+    model = build_gpt2("tiny")
+    prompt = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    sizes = dict(num_blocks=24, block_size=4, dtype=torch.float32)  # 30 tokens a row: 8 blocks each
+    cpu_tokens = generate(model, prompt, 24, cache=kvcache_ext.PagedKVCache(**model.kv_shape, **sizes))
+    gpu_model = copy.deepcopy(model).cuda()
+    gpu_cache = kvcache_ext.PagedKVCache(**gpu_model.kv_shape, **sizes, device="cuda")
+    gpu_tokens = generate(gpu_model, prompt.cuda(), 24, cache=gpu_cache)
+    assert torch.equal(gpu_tokens.cpu(), cpu_tokens)

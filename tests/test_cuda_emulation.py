@@ -23,6 +23,7 @@ import hashlib
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -33,12 +34,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from python_ref import reference_attention
+from attention_oracle import attention_float64
+from python_ref import paged_append_reference, paged_attention_reference, reference_attention
 from python_ref import quantize as qref
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATION_DIR = ROOT / "tests" / "cuda_emulation"
-SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*")) + sorted(EMULATION_DIR.glob("*"))
+# The kernels, their headers and the checks the harness shares with the bindings (csrc/*.h).
+SOURCES = (
+    sorted((ROOT / "csrc" / "cuda").glob("*")) + sorted((ROOT / "csrc").glob("*.h")) + sorted(EMULATION_DIR.glob("*"))
+)
 ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
@@ -128,6 +133,7 @@ GUARD_BITS = {
     torch.bfloat16: 0x7FE5,
     torch.float16: 0x7E5A,
     torch.int64: 0x5A5A5A5A5A5A5A5A,
+    torch.int32: 0x5A5A5A5A,
     torch.int8: 0x5A,
     torch.uint8: 0xA5,
     torch.float8_e4m3fn: 0x7F,
@@ -137,6 +143,7 @@ BITS_DTYPE = {
     torch.bfloat16: torch.int16,
     torch.float16: torch.int16,
     torch.int64: torch.int64,
+    torch.int32: torch.int32,
     torch.int8: torch.int8,
     torch.uint8: torch.uint8,
     torch.float8_e4m3fn: torch.uint8,
@@ -1013,13 +1020,363 @@ def test_occupancy_changes_the_plan_not_the_result(emulator, blocks_per_sm, sm_c
     assert (plan["splits"] > 1) == (5 * units < 4 * wave), plan
 
 
+# ---- paged pools ----------------------------------------------------------------------------------
+# The CUDA binding's paged steps under emulation: the value checks of csrc/paged_blocks.h on the
+# host, then the kernels in their paged address mode on the checked copy of lengths, counts and
+# the used block ids.
+TABLE_LAYOUT_DTYPES = {torch.int32: 0, torch.int64: 1}
+
+
+def block_table_for(lengths, block_size, num_blocks, generator, table_dtype, spare_entries=2):
+    """Each row's blocks drawn at random (without repeats) from the pool; entries past a row's need
+    are -1."""
+    needed = [-(-int(n) // block_size) for n in lengths]
+    order = torch.randperm(num_blocks, generator=generator)
+    table = torch.full((len(needed), max(needed, default=0) + spare_entries), -1, dtype=table_dtype)
+    used = 0
+    for b, count in enumerate(needed):
+        table[b, :count] = order[used : used + count].to(table_dtype)
+        used += count
+    return table
+
+
+def paged_pools(k, v, lengths, block_size, generator, table_dtype=torch.int64, spare_blocks=3, offset_elems=0):
+    """The tokens of contiguous k/v (B, H, S, D) copied into block pools through a random table.
+    Every pool element no row holds is NaN, so a read of one poisons the output. offset_elems moves
+    the pools off 16-byte alignment."""
+    B, H, _, D = k.shape
+    num_blocks = sum(-(-int(n) // block_size) for n in lengths) + spare_blocks
+    table = block_table_for(lengths, block_size, num_blocks, generator, table_dtype)
+    pools = []
+    for source in (k, v):
+        numel = num_blocks * H * block_size * D
+        pool = torch.full((offset_elems + numel,), float("nan"), dtype=k.dtype)[offset_elems:]
+        pool = pool.view(num_blocks, H, block_size, D)
+        for b, n in enumerate(lengths.tolist()):
+            for p in range(n):
+                pool[int(table[b, p // block_size]), :, p % block_size] = source[b, :, p]
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def emulated_paged_attention(
+    lib,
+    q,
+    k_pool,
+    v_pool,
+    table,
+    lengths,
+    window=None,
+    scale=None,
+    softcap=None,
+    sinks=None,
+    sm_count=132,
+    max_blocks=MAX_GRID_X,
+):
+    """Returns (out, lse, plan), or the refusal's message; every buffer between guards, the inputs
+    (table and lengths included) unchanged, and nothing written by a refused call."""
+    B, H_q, T, D = q.shape
+    num_blocks, H_kv, block_size, _ = k_pool.shape
+    out = Guarded(torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype))
+    lse = Guarded(torch.full((B, H_q, T), float("nan")))
+    inputs = {name: Guarded(t) for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("table", table))}
+    inputs["lengths"] = Guarded(lengths)
+    if sinks is not None:
+        inputs["sinks"] = Guarded(sinks.float().contiguous())
+    plan, slots = (ctypes.c_int64 * 4)(), ctypes.c_int64()
+    status = lib.emu_paged_decode_attention(
+        ELEM[q.dtype],
+        ptr(inputs["q"].view),
+        int64s(q.stride()),
+        ptr(inputs["k_pool"].view),
+        ptr(inputs["v_pool"].view),
+        int64s(list(k_pool.stride()[:3]) + list(v_pool.stride()[:3])),
+        ptr(inputs["table"].view),
+        ctypes.c_int(TABLE_LAYOUT_DTYPES[table.dtype]),
+        int64s(list(table.shape) + list(table.stride())),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        ptr(out.view),
+        ptr(lse.view),
+        int64s([B, H_q, H_kv, T, D, num_blocks, block_size]),
+        ctypes.c_int64(window or 0),
+        ctypes.c_double(1.0 / math.sqrt(D) if scale is None else scale),
+        ctypes.c_double(softcap or 0.0),
+        None if sinks is None else ptr(inputs["sinks"].view),
+        ctypes.c_int(sm_count),
+        ctypes.c_int64(max_blocks),
+        plan,
+        ctypes.byref(slots),
+    )
+    error = take_error(lib)
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the paged attention wrote into {name} or its guards"
+    if status == -3:
+        assert out.unchanged() and lse.unchanged(), "a refused call wrote its outputs"
+        return error
+    assert status == 0, f"emulated launch failed with status {status}: {error}"
+    assert not error, error
+    assert out.guards_intact() and lse.guards_intact(), "the kernels wrote outside out or lse"
+    plan = {"splits": plan[2], "vector_loads": bool(plan[3]), "slots": slots.value}
+    return out.view, lse.view, plan
+
+
+def check_paged(lib, q, k, v, lengths, block_size, window=None, table_dtype=torch.int64, seed=0, **options):
+    """Paged attention under emulation against the float64 oracle (within twice the error of
+    python_ref's paged reference in the inputs' dtype) and, bit for bit, against the contiguous
+    kernel on a cache of the slots the binding plans with (same positions, plan and order)."""
+    g = torch.Generator().manual_seed(seed)
+    offset_elems = options.pop("offset_elems", 0)
+    k_pool, v_pool, table = paged_pools(k, v, lengths, block_size, g, table_dtype, offset_elems=offset_elems)
+    out, lse, plan = emulated_paged_attention(lib, q, k_pool, v_pool, table, lengths, window, **options)
+    assert plan["vector_loads"] == (offset_elems == 0)
+    softcap, sinks, scale = options.get("softcap"), options.get("sinks"), options.get("scale")
+    exact = attention_float64(q, k, v, lengths, window, scale, softcap, sinks)
+    plain = paged_attention_reference(q, k_pool, v_pool, table, lengths, window, scale, softcap=softcap, sinks=sinks)
+    bound = 2 * max_error(plain, exact) + 1e-5
+    assert max_error(out, exact) <= bound, (plan, max_error(out, exact), bound)
+    _, exact_lse = paged_attention_reference(
+        q.double(), k_pool.double(), v_pool.double(), table, lengths, window, scale, True, softcap, sinks
+    )
+    torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+    if offset_elems == 0:
+        S = plan["slots"]
+        padded = [
+            torch.cat([t[:, :, :S], t.new_zeros(t.shape[0], t.shape[1], max(0, S - t.shape[2]), t.shape[3])], 2)
+            for t in (k, v)
+        ]
+        options.pop("max_blocks", None)
+        same_out, same_lse, _ = emulated_attention(lib, q, padded[0], padded[1], lengths, window, **options)
+        assert torch.equal(out, same_out) and torch.equal(lse, same_lse)
+    return plan
+
+
+def paged_problem(B, H_q, H_kv, T, D, lengths, dtype, seed, non_contiguous_q=False):
+    q, k, v = random_attention(B, H_q, H_kv, T, D, max(lengths), dtype, seed, non_contiguous_q)
+    return q, k, v, torch.tensor(lengths)
+
+
+# (batch, q_heads, kv_heads, num_new, head_dim, block_size, lengths, window, table dtype)
+PAGED_CASES = [
+    (3, 8, 2, 1, 64, 16, [1, 37, 64], None, torch.int32),  # GQA 4, a one-token row, whole blocks
+    (2, 4, 4, 3, 80, 4, [3, 29], None, torch.int64),  # T > 1, 80-dim (idle lanes), T == length
+    (2, 6, 2, 2, 24, 1, [9, 2], 3, torch.int32),  # block size 1, a window shorter than T + 1
+    (1, 2, 1, 4, 256, 256, [300], 40, torch.int64),  # blocks of 256, the first one unseen
+    (3, 4, 1, 1, 128, 8, [50, 17, 8], 10, torch.int32),  # MQA, window inside one block
+    (2, 16, 2, 2, 32, 32, [70, 5], None, torch.int64),  # 16 query rows per KV head: 8-row blocks
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", PAGED_CASES, ids=[f"paged{i}" for i in range(len(PAGED_CASES))])
+def test_paged_attention_matches_reference(emulator, case, dtype):
+    B, H_q, H_kv, T, D, block_size, lengths, window, table_dtype = case
+    q, k, v, lengths = paged_problem(B, H_q, H_kv, T, D, lengths, dtype, seed=D + block_size, non_contiguous_q=B == 2)
+    check_paged(emulator, q, k, v, lengths, block_size, window, table_dtype, seed=B + T)
+
+
+@pytest.mark.parametrize("sm_count,max_blocks", [(1, MAX_GRID_X), (132, MAX_GRID_X), (132, 7)])
+def test_paged_attention_splits_and_grid_launches(emulator, sm_count, max_blocks):
+    # Long rows: Flash-Decoding splits over a row's blocks and the combine kernel, and a grid
+    # capped at 7 blocks (several launches, the combine kernel striding over rows).
+    q, k, v, lengths = paged_problem(2, 8, 2, 1, 64, [2000, 900], torch.bfloat16, seed=21)
+    plan = check_paged(emulator, q, k, v, lengths, 16, sm_count=sm_count, max_blocks=max_blocks)
+    assert (plan["splits"] > 1) == (sm_count > 1)
+
+
+def test_paged_attention_softcap_sinks_scale(emulator):
+    q, k, v, lengths = paged_problem(2, 4, 2, 2, 64, [700, 33], torch.float32, seed=22)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3)) * 3
+    check_paged(emulator, q * 4, k, v, lengths, 32, softcap=5.0, sinks=sinks, scale=0.2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_paged_attention_unaligned_pool(emulator, dtype):
+    # Pools one element off 16-byte alignment: the element-load kernels.
+    q, k, v, lengths = paged_problem(2, 4, 2, 2, 40, [45, 3], dtype, seed=23)
+    check_paged(emulator, q, k, v, lengths, 8, window=20, offset_elems=1)
+
+
+def test_paged_attention_reads_only_the_blocks_it_sees(emulator):
+    # Entries before every query's window hold ids no pool has, and the pool's spare blocks NaN:
+    # neither is read, so the call is accepted and the output is exact.
+    g = torch.Generator().manual_seed(24)
+    q, k, v, lengths = paged_problem(2, 2, 1, 2, 32, [100, 40], torch.float32, seed=24)
+    k_pool, v_pool, table = paged_pools(k, v, lengths, 8, g)
+    window = 10  # row 0 sees positions 89..99 (blocks 11, 12), row 1 positions 29..39 (blocks 3, 4)
+    table[0, :11] = -4
+    table[1, :3] = k_pool.shape[0] + 5
+    out, lse, _ = emulated_paged_attention(emulator, q, k_pool, v_pool, table, lengths, window)
+    exact = attention_float64(q, k, v, lengths, window)
+    assert max_error(out, exact) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ("length_past_table", r"the 2 new ones included: between 2 and 48 .* got 49 for row 0"),
+        ("length_below_new_tokens", r"between 2 and 48 .* got 1 for row 1"),
+        ("negative_id", r"block_tables\[1, 2\] = -1 is not a block id in \[0, 10\) but row 1 reads it"),
+        ("id_past_pool", r"block_tables\[0, 0\] = 10 is not a block id in \[0, 10\) but row 0 reads it"),
+    ],
+)
+def test_paged_attention_refusals(emulator, change, message):
+    g = torch.Generator().manual_seed(25)
+    q, k, v, lengths = paged_problem(2, 4, 2, 2, 16, [30, 17], torch.float16, seed=25)
+    k_pool, v_pool, table = paged_pools(k, v, lengths, 8, g)  # 4 + 3 blocks used, 10 in all; 6 entries a row
+    if change == "length_past_table":
+        lengths[0] = 49
+    elif change == "length_below_new_tokens":
+        lengths[1] = 1
+    elif change == "negative_id":
+        table[1, 2] = -1
+    else:
+        table[0, 0] = k_pool.shape[0]
+    error = emulated_paged_attention(emulator, q, k_pool, v_pool, table, lengths)
+    assert isinstance(error, str) and re.search(message, error), error
+
+
+def expected_paged_append(k_pool, v_pool, k_new, v_new, table, lengths, counts):
+    """The contract with Python integers: token t < counts[b] of row b at position lengths[b] + t."""
+    expected_k, expected_v = k_pool.clone(), v_pool.clone()
+    block_size = k_pool.shape[2]
+    for b, (n, count) in enumerate(zip(lengths.tolist(), counts.tolist())):
+        for t in range(count):
+            block, offset = int(table[b, (n + t) // block_size]), (n + t) % block_size
+            expected_k[block, :, offset] = k_new[b, :, t]
+            expected_v[block, :, offset] = v_new[b, :, t]
+    return expected_k, expected_v
+
+
+def emulated_paged_append(lib, k_pool, v_pool, k_new, v_new, table, lengths, new_counts=None, max_words=MAX_GRID_X):
+    """Returns (word bytes, launches), or the refusal's message (then with both pools unchanged).
+    The pools' new contents are copied back into k_pool/v_pool."""
+    num_blocks, H, block_size, D = k_pool.shape
+    pools = [Guarded(k_pool), Guarded(v_pool)]
+    inputs = {"k_new": Guarded(k_new), "v_new": Guarded(v_new), "table": Guarded(table), "lengths": Guarded(lengths)}
+    if new_counts is not None:
+        inputs["new_counts"] = Guarded(new_counts)
+    word_bytes, launches = ctypes.c_int(), ctypes.c_int()
+    status = lib.emu_paged_append_kv(
+        ptr(pools[0].view),
+        ptr(pools[1].view),
+        int64s(list(k_pool.stride()[:3]) + list(v_pool.stride()[:3])),
+        ptr(inputs["k_new"].view),
+        ptr(inputs["v_new"].view),
+        int64s(list(k_new.stride()) + list(v_new.stride())),
+        ptr(inputs["table"].view),
+        ctypes.c_int(TABLE_LAYOUT_DTYPES[table.dtype]),
+        int64s(list(table.shape) + list(table.stride())),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        None if new_counts is None else ptr(inputs["new_counts"].view),
+        ctypes.c_int64(0 if new_counts is None else new_counts.stride(0)),
+        int64s([k_new.shape[0], H, k_new.shape[2], D, num_blocks, block_size]),
+        ctypes.c_int64(k_pool.element_size()),
+        ctypes.c_int64(max_words),
+        ctypes.byref(word_bytes),
+        ctypes.byref(launches),
+    )
+    error = take_error(lib)
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the paged append wrote into {name} or its guards"
+    if status == -3:
+        assert pools[0].unchanged() and pools[1].unchanged(), "a refused append wrote into a pool"
+        return error
+    assert status == 0, f"emulated paged append failed with status {status}: {error}"
+    assert not error, error
+    for name, pool, guarded_pool in zip(("k_pool", "v_pool"), (k_pool, v_pool), pools):
+        assert guarded_pool.guards_intact(), f"the paged append wrote outside {name}"
+        pool.copy_(guarded_pool.view)
+    return word_bytes.value, launches.value
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("contiguous,with_counts", [(True, False), (False, True)], ids=["vectors", "strided_counts"])
+def test_paged_append_matches_reference(emulator, dtype, block_size, contiguous, with_counts):
+    B, H, T, D = 3, 2, 5, 64
+    g = torch.Generator().manual_seed(block_size)
+    lengths = torch.tensor([0, 7, 2 * block_size - 1])  # from empty, mid-block, one short of a block
+    counts = torch.tensor([5, 0, 3]) if with_counts else torch.full((B,), T)
+    ends = (lengths + counts).tolist()
+    num_blocks = sum(-(-n // block_size) for n in ends) + 2
+    table = block_table_for(ends, block_size, num_blocks, g, torch.int32 if with_counts else torch.int64)
+    if with_counts:
+        table[1] = -1  # row 1 stores nothing: its table is never read
+    k_pool, v_pool = (torch.randn(num_blocks, H, block_size, D, generator=g).to(dtype) for _ in range(2))
+    if contiguous:
+        k_new, v_new = (torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(2))
+    else:  # a transposed view and one with a strided head_dim: the element path
+        k_new = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+        v_new = torch.randn(B, H, T, 2 * D, generator=g).to(dtype)[..., ::2]
+    expected = expected_paged_append(k_pool, v_pool, k_new, v_new, table, lengths, counts)
+    reference_k, reference_v = k_pool.clone(), v_pool.clone()
+    paged_append_reference(reference_k, reference_v, k_new, v_new, table, lengths, counts if with_counts else None)
+    word_bytes, _ = emulated_paged_append(
+        emulator, k_pool, v_pool, k_new, v_new, table, lengths, counts if with_counts else None
+    )
+    assert word_bytes == (16 if contiguous else k_pool.element_size())
+    assert torch.equal(k_pool, expected[0]) and torch.equal(v_pool, expected[1])
+    assert torch.equal(k_pool, reference_k) and torch.equal(v_pool, reference_v)
+
+
+def test_paged_append_token_chunks(emulator):
+    # 10 tokens in launches of 3 tokens' words (4 launches); row 1 stores only the first 4.
+    B, H, T, D, block_size = 2, 3, 10, 32, 4
+    g = torch.Generator().manual_seed(26)
+    lengths, counts = torch.tensor([5, 2]), torch.tensor([10, 4])
+    table = block_table_for((lengths + counts).tolist(), block_size, 12, g, torch.int64)
+    k_pool, v_pool = torch.zeros(12, H, block_size, D), torch.zeros(12, H, block_size, D)
+    k_new, v_new = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    expected = expected_paged_append(k_pool, v_pool, k_new, v_new, table, lengths, counts)
+    result = emulated_paged_append(emulator, k_pool, v_pool, k_new, v_new, table, lengths, counts, 3 * D * 4 // 16)
+    assert result == (16, 4)
+    assert torch.equal(k_pool, expected[0]) and torch.equal(v_pool, expected[1])
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ("negative_length", r"lengths must count the tokens already in each row: between 0 and 16 .* got -1"),
+        ("past_table", r"row 1 holds 14 of the 16 positions its table has room for and cannot take 3 new tokens"),
+        ("count_above_new_tokens", r"cannot take 4 new tokens \(new tokens per row: between 0 and 3"),
+        ("unwritable_id", r"block_tables\[0, 1\] = 9 is not a block id in \[0, 9\) but row 0 writes it"),
+        ("shared_block", r"block \d+ would be written twice: by row [01] \(table entry [01]\) and row [01]"),
+    ],
+)
+def test_paged_append_refusals_change_nothing(emulator, change, message):
+    B, H, T, D, block_size = 2, 2, 3, 16, 4
+    g = torch.Generator().manual_seed(27)
+    lengths, counts = torch.tensor([2, 1]), torch.tensor([3, 2])
+    table = block_table_for([16, 16], block_size, 9, g, torch.int32, spare_entries=0)
+    k_pool, v_pool = torch.randn(9, H, block_size, D, generator=g), torch.randn(9, H, block_size, D, generator=g)
+    k_new, v_new = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    if change == "negative_length":
+        lengths[1] = -1
+    elif change == "past_table":
+        lengths[1], counts[1] = 14, 3
+    elif change == "count_above_new_tokens":
+        counts[0] = 4
+    elif change == "unwritable_id":
+        table[0, 1] = 9  # row 0 writes positions 2..4: entries 0 and 1
+    else:
+        lengths[1] = 0  # row 1 writes offsets 0..1 of its first block, row 0 offset 0 of its second
+        table[1, 0] = table[0, 1]
+    error = emulated_paged_append(emulator, k_pool, v_pool, k_new, v_new, table, lengths, counts)
+    assert isinstance(error, str) and re.search(message, error), error
+
+
 # ---- sanitizers --------------------------------------------------------------------------------------
-# Small enough for ~20 s under ASan at -O0: every kernel family and the int64 edges. (Not
-# the deliberate misalignment self-tests: UBSan stops at those as a GPU would.)
+# Small enough for ~30 s under ASan at -O0: every kernel family (the paged modes too) and the
+# int64 edges. (Not the deliberate misalignment self-tests: UBSan stops at those as a GPU would.)
 SANITIZED_SELECTION = (
     "matches_reference and bfloat16 and (case2 or case4 or case6 or case9) "
     "or decode_edge_lengths and bfloat16 and 4 and w5 or long_cache or unaligned_caches and float16 "
-    "or forced_split_count and 64 or append_kv_edge_lengths and 3 or random_order or full3-3"
+    "or forced_split_count and 64 or append_kv_edge_lengths and 3 or random_order or full3-3 "
+    "or paged_attention_matches_reference and bfloat16 and (paged1 or paged3) or paged_attention_splits "
+    "or paged_attention_unaligned_pool and float16 or paged_append_matches_reference and float16 "
+    "or paged_append_token_chunks or paged_append_refusals or paged_attention_refusals"
 )
 
 

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import kvcache_ext
+from kvcache_ext.capabilities import kernel_table, python_fallback_table
 from attention_oracle import attention_float64, attention_plain
 from python_ref import paged_append_reference, paged_attention_reference
 
@@ -375,9 +376,14 @@ def test_opcheck():
 
 
 def test_capabilities_state_the_block_sizes():
-    assert kvcache_ext.capabilities("cpu").paged_block_sizes == tuple(2**i for i in range(9))
-    # No paged CUDA kernel yet: on CUDA tensors the ops run python_ref's paged reference.
-    assert kvcache_ext.capabilities("cuda").paged_block_sizes == ()
+    # The compiled kernels of both devices take every block size a pool may have (kernel_table:
+    # the CUDA kernels' table whether or not they are built here); without a kernel, none.
+    every_size = tuple(2**i for i in range(9))
+    assert kvcache_ext.capabilities("cpu").paged_block_sizes == every_size
+    assert kernel_table("cuda").paged_block_sizes == every_size
+    assert python_fallback_table("cuda").paged_block_sizes == ()
+    cuda = kvcache_ext.capabilities("cuda")
+    assert cuda.paged_block_sizes == (every_size if cuda.native else ())
 
 
 # ---- fuzz of block tables ----------------------------------------------------------------------------

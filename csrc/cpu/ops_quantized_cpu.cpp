@@ -239,9 +239,9 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
   const int64_t in_block = (int64_t{1} << shift) - 1;
   quantize_into(
       format, D, k_data, k_scales, v_data, v_scales, k_new, v_new,
-      [&](int64_t b) { return written.end[b] - written.len[b]; },
+      [&](int64_t b) { return written.end[b] - written.first[b]; },
       [&](int64_t b, int64_t t) {
-        const int64_t pos = written.len[b] + t;
+        const int64_t pos = written.first[b] + t;
         return std::pair{written.ids[b * written.width + (pos >> shift)], pos & in_block};
       });
 }
@@ -359,7 +359,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   check_row_vector(lengths, B, "lengths");
   const float checked = checked_scale(scale, D);
   const PagedRows read = paged_read_rows(block_tables, lengths, T, window, shift, k_data.size(0));
-  return run_quantized_attention(q, format, D, k_data, k_scales, v_data, v_scales, read.len,
+  return run_quantized_attention(q, format, D, k_data, k_scales, v_data, v_scales, read.end,
                                  {block_tables.size(1) << shift, read.ids.data(), read.width, shift}, window, checked,
                                  softcap, sinks);
 }

@@ -30,24 +30,18 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
                      std::optional<Tensor> new_counts) {
   const int64_t shift = check_pool_layout(k_pool, v_pool);
   const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1), D = k_pool.size(3);
-  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == D && t->sizes().equals(k_new.sizes()),
-                    "k_new and v_new must both be (batch, kv_heads=", H, ", num_new, head_dim=", D, "), got ",
-                    shape_of(k_new), " and ", shape_of(v_new));
-    STD_TORCH_CHECK(t->scalar_type() == k_pool.scalar_type(), name, " must be ", dtype_name(k_pool.scalar_type()),
-                    " like the pool, got ", dtype_name(t->scalar_type()));
-    check_cpu_tensor(*t, name);
-  }
+  const int64_t T = check_paged_new_tokens(k_pool, k_new, v_new);
+  check_cpu_tensor(k_new, "k_new");
+  check_cpu_tensor(v_new, "v_new");
   check_cpu_tensor(k_pool, "k_pool");
   check_cpu_tensor(v_pool, "v_pool");
-  const int64_t B = k_new.size(0), T = k_new.size(2);
+  const int64_t B = k_new.size(0);
   check_block_tables(block_tables, B, shift);
   check_cpu_tensor(block_tables, "block_tables");
   check_row_vector(lengths, B, "lengths");
   if (new_counts.has_value()) check_row_vector(*new_counts, B, "new_counts");
 
-  const PagedRows written = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
-  const std::vector<int64_t>&len = written.len, &end = written.end;
+  const PagedRows rows = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
 
   const int64_t elem = static_cast<int64_t>(k_pool.element_size()), in_block = (int64_t{1} << shift) - 1;
   struct Side {
@@ -72,8 +66,8 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
         for (int64_t item = begin; item < stop; ++item) {
           const Side& side = sides[item / (B * H)];
           const int64_t b = (item % (B * H)) / H, h = item % H;
-          for (int64_t pos = len[b]; pos < end[b]; ++pos) {
-            const int64_t block = written.ids[b * written.width + (pos >> shift)], t = pos - len[b];
+          for (int64_t pos = rows.first[b]; pos < rows.end[b]; ++pos) {
+            const int64_t block = rows.ids[b * rows.width + (pos >> shift)], t = pos - rows.first[b];
             char* dst =
                 side.pool +
                 (block * side.pool_stride[0] + h * side.pool_stride[1] + (pos & in_block) * side.pool_stride[2]) * elem;
@@ -95,15 +89,8 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
                                                   std::optional<Tensor> sinks) {
   const int64_t shift = check_pool_layout(k_pool, v_pool);
   const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
-  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
-                  shape_of(q));
-  STD_TORCH_CHECK(q.scalar_type() == k_pool.scalar_type(), "q must have the pool's dtype ",
-                  dtype_name(k_pool.scalar_type()), ", got ", dtype_name(q.scalar_type()));
+  check_paged_queries(q, k_pool, window);
   const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
-                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   check_block_tables(block_tables, B, shift);
   check_row_vector(lengths, B, "lengths");
   check_cpu_tensor(q, "q");
@@ -113,16 +100,18 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   check_softcap_and_sinks(softcap, sinks, q);
   const float checked = checked_scale(scale, D);
 
-  const int64_t capacity = block_tables.size(1) << shift;
-  const PagedRows read = paged_read_rows(block_tables, lengths, T, window, shift, num_blocks);
+  // Positions some query of a row sees: [first, length). Blocks before first are never read (a
+  // sliding-window cache may have released them).
+  const PagedRows rows = paged_read_rows(block_tables, lengths, T, window, shift, num_blocks);
 
   AttentionProblem p{};
   p.elem = elem_type_of(q, "q");
   p.q = q.const_data_ptr();
   p.k_cache = k_pool.const_data_ptr();
   p.v_cache = v_pool.const_data_ptr();
-  p.lengths = read.len.data();
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = capacity;
+  p.lengths = rows.end.data();
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D,
+  p.slots = block_tables.size(1) << shift;
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_pool.stride(i), p.v_stride[i] = v_pool.stride(i);
   p.window = std::min(window.value_or(0), kMaxLength);
@@ -130,8 +119,8 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   p.softcap = static_cast<float>(softcap.value_or(0.0));
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
-  p.block_ids = read.ids.data();
-  p.blocks_per_row = read.width;
+  p.block_ids = rows.ids.data();
+  p.blocks_per_row = rows.width;
   p.block_shift = shift;
 
   Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());

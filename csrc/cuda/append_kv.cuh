@@ -1,7 +1,9 @@
 // append_kv kernel: writes the new tokens' keys and values into their ring-buffer slots, K and
 // V in one launch. Consecutive threads copy consecutive words of a token's row and consecutive
 // tokens land in consecutive slots, so loads and stores are coalesced; with 16-byte words every
-// thread moves one full vector.
+// thread moves one full vector. The same kernel, in its paged mode (kPaged, for paged_append_kv),
+// writes each token through the row's block table instead. With counts, either mode stores only a
+// row's first counts[b] tokens.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,7 +23,7 @@ constexpr int64_t kAppendMaxGridY = 65535;
 // grid.x: the num_new x words_per_row words of one (row, head) pair, blockDim.x *
 // kAppendWordsPerThread per block; grid.y: (row, head) pairs (each block strides over them when
 // there are more than gridDim.y); grid.z: 0 for K, 1 for V.
-template <typename Word>
+template <typename Word, bool kPaged>
 __global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(const AppendKvParams p) {
   // Select K or V with ternaries: indexing the parameter arrays with a run-time value would
   // copy them to local memory.
@@ -45,36 +47,50 @@ __global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(const AppendK
     w[i] = word % words_per_row;
   }
 
-  __shared__ int64_t first_slot;  // slot of this launch's first token in the row, -1: skip the row
-  __shared__ int64_t row_tokens;  // tokens of this launch that the row stores
+  // Slot (paged: position) of this launch's first token in the row, -1: skip the row; and how many
+  // of this launch's tokens the row stores (counts: padded tokens are not stored).
+  __shared__ int64_t first_slot, row_tokens;
   for (int64_t pair = blockIdx.y; pair < p.batch * p.kv_heads; pair += gridDim.y) {
     const int64_t b = pair / p.kv_heads, h = pair % p.kv_heads;
     if (threadIdx.x == 0) {
-      // An invalid length or count cannot be reported without a host sync: leave that row
-      // untouched rather than write outside the cache. Reducing the length modulo slots first
-      // keeps the sum below 2 * slots for any valid length (token_begin < num_new <= slots).
       const int64_t length = p.lengths[b * p.lengths_stride];
       const int64_t count = p.counts ? p.counts[b * p.counts_stride] : p.total_new;
-      const bool valid = length >= 0 && length <= kMaxLength && count >= 0 && count <= p.total_new;
-      first_slot = valid && count > p.token_begin ? (length % p.slots + p.token_begin) % p.slots : -1;
-      row_tokens = count - p.token_begin;
+      if constexpr (kPaged) {
+        // The binding's checked copies: positions length .. length + count - 1 are in the table.
+        first_slot = length + p.token_begin;
+      } else {
+        // An invalid length or count cannot be reported without a host sync: leave that row
+        // untouched rather than write outside the cache. Reducing the length modulo slots first
+        // keeps the sum below 2 * slots for any valid length (token_begin < num_new <= slots).
+        const bool valid = length >= 0 && length <= kMaxLength && count >= 0 && count <= p.total_new;
+        first_slot = valid && count > p.token_begin ? (length % p.slots + p.token_begin) % p.slots : -1;
+      }
+      row_tokens = count - p.token_begin;  // of this launch's tokens, those the row stores
     }
     __syncthreads();
-    const int64_t slot0 = first_slot, tokens_kept = row_tokens;
+    const int64_t slot0 = first_slot, stored = row_tokens;
     __syncthreads();  // first_slot and row_tokens are rewritten in the next iteration
     if (slot0 < 0) continue;
+    bool copies[kAppendWordsPerThread];
     Word values[kAppendWordsPerThread];
 #pragma unroll
-    for (int i = 0; i < kAppendWordsPerThread; ++i)
-      if (token[i] != 0xffffffffu && token[i] < tokens_kept)
-        values[i] = source[b * ss[0] + h * ss[1] + (p.token_begin + token[i]) * ss[2] + w[i] * ss[3]];
+    for (int i = 0; i < kAppendWordsPerThread; ++i) {
+      copies[i] = token[i] != 0xffffffffu && int64_t{token[i]} < stored;
+      if (copies[i]) values[i] = source[b * ss[0] + h * ss[1] + (p.token_begin + token[i]) * ss[2] + w[i] * ss[3]];
+    }
 #pragma unroll
     for (int i = 0; i < kAppendWordsPerThread; ++i) {
-      // no word, or a padded token the row does not store
-      if (token[i] == 0xffffffffu || token[i] >= tokens_kept) continue;
-      int64_t slot = slot0 + token[i];  // slot0 + token < slots + slots: wraps at most once
-      if (slot >= p.slots) slot -= p.slots;
-      cache[b * cs[0] + h * cs[1] + slot * cs[2] + w[i]] = values[i];
+      if (!copies[i]) continue;
+      if constexpr (kPaged) {
+        const int64_t position = slot0 + token[i];
+        const int64_t block = p.block_ids[b * p.blocks_per_row + (position >> p.block_shift)];
+        const int64_t offset = position & ((int64_t{1} << p.block_shift) - 1);
+        cache[block * cs[0] + h * cs[1] + offset * cs[2] + w[i]] = values[i];
+      } else {
+        int64_t slot = slot0 + token[i];  // slot0 + token < slots + slots: wraps at most once
+        if (slot >= p.slots) slot -= p.slots;
+        cache[b * cs[0] + h * cs[1] + slot * cs[2] + w[i]] = values[i];
+      }
     }
   }
 }
@@ -91,11 +107,12 @@ cudaError_t dispatch_append_kv(const AppendKvParams& p, Launch&& launch,
                                int64_t max_words_per_launch = kAppendMaxWordsPerLaunch) {
   const int64_t pairs = p.batch * p.kv_heads;
   if (p.num_new == 0 || p.words_per_row == 0 || pairs == 0) return cudaSuccess;
+  const bool paged = p.block_ids != nullptr;
   AppendKernel kernel = nullptr;
   switch (p.word_bytes) {
-    case 16: kernel = append_kv_kernel<uint4>; break;
-    case 4: kernel = append_kv_kernel<uint32_t>; break;
-    case 2: kernel = append_kv_kernel<uint16_t>; break;
+    case 16: kernel = paged ? append_kv_kernel<uint4, true> : append_kv_kernel<uint4, false>; break;
+    case 4: kernel = paged ? append_kv_kernel<uint32_t, true> : append_kv_kernel<uint32_t, false>; break;
+    case 2: kernel = paged ? append_kv_kernel<uint16_t, true> : append_kv_kernel<uint16_t, false>; break;
     default: return cudaErrorInvalidValue;
   }
   // A row of words_per_row <= 256 words always fits; whole tokens per launch otherwise.

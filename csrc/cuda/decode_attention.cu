@@ -96,6 +96,14 @@ int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {
     }
     return 0;
   }
+  if (p.block_ids) {
+    switch (p.elem) {
+      case ElemType::kFloat32: return paged_split_kernel_blocks_per_sm_f32(p);
+      case ElemType::kBFloat16: return paged_split_kernel_blocks_per_sm_bf16(p);
+      case ElemType::kFloat16: return paged_split_kernel_blocks_per_sm_f16(p);
+    }
+    return 0;
+  }
   switch (p.elem) {
     case ElemType::kFloat32: return split_kernel_blocks_per_sm_f32(p);
     case ElemType::kBFloat16: return split_kernel_blocks_per_sm_bf16(p);
@@ -111,6 +119,14 @@ cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t
       case KvFormat::kInt8: return launch_decode_attention_int8(p, stream);
       case KvFormat::kFp8E4M3: return launch_decode_attention_fp8(p, stream);
       case KvFormat::kInt4: return launch_decode_attention_int4(p, stream);
+    }
+    return cudaErrorInvalidValue;
+  }
+  if (p.block_ids) {
+    switch (p.elem) {
+      case ElemType::kFloat32: return launch_paged_decode_attention_f32(p, stream);
+      case ElemType::kBFloat16: return launch_paged_decode_attention_bf16(p, stream);
+      case ElemType::kFloat16: return launch_paged_decode_attention_f16(p, stream);
     }
     return cudaErrorInvalidValue;
   }

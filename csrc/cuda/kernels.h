@@ -34,6 +34,14 @@ struct AppendKvParams {
   int64_t total_new;  // the sources' num_new, for the check of counts (set by dispatch_append_kv)
   int64_t words_per_row;
   int word_bytes;  // 16, 4 or 2
+  // Paged mode (paged_append_kv), when block_ids is set: cache[] are block pools [num_blocks,
+  // kv_heads, block_size, head_dim] (cache_stride: block, head, offset in block) and token t of row
+  // b, if t < counts[b], goes to position p = lengths[b] + t: block block_ids[b * blocks_per_row +
+  // (p >> block_shift)], offset p & (block_size - 1). No ring (slots unused). lengths, counts and
+  // block_ids are then the binding's checked copies (csrc/paged_blocks.h).
+  const int64_t* block_ids;  // [batch, blocks_per_row]
+  int64_t blocks_per_row;
+  int block_shift;
 };
 
 // Fills word_bytes, words_per_row and the word strides from element strides: 16-byte words
@@ -60,6 +68,7 @@ inline void choose_append_words(AppendKvParams& p, int64_t elem_bytes, int64_t h
   }
 }
 
+// Copies into the cache (block_ids null) or through the block ids into the pools (paged mode).
 cudaError_t launch_append_kv(const AppendKvParams& p, cudaStream_t stream);
 
 // ---- append_kv_quantized ----------------------------------------------------------------------
@@ -120,6 +129,15 @@ struct DecodeAttentionParams {
   // 4 for int4's), data pointers and strides, so the kernel may read rows with vector loads;
   // otherwise it reads them element by element.
   bool vector_loads;
+  // Paged mode (paged_decode_attention), when block_ids is set: k_cache/v_cache are block pools
+  // [num_blocks, kv_heads, block_size, head_dim] (k_stride/v_stride: block, head, offset in block),
+  // and position p of row b lives in block block_ids[b * blocks_per_row + (p >> block_shift)] at
+  // offset p & (block_size - 1). slots = blocks_per_row << block_shift holds every row's positions
+  // (no ring). lengths and block_ids are the binding's checked copies (csrc/paged_blocks.h); the
+  // ids of entries no query sees are never read. Plain (not quantized) pools only.
+  const int64_t* block_ids;
+  int64_t blocks_per_row;
+  int block_shift;
   // Filled by plan_decode_attention:
   int rows_per_block;  // query rows (group member x new token) one block serves: 1, 4 or 8
   int64_t row_chunks;  // ceil(group * num_new / rows_per_block)
@@ -195,6 +213,13 @@ cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t
 cudaError_t launch_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t stream);
 cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t stream);
 cudaError_t launch_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t stream);
+// Per-dtype launchers of paged pools (block_ids set), one translation unit each.
+cudaError_t launch_paged_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t launch_paged_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t launch_paged_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t stream);
+int paged_split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p);
+int paged_split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p);
+int paged_split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p);
 // Per-format launchers of quantized caches (any q dtype), one translation unit each.
 cudaError_t launch_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t stream);
 cudaError_t launch_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t stream);

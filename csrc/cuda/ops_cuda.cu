@@ -9,6 +9,14 @@
 // length (append_kv leaves a row whose length is outside [0, kMaxLength] untouched;
 // decode_attention gives a row whose length is outside [num_new, kMaxLength] zeros and a
 // log-sum-exp of -inf).
+//
+// The paged ops are the exception: whether a block id is in range decides where a byte is
+// written, and a call with a bad id must change nothing and raise, as on the CPU. So they read
+// lengths, new_counts and block_tables on the host (one synchronising copy), check them with the
+// CPU binding's code (paged_blocks.h), and hand the kernels a device copy of what was checked
+// (the lengths, counts and a dense table of the used block ids), never the caller's table. They
+// synchronise and cannot be captured in a CUDA graph; the Python wrappers keep their checks of
+// shapes only, so the values are read once per call.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>  // aoti_torch_get_current_cuda_stream (USE_CUDA)
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -21,6 +29,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -270,6 +279,133 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
   return plan_and_launch_decode(p, q, k_data.get_device_index());
 }
 
+// ---- paged pools ----------------------------------------------------------------------------
+// A host copy of a small tensor of the call (lengths, new_counts, block_tables). Reading it
+// waits for the work queued on the current stream, so the values are the ones the kernels
+// would have read.
+Tensor host_copy(const Tensor& t) {
+  return torch::stable::to(t, torch::stable::Device(torch::headeronly::DeviceType::CPU));
+}
+
+// The checked values the kernels read (packed_for_kernels), on the device. The caller keeps the
+// tensor alive until the launch is queued (the caching allocator then orders any reuse of its
+// memory after the kernels).
+Tensor device_copy_of_checked(const PagedRows& rows, bool append, const Tensor& like) {
+  const std::vector<int64_t> packed = packed_for_kernels(rows, append);
+  Tensor host = torch::stable::empty({static_cast<int64_t>(packed.size())}, ScalarType::Long, std::nullopt,
+                                     torch::stable::Device(torch::headeronly::DeviceType::CPU));
+  std::copy(packed.begin(), packed.end(), host.mutable_data_ptr<int64_t>());
+  return torch::stable::to(host, like.device());
+}
+
+// Devices of a paged call's pools, tables and lengths; the layout checks are check_pool_layout's.
+void check_paged_devices(const Tensor& k_pool, const Tensor& v_pool, const Tensor& block_tables,
+                         const Tensor& lengths) {
+  STD_TORCH_CHECK(k_pool.is_cuda(), "k_pool must be a CUDA tensor for the CUDA kernel");
+  check_on_device(v_pool, "v_pool", k_pool);
+  check_on_device(block_tables, "block_tables", k_pool);
+  check_on_device(lengths, "lengths", k_pool);
+}
+
+void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths,
+                     std::optional<Tensor> new_counts) {
+  const int64_t shift = check_pool_layout(k_pool, v_pool);
+  const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1), D = k_pool.size(3);
+  const int64_t T = check_paged_new_tokens(k_pool, k_new, v_new);
+  const int64_t B = k_new.size(0);
+  check_block_tables(block_tables, B, shift);
+  check_row_counts(lengths, B, "lengths");
+  if (new_counts.has_value()) check_row_counts(*new_counts, B, "new_counts");
+  check_paged_devices(k_pool, v_pool, block_tables, lengths);
+  check_on_device(k_new, "k_new", k_pool);
+  check_on_device(v_new, "v_new", k_pool);
+  if (new_counts.has_value()) check_on_device(*new_counts, "new_counts", k_pool);
+
+  torch::stable::accelerator::DeviceGuard guard(k_pool.get_device_index());
+  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
+  std::optional<Tensor> host_counts;
+  if (new_counts.has_value()) host_counts = host_copy(*new_counts);
+  PagedRows rows;
+  const std::string error = check_paged_append_values(
+      host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(), host_lengths.stride(0),
+      host_counts.has_value() ? host_counts->const_data_ptr<int64_t>() : nullptr,
+      host_counts.has_value() ? host_counts->stride(0) : 0, T, shift, num_blocks, rows);
+  STD_TORCH_CHECK(error.empty(), error);
+  if (rows.width == 0 || H == 0) return;  // no row stores a token
+  const Tensor checked = device_copy_of_checked(rows, true, k_pool);
+
+  AppendKvParams p{};
+  p.cache[0] = k_pool.mutable_data_ptr();
+  p.cache[1] = v_pool.mutable_data_ptr();
+  p.source[0] = k_new.const_data_ptr();
+  p.source[1] = v_new.const_data_ptr();
+  p.lengths = checked.const_data_ptr<int64_t>();
+  p.lengths_stride = 1;
+  p.counts = p.lengths + B;  // the checked counts (every row has one: T where none was given)
+  p.counts_stride = 1;
+  p.block_ids = p.lengths + 2 * B;
+  p.blocks_per_row = rows.width;
+  p.block_shift = static_cast<int>(shift);
+  p.batch = B, p.kv_heads = H, p.num_new = T;
+  const int64_t pool_stride[2][3] = {{k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},
+                                     {v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)}};
+  const int64_t source_stride[2][4] = {{k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)},
+                                       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}};
+  choose_append_words(p, static_cast<int64_t>(k_pool.element_size()), D, pool_stride, source_stride);
+  STD_CUDA_CHECK(launch_append_kv(p, current_stream(k_pool.get_device_index())));
+}
+
+std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables,
+                                                  Tensor lengths, std::optional<int64_t> window,
+                                                  std::optional<double> scale, std::optional<double> softcap,
+                                                  std::optional<Tensor> sinks) {
+  const int64_t shift = check_pool_layout(k_pool, v_pool);
+  const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
+  check_paged_queries(q, k_pool, window);
+  const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
+  check_block_tables(block_tables, B, shift);
+  check_row_counts(lengths, B, "lengths");
+  check_paged_devices(k_pool, v_pool, block_tables, lengths);
+  check_on_device(q, "q", k_pool);
+  const int64_t capacity = block_tables.size(1) << shift;
+  STD_TORCH_CHECK(capacity <= kMaxSlotsCuda, "block_tables holds ", capacity, " positions per row (",
+                  block_tables.size(1), " blocks of ", k_pool.size(2), "); the CUDA kernels take at most ",
+                  kMaxSlotsCuda);
+  check_softcap_and_sinks(softcap, sinks, q);
+  const float scale_value = checked_scale(scale, D);
+
+  torch::stable::accelerator::DeviceGuard guard(k_pool.get_device_index());
+  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
+  PagedRows rows;
+  const std::string error =
+      check_paged_attention_values(host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(),
+                                   host_lengths.stride(0), T, window.value_or(0), shift, num_blocks, rows);
+  STD_TORCH_CHECK(error.empty(), error);
+  const Tensor checked = device_copy_of_checked(rows, false, k_pool);
+
+  DecodeAttentionParams p{};
+  p.elem = elem_type_of(q, "q");
+  p.q = q.const_data_ptr();
+  p.k_cache = k_pool.const_data_ptr();
+  p.v_cache = v_pool.const_data_ptr();
+  p.lengths = checked.const_data_ptr<int64_t>();
+  p.lengths_stride = 1;
+  p.block_ids = p.lengths + B;
+  p.blocks_per_row = rows.width;
+  p.block_shift = static_cast<int>(shift);
+  // The table's used part holds every row: the plan's span and the kernel's positions stay in it.
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = rows.width << shift;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = k_pool.stride(i), p.v_stride[i] = v_pool.stride(i);
+  p.window = kernel_window(window.value_or(0));
+  p.scale = scale_value;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  choose_decode_loads(p, static_cast<int64_t>(k_pool.element_size()));
+  return plan_and_launch_decode(p, q, k_pool.get_device_index());
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cuda
 
@@ -278,4 +414,6 @@ STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("decode_attention", TORCH_BOX(&kvcache_ext::cuda::decode_attention));
   m.impl("append_kv_quantized", TORCH_BOX(&kvcache_ext::cuda::append_kv_quantized));
   m.impl("decode_attention_quantized", TORCH_BOX(&kvcache_ext::cuda::decode_attention_quantized));
+  m.impl("paged_append_kv", TORCH_BOX(&kvcache_ext::cuda::paged_append_kv));
+  m.impl("paged_decode_attention", TORCH_BOX(&kvcache_ext::cuda::paged_decode_attention));
 }

@@ -4,6 +4,7 @@
 #include "../../csrc/cuda/append_kv_quantized.cuh"
 #include "../../csrc/cuda/decode_attention.cu"  // plan_decode_attention, launch_decode_attention
 #include "../../csrc/cuda/decode_attention.cuh"
+#include "../../csrc/paged_blocks.h"
 
 namespace kvcache_ext::cuda {
 
@@ -35,6 +36,15 @@ cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStr
 cudaError_t launch_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t) {
   return emulate_decode_attention<__half>(p);
 }
+cudaError_t launch_paged_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_decode_attention<float, PagedCache<float>>(p);
+}
+cudaError_t launch_paged_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_decode_attention<__nv_bfloat16, PagedCache<__nv_bfloat16>>(p);
+}
+cudaError_t launch_paged_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_decode_attention<__half, PagedCache<__half>>(p);
+}
 template <typename C>
 cudaError_t emulate_quantized_decode_attention(const DecodeAttentionParams& p) {
   return with_elem_type(p.elem, [&](auto tag) { return emulate_decode_attention<typename decltype(tag)::type, C>(p); });
@@ -62,6 +72,15 @@ int emulated_occupancy(const DecodeAttentionParams& p) {
 int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) { return emulated_occupancy<float>(p); }
 int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) { return emulated_occupancy<__nv_bfloat16>(p); }
 int split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p) { return emulated_occupancy<__half>(p); }
+int paged_split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) {
+  return emulated_occupancy<float, PagedCache<float>>(p);
+}
+int paged_split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) {
+  return emulated_occupancy<__nv_bfloat16, PagedCache<__nv_bfloat16>>(p);
+}
+int paged_split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p) {
+  return emulated_occupancy<__half, PagedCache<__half>>(p);
+}
 template <typename C>
 int emulated_quantized_occupancy(const DecodeAttentionParams& p) {
   return with_elem_type(p.elem, [&](auto tag) { return emulated_occupancy<typename decltype(tag)::type, C>(p); });
@@ -298,6 +317,97 @@ int emu_append_kv_quantized(int format, int elem, void* k_data, void* k_scales, 
         return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
       },
       max_blocks);
+}
+
+// ---- paged ops: what the CUDA binding (ops_cuda.cu) does after its shape checks -----------------
+// The value checks of paged_blocks.h on the caller's lengths, counts and table (host memory
+// here, a host copy there), then the kernels on packed_for_kernels' copy of what was checked.
+// table: int64 (table_wide 1) or int32 entries; table_layout: batch, max_blocks_per_row and the
+// two strides. A refusal returns -3, its message in emu_take_error, with nothing launched.
+static kvcache_ext::HostBlockTable emulated_table(const void* table, int table_wide, const int64_t* table_layout) {
+  return {table, table_wide != 0, table_layout[0], table_layout[1], {table_layout[2], table_layout[3]}};
+}
+static int block_shift_of(int64_t block_size) {
+  int shift = 0;
+  while ((int64_t{1} << shift) < block_size) ++shift;
+  return shift;
+}
+
+// sizes: batch, q_heads, kv_heads, num_new, head_dim, num_blocks, block_size. pool_stride: k's 3
+// then v's 3 (block, head, offset). Otherwise as emu_decode_attention; slots_out: the slots the
+// binding plans with (the used table width times block_size).
+int emu_paged_decode_attention(int elem, const void* q, const int64_t* q_stride, const void* k_pool, const void* v_pool,
+                               const int64_t* pool_stride, const void* table, int table_wide,
+                               const int64_t* table_layout, const int64_t* lengths, int64_t lengths_stride, void* out,
+                               float* lse, const int64_t* sizes, int64_t window, double scale, double softcap,
+                               const float* sinks, int sm_count, int64_t max_blocks, int64_t* plan_out,
+                               int64_t* slots_out) {
+  const int shift = block_shift_of(sizes[6]);
+  kvcache_ext::PagedRows rows;
+  const std::string error =
+      kvcache_ext::check_paged_attention_values(emulated_table(table, table_wide, table_layout), lengths,
+                                                lengths_stride, sizes[3], window, shift, sizes[5], rows);
+  if (!error.empty()) {
+    emu::first_error = error;
+    return -3;
+  }
+  const std::vector<int64_t> checked = kvcache_ext::packed_for_kernels(rows, false);
+  DecodeAttentionParams p{};
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  p.q = q, p.k_cache = k_pool, p.v_cache = v_pool;
+  p.lengths = checked.data(), p.lengths_stride = 1;
+  p.block_ids = checked.data() + sizes[0], p.blocks_per_row = rows.width, p.block_shift = shift;
+  p.out = out, p.lse = lse;
+  p.batch = sizes[0], p.q_heads = sizes[1], p.kv_heads = sizes[2], p.num_new = sizes[3];
+  p.head_dim = sizes[4], p.slots = rows.width << shift;
+  *slots_out = p.slots;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q_stride[i];
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = pool_stride[i], p.v_stride[i] = pool_stride[3 + i];
+  p.window = kernel_window(window);
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.sinks = sinks, p.sinks_stride = 1;
+  return plan_and_launch(p, p.elem == kvcache_ext::ElemType::kFloat32 ? 4 : 2, sm_count, max_blocks, plan_out);
+}
+
+// sizes: batch, kv_heads, num_new, head_dim, num_blocks, block_size. new_counts: null for every
+// token. Otherwise as emu_append_kv (pool_stride: k's 3 then v's 3).
+int emu_paged_append_kv(void* k_pool, void* v_pool, const int64_t* pool_stride, const void* k_new, const void* v_new,
+                        const int64_t* source_stride, const void* table, int table_wide, const int64_t* table_layout,
+                        const int64_t* lengths, int64_t lengths_stride, const int64_t* new_counts,
+                        int64_t new_counts_stride, const int64_t* sizes, int64_t elem_bytes,
+                        int64_t max_words_per_launch, int* word_bytes_out, int* launches_out) {
+  const int shift = block_shift_of(sizes[5]);
+  *word_bytes_out = 0;
+  *launches_out = 0;
+  kvcache_ext::PagedRows rows;
+  const std::string error =
+      kvcache_ext::check_paged_append_values(emulated_table(table, table_wide, table_layout), lengths, lengths_stride,
+                                             new_counts, new_counts_stride, sizes[2], shift, sizes[4], rows);
+  if (!error.empty()) {
+    emu::first_error = error;
+    return -3;
+  }
+  if (rows.width == 0 || sizes[1] == 0) return 0;  // no row stores a token
+  const std::vector<int64_t> checked = kvcache_ext::packed_for_kernels(rows, true);
+  AppendKvParams p{};
+  p.cache[0] = k_pool, p.cache[1] = v_pool, p.source[0] = k_new, p.source[1] = v_new;
+  p.lengths = checked.data(), p.new_counts = checked.data() + sizes[0], p.lengths_stride = 1;
+  p.block_ids = checked.data() + 2 * sizes[0], p.blocks_per_row = rows.width, p.block_shift = shift;
+  p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2];
+  const int64_t ps[2][3] = {{pool_stride[0], pool_stride[1], pool_stride[2]},
+                            {pool_stride[3], pool_stride[4], pool_stride[5]}};
+  const int64_t ss[2][4] = {{source_stride[0], source_stride[1], source_stride[2], source_stride[3]},
+                            {source_stride[4], source_stride[5], source_stride[6], source_stride[7]}};
+  choose_append_words(p, elem_bytes, sizes[3], ps, ss);
+  *word_bytes_out = p.word_bytes;
+  return dispatch_append_kv(
+      p,
+      [&](AppendKernel kernel, dim3 grid, int threads, const AppendKvParams& chunk) {
+        ++*launches_out;
+        return emu::launch(kernel, grid, dim3(threads), chunk);
+      },
+      max_words_per_launch);
 }
 
 // Self-tests of the emulation. race: out[blocks * threads] gets what each thread read of a
