@@ -17,7 +17,7 @@
 #if defined(__x86_64__)
 KVCACHE_EXT_TARGET(KVCACHE_EXT_AVX512_BF16_FEATURES)
 #define KVCACHE_EXT_ISA avx512bf16
-#define KVCACHE_EXT_X86_AVX2 1    // AVX2 + F16C intrinsics may be used
+#define KVCACHE_EXT_X86_AVX2 1         // AVX2 + F16C intrinsics may be used
 #define KVCACHE_EXT_X86_AVX512 1       // and AVX-512 ones
 #define KVCACHE_EXT_X86_AVX512_VNNI 1  // and AVX512-VNNI ones
 #include "quantized_kernel.inc"

@@ -392,7 +392,8 @@ int emu_paged_append_kv(void* k_pool, void* v_pool, const int64_t* pool_stride, 
   const std::vector<int64_t> checked = kvcache_ext::packed_for_kernels(rows, true);
   AppendKvParams p{};
   p.cache[0] = k_pool, p.cache[1] = v_pool, p.source[0] = k_new, p.source[1] = v_new;
-  p.lengths = checked.data(), p.new_counts = checked.data() + sizes[0], p.lengths_stride = 1;
+  p.lengths = checked.data(), p.lengths_stride = 1;
+  p.counts = checked.data() + sizes[0], p.counts_stride = 1;
   p.block_ids = checked.data() + 2 * sizes[0], p.blocks_per_row = rows.width, p.block_shift = shift;
   p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2];
   const int64_t ps[2][3] = {{pool_stride[0], pool_stride[1], pool_stride[2]},
