@@ -1,8 +1,9 @@
 """Continuous batching over python_ref models with a :class:`~kvcache_ext.paged.PagedKVCache`.
 
 Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further,
-all in one forward pass: a request that is decoding adds one token, a request still reading its
-prompt a chunk of at most ``chunk_size`` tokens. The rows are right-padded to the longest piece and
+all in one forward pass (two or more only where one would need more positions than the model has):
+a request that is decoding adds one token, a request still reading its prompt a chunk of at most
+``chunk_size`` tokens. The rows are right-padded to the longest piece and
 the cache protocol's ``counts`` say how many tokens of each row are real (the padding is neither
 stored nor attended); the cache gives each row its own positions, and the model computes logits only
 at each row's last new token. A request that finishes frees its blocks at once; a request added
@@ -198,7 +199,31 @@ class Engine:
         """Admit waiting requests, run every running one a piece further; returns the tokens chosen,
         as ``(request_id, token)`` in order. Finished requests are kept until :meth:`pop_finished`."""
         self._admit()
-        return self._forward(list(self._running))
+        events = []
+        for group in self._passes(list(self._running)):
+            events += self._forward(group)
+        return events
+
+    def _pending(self, request: _Request) -> int:
+        """Tokens of ``request`` the next pass feeds: its pending tokens, at most ``chunk_size``."""
+        return min(len(request.tokens) - request.computed, self.chunk_size)
+
+    def _passes(self, running: list[_Request]) -> list[list[_Request]]:
+        """The running requests in as few forward passes as the model's positions allow. A pass
+        runs every row as if it took the longest row's tokens (right padding), so the positions a
+        pass needs are its largest cached length plus its longest piece: a decode row deep into
+        its context cannot share a pass with a long prompt chunk. Rows are taken by cached length,
+        shortest first, and a pass closes when the next row would not fit."""
+        context = self.model.cfg.context_length
+        passes, current, deepest, longest = [], [], 0, 0
+        for request in sorted(running, key=lambda r: r.computed):
+            pending = self._pending(request)
+            if current and max(deepest, request.computed) + max(longest, pending) > context:
+                passes.append(current)
+                current, deepest, longest = [], 0, 0
+            current.append(request)
+            deepest, longest = max(deepest, request.computed), max(longest, pending)
+        return passes + [current] if current else passes
 
     def _add_all(self, prompts, max_new_tokens, temperature=0.0, top_k=None, generators=None) -> list[int]:
         counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -257,8 +282,9 @@ class Engine:
     def _forward(self, group: list[_Request]) -> list[tuple[int, int]]:
         """One forward pass over ``group``: each request's next piece (its pending tokens, at most
         ``chunk_size``), right-padded to the longest."""
+        group = [r for r in group if r in self._running]  # an earlier pass of this step may have preempted some
         while group:
-            counts = [min(len(r.tokens) - r.computed, self.chunk_size) for r in group]
+            counts = [self._pending(r) for r in group]
             new_tokens = [r.tokens[r.computed : r.computed + count] for r, count in zip(group, counts)]
             longest = max(counts)
             padded = torch.tensor([tokens + [0] * (longest - len(tokens)) for tokens in new_tokens])

@@ -395,3 +395,28 @@ def test_engine_runs_one_pass_per_step_and_every_request_gets_its_tokens_alone(m
     assert counting.passes == steps
     outputs = engine.pop_finished()
     assert [outputs[i] for i in ids] == [alone(model, p, n) for p, n in zip(prompts, max_new)]
+
+
+def test_engine_splits_a_pass_that_would_run_past_the_models_positions(model):
+    """A pass runs every row as long as its longest piece: a decode row deep into the context and a
+    newer request's prompt chunk would need more positions than the model has, so they go in two
+    passes; every request still gets the tokens it gets alone."""
+    context = model.cfg.context_length
+    deep = [random.Random(5).randrange(VOCAB) for _ in range(context - 12)]
+    late = [random.Random(6).randrange(VOCAB) for _ in range(40)]
+    counting = CountingModel(model)
+    kv = model.kv_shape
+    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks=128, block_size=4)
+    engine = Engine(counting, cache, chunk_size=16)
+    first = engine.add_request(deep, 10)
+    steps = 0
+    while engine.output(first) == [] or len(engine.output(first)) < 3:  # decoding, 3 tokens from the end
+        engine.step()
+        steps += 1
+    second = engine.add_request(late, 4)
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    assert counting.passes > steps  # at least one step took two passes
+    outputs = engine.pop_finished()
+    assert outputs[first] == alone(model, deep, 10) and outputs[second] == alone(model, late, 4)
