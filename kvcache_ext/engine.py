@@ -1,9 +1,10 @@
 """Continuous batching over python_ref models with a :class:`~kvcache_ext.paged.PagedKVCache`.
 
-Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further,
-all in one forward pass (two or more only where one would need more positions than the model has):
-a request that is decoding adds one token, a request still reading its prompt a chunk of at most
-``chunk_size`` tokens. The rows are right-padded to the longest piece and
+Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further:
+the decoding requests (one token each) in one forward pass, the requests still reading their prompts
+(a chunk of at most ``chunk_size`` tokens each, of any lengths) in another — a pass pads its rows to
+its longest piece, which a one-token row should not pay for — and more passes only where one would
+need more positions than the model has. The rows of a pass are right-padded to its longest piece and
 the cache protocol's ``counts`` say how many tokens of each row are real (the padding is neither
 stored nor attended); the cache gives each row its own positions, and the model computes logits only
 at each row's last new token. A request that finishes frees its blocks at once; a request added
@@ -209,21 +210,27 @@ class Engine:
         return min(len(request.tokens) - request.computed, self.chunk_size)
 
     def _passes(self, running: list[_Request]) -> list[list[_Request]]:
-        """The running requests in as few forward passes as the model's positions allow. A pass
-        runs every row as if it took the longest row's tokens (right padding), so the positions a
-        pass needs are its largest cached length plus its longest piece: a decode row deep into
-        its context cannot share a pass with a long prompt chunk. Rows are taken by cached length,
-        shortest first, and a pass closes when the next row would not fit."""
+        """The forward passes of a step. A pass runs every row as long as its longest piece (right
+        padding), so decoding requests (one token each) and prompt chunks (up to ``chunk_size``)
+        go in separate passes: padded to a chunk, a decode row would cost as much as the chunk
+        (measured: the engine took 1.8x the CPU time of static batches on GPT-2 124M that way).
+        Within each, a pass also needs its largest cached length plus its longest piece within
+        the model's positions: rows are taken by cached length, shortest first, and a pass closes
+        when the next row would not fit."""
         context = self.model.cfg.context_length
-        passes, current, deepest, longest = [], [], 0, 0
-        for request in sorted(running, key=lambda r: r.computed):
-            pending = self._pending(request)
-            if current and max(deepest, request.computed) + max(longest, pending) > context:
+        passes = []
+        for rows in ([r for r in running if self._pending(r) == 1], [r for r in running if self._pending(r) > 1]):
+            current, deepest, longest = [], 0, 0
+            for request in sorted(rows, key=lambda r: r.computed):
+                pending = self._pending(request)
+                if current and max(deepest, request.computed) + max(longest, pending) > context:
+                    passes.append(current)
+                    current, deepest, longest = [], 0, 0
+                current.append(request)
+                deepest, longest = max(deepest, request.computed), max(longest, pending)
+            if current:
                 passes.append(current)
-                current, deepest, longest = [], 0, 0
-            current.append(request)
-            deepest, longest = max(deepest, request.computed), max(longest, pending)
-        return passes + [current] if current else passes
+        return passes
 
     def _add_all(self, prompts, max_new_tokens, temperature=0.0, top_k=None, generators=None) -> list[int]:
         counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)

@@ -368,18 +368,22 @@ def test_a_finished_row_takes_a_new_prompt_while_the_others_decode(model):
 
 
 class CountingModel(torch.nn.Module):
-    """The model, counting its forward passes."""
+    """The model, recording the real tokens per row (``counts``) of each forward pass."""
 
     def __init__(self, inner):
         super().__init__()
-        self.inner, self.cfg, self.passes = inner, inner.cfg, 0
+        self.inner, self.cfg, self.pieces = inner, inner.cfg, []
+
+    @property
+    def passes(self):
+        return len(self.pieces)
 
     def forward(self, *args, **kwargs):
-        self.passes += 1
+        self.pieces.append(kwargs["counts"].tolist())
         return self.inner(*args, **kwargs)
 
 
-def test_engine_runs_one_pass_per_step_and_every_request_gets_its_tokens_alone(model):
+def test_engine_runs_decode_rows_and_prompt_chunks_in_two_passes_and_every_request_gets_its_tokens_alone(model):
     rng = random.Random(4)
     prompts = prompts_of_mixed_lengths(36, seed=4, longest=40)
     max_new = [rng.randrange(1, 9) for _ in prompts]
@@ -388,35 +392,38 @@ def test_engine_runs_one_pass_per_step_and_every_request_gets_its_tokens_alone(m
     cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks=256, block_size=4)
     engine = Engine(counting, cache, chunk_size=16, max_batch_size=12)
     ids = [engine.add_request(p, n) for p, n in zip(prompts, max_new)]
-    steps = 0
     while engine.has_unfinished:
+        before = counting.passes
         engine.step()
-        steps += 1
-    assert counting.passes == steps
+        step = counting.pieces[before:]
+        assert 1 <= len(step) <= 2
+        # one pass of one-token rows (decoding, or a prompt's last token), one of prompt chunks
+        assert all(set(counts) == {1} or min(counts) > 1 for counts in step)
+    # prompt chunks of different lengths shared a pass (counts, not one pass per length)
+    assert any(min(counts) > 1 and len(set(counts)) > 1 for counts in counting.pieces)
     outputs = engine.pop_finished()
     assert [outputs[i] for i in ids] == [alone(model, p, n) for p, n in zip(prompts, max_new)]
 
 
 def test_engine_splits_a_pass_that_would_run_past_the_models_positions(model):
-    """A pass runs every row as long as its longest piece: a decode row deep into the context and a
-    newer request's prompt chunk would need more positions than the model has, so they go in two
-    passes; every request still gets the tokens it gets alone."""
+    """A pass runs every row as long as its longest piece: a prompt's short last chunk deep into
+    the context and a newer prompt's long first chunk would need more positions than the model
+    has, so they go in two passes; every request still gets the tokens it gets alone."""
     context = model.cfg.context_length
-    deep = [random.Random(5).randrange(VOCAB) for _ in range(context - 12)]
-    late = [random.Random(6).randrange(VOCAB) for _ in range(40)]
+    chunk = context * 3 // 8
+    deep = [random.Random(5).randrange(VOCAB) for _ in range(2 * chunk + 4)]  # chunks: chunk, chunk, 4
+    late = [random.Random(6).randrange(VOCAB) for _ in range(chunk - 8)]
     counting = CountingModel(model)
     kv = model.kv_shape
     cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks=128, block_size=4)
-    engine = Engine(counting, cache, chunk_size=16)
-    first = engine.add_request(deep, 10)
-    steps = 0
-    while engine.output(first) == [] or len(engine.output(first)) < 3:  # decoding, 3 tokens from the end
-        engine.step()
-        steps += 1
+    engine = Engine(counting, cache, chunk_size=chunk)
+    first = engine.add_request(deep, 4)
+    engine.step()
+    engine.step()  # the first two chunks are stored: 2 * chunk cached, 4 prompt tokens to go
     second = engine.add_request(late, 4)
+    engine.step()
+    assert counting.pieces[2:] == [[chunk - 8], [4]]  # 2 * chunk + (chunk - 8) > context: two passes
     while engine.has_unfinished:
         engine.step()
-        steps += 1
-    assert counting.passes > steps  # at least one step took two passes
     outputs = engine.pop_finished()
-    assert outputs[first] == alone(model, deep, 10) and outputs[second] == alone(model, late, 4)
+    assert outputs[first] == alone(model, deep, 4) and outputs[second] == alone(model, late, 4)
