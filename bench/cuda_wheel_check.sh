@@ -189,7 +189,7 @@ for op in ("append_kv", "decode_attention"):
 # tensors: it must unpack them all and stop at its own "must be a CUDA tensor" check (a binding
 # whose C++ signature does not match the schema fails before, on every call on a GPU).
 cuda_keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
-calls = {"append_kv": (k2, v2, k[:, :, :3], v[:, :, :3], lengths),
+calls = {"append_kv": (k2, v2, k[:, :, :3], v[:, :, :3], lengths, None),
          "decode_attention": (q, k, v, lengths, None, None, None, None)}
 for op, args in calls.items():
     overload = getattr(torch.ops.kvcache_ext, op).default
