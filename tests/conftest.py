@@ -5,6 +5,8 @@ from collections import Counter
 import pytest
 import torch
 
+import kvcache_ext
+
 FUZZ_EXAMPLES_ENV = "KVCACHE_EXT_FUZZ_EXAMPLES"
 DEFAULT_FUZZ_EXAMPLES = 100
 
@@ -57,6 +59,20 @@ class FuzzTally:
             for (entry_point, _), (count, first) in sorted(self.violations.items())
             if entry_point.split("[")[0] in entry_points
         )
+
+
+@pytest.fixture(params=kvcache_ext.CPU_ISAS)
+def isa(request):
+    """Runs the test on one copy of the CPU kernels (skipped where this CPU lacks it), then goes
+    back to the best copy the CPU has."""
+    index = kvcache_ext.CPU_ISAS.index(request.param)
+    chosen = torch.ops.kvcache_ext.select_cpu_isa(index)
+    try:
+        if chosen != index:
+            pytest.skip(f"this CPU has no {request.param}")
+        yield request.param
+    finally:
+        torch.ops.kvcache_ext.select_cpu_isa(len(kvcache_ext.CPU_ISAS) - 1)
 
 
 _FUZZ_TALLY = pytest.StashKey[FuzzTally]()

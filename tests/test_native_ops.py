@@ -12,21 +12,9 @@ from python_ref import reference_attention
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ISAS = {name: index for index, name in enumerate(kvcache_ext.CPU_ISAS)}
 # Agreement with python_ref in the same dtype: both accumulate in float32, so they differ
 # only by rounding of the output and summation order.
 SAME_DTYPE_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
-
-
-@pytest.fixture(params=list(ISAS))
-def isa(request):
-    chosen = torch.ops.kvcache_ext.select_cpu_isa(ISAS[request.param])
-    try:
-        if chosen != ISAS[request.param]:
-            pytest.skip(f"this CPU has no {request.param}")
-        yield request.param
-    finally:
-        torch.ops.kvcache_ext.select_cpu_isa(len(ISAS) - 1)  # back to the best the CPU has
 
 
 def make_problem(dtype, batch, kv_heads, group, num_new, head_dim, slots, lengths, non_contiguous):

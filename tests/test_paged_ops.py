@@ -18,7 +18,6 @@ from python_ref import paged_append_reference, paged_attention_reference
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ISAS = {name: index for index, name in enumerate(kvcache_ext.CPU_ISAS)}
 SAME_DTYPE_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
 REFUSALS = (ValueError, TypeError, IndexError)  # python_ref's, and the wrappers' checks of shapes
 # The wrappers leave the values of lengths, counts and table entries to the native binding, which
@@ -91,17 +90,6 @@ def test_paged_attention_parity(dtype, head_dim, group, num_new, window, block_s
     lengths = [num_new, 37, 300]  # the shortest a row can be, one that ends inside a block, a long one
     q, k, v, lengths = make_tokens(dtype, 3, 2, group, num_new, head_dim, lengths, non_contiguous)
     check_paged_attention(q, k, v, lengths, block_size, window)
-
-
-@pytest.fixture(params=list(ISAS))
-def isa(request):
-    chosen = torch.ops.kvcache_ext.select_cpu_isa(ISAS[request.param])
-    try:
-        if chosen != ISAS[request.param]:
-            pytest.skip(f"this CPU has no {request.param}")
-        yield request.param
-    finally:
-        torch.ops.kvcache_ext.select_cpu_isa(len(ISAS) - 1)  # back to the best the CPU has
 
 
 def test_every_cpu_code_path(isa):

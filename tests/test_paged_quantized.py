@@ -21,7 +21,6 @@ from python_ref.quantize import FORMATS, data_shape, dequantize, quantize, scale
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}
 REFUSALS = (ValueError, TypeError, IndexError)
 WRAPPER_REFUSALS = (*REFUSALS, RuntimeError)  # the binding checks the values of lengths and tables
 
@@ -122,17 +121,6 @@ def test_paged_quantized_attention_parity(fmt, dtype, head_dim, group, num_new, 
     lengths = [num_new, 37, 161]  # the shortest a row can be, one that ends inside a block, a longer one
     q, contiguous, lengths = quantized_tokens(fmt, dtype, 3, 2, group, num_new, head_dim, lengths, non_contiguous)
     check_paged_quantized_attention(fmt, q, contiguous, lengths, block_size, window)
-
-
-@pytest.fixture(params=list(ISAS))
-def isa(request):
-    chosen = torch.ops.kvcache_ext.select_cpu_isa(ISAS[request.param])
-    try:
-        if chosen != ISAS[request.param]:
-            pytest.skip(f"this CPU has no {request.param}")
-        yield request.param
-    finally:
-        torch.ops.kvcache_ext.select_cpu_isa(2)  # back to the best the CPU has
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -15,18 +15,6 @@ from python_ref.quantize import FORMATS, data_shape, dequantize, quantize, scale
 
 native = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ISAS = {name: index for index, name in enumerate(kvcache_ext.CPU_ISAS)}
-
-
-@pytest.fixture(params=list(ISAS))
-def isa(request):
-    chosen = torch.ops.kvcache_ext.select_cpu_isa(ISAS[request.param])
-    try:
-        if chosen != ISAS[request.param]:
-            pytest.skip(f"this CPU has no {request.param}")
-        yield request.param
-    finally:
-        torch.ops.kvcache_ext.select_cpu_isa(len(ISAS) - 1)
 
 
 # ---- the reference formats, against values worked out by hand ---------------------------------
