@@ -5,8 +5,6 @@ from collections import Counter
 import pytest
 import torch
 
-import kvcache_ext
-
 FUZZ_EXAMPLES_ENV = "KVCACHE_EXT_FUZZ_EXAMPLES"
 DEFAULT_FUZZ_EXAMPLES = 100
 
@@ -61,10 +59,21 @@ class FuzzTally:
         )
 
 
-@pytest.fixture(params=kvcache_ext.CPU_ISAS)
+def pytest_generate_tests(metafunc):
+    # The package is imported only here, for tests that ask for a CPU copy: tests/test_cuda_emulation.py
+    # runs its own pytest under the sanitizers from the checkout, where no native library is built.
+    if "isa" in metafunc.fixturenames:
+        import kvcache_ext
+
+        metafunc.parametrize("isa", kvcache_ext.CPU_ISAS, indirect=True)
+
+
+@pytest.fixture
 def isa(request):
     """Runs the test on one copy of the CPU kernels (skipped where this CPU lacks it), then goes
     back to the best copy the CPU has."""
+    import kvcache_ext
+
     index = kvcache_ext.CPU_ISAS.index(request.param)
     chosen = torch.ops.kvcache_ext.select_cpu_isa(index)
     try:
