@@ -201,6 +201,23 @@ def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> No
             raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
+def _attention_options(window, scale, softcap, sinks) -> tuple:
+    """The trailing arguments of every attention op's schema, in the types the schema names
+    (``float?`` for scale and softcap, a float32 ``sinks``): shared by the four attention wrappers."""
+    return (
+        window,
+        None if scale is None else float(scale),
+        None if softcap is None else float(softcap),
+        None if sinks is None else sinks.float(),
+    )
+
+
+def _attention_outputs_like(q) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(out, lse)`` of an attention op for queries ``q`` (the fake implementations' result)."""
+    B, H_q, T, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+
+
 def append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
     """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the caches at slots ``(lengths + t) % S``.
 
@@ -246,10 +263,7 @@ def run_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, 
         k_cache,
         v_cache,
         lengths,
-        window,
-        None if scale is None else float(scale),
-        None if softcap is None else float(softcap),
-        None if sinks is None else sinks.float(),
+        *_attention_options(window, scale, softcap, sinks),
     )
 
 
@@ -307,8 +321,7 @@ if _native.available:
     @torch.library.register_fake("kvcache_ext::decode_attention")
     def _decode_attention_fake(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
         _check_one_device(q, k_cache, v_cache, lengths, sinks)
-        B, H_q, T, _ = q.shape
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+        return _attention_outputs_like(q)
 
     @torch.library.register_fake("kvcache_ext::gather_rows")
     def _gather_rows_fake(k_cache, v_cache, src_rows):
@@ -453,10 +466,7 @@ def decode_attention_quantized(
         v_data,
         v_scales,
         lengths,
-        window,
-        None if scale is None else float(scale),
-        None if softcap is None else float(softcap),
-        None if sinks is None else sinks.float(),
+        *_attention_options(window, scale, softcap, sinks),
     )
 
 
@@ -472,8 +482,7 @@ if _native.available:
         q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
     ):
         _check_one_device(q, k_data, k_scales, v_data, v_scales, lengths, sinks)
-        B, H_q, T, _ = q.shape
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+        return _attention_outputs_like(q)
 
 
 # ---- paged storage ---------------------------------------------------------------------------
@@ -546,10 +555,7 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, window=None
         v_pool,
         block_tables,
         lengths,
-        window,
-        None if scale is None else float(scale),
-        None if softcap is None else float(softcap),
-        None if sinks is None else sinks.float(),
+        *_attention_options(window, scale, softcap, sinks),
     )
 
 
@@ -565,8 +571,7 @@ if _native.available:
         q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
     ):
         _check_one_device(q, k_pool, v_pool, block_tables, lengths, sinks)
-        B, H_q, T, _ = q.shape
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+        return _attention_outputs_like(q)
 
 
 # ---- quantized paged pools ------------------------------------------------------------------
@@ -652,10 +657,7 @@ def paged_decode_attention_quantized(
         v_scales,
         block_tables,
         lengths,
-        window,
-        None if scale is None else float(scale),
-        None if softcap is None else float(softcap),
-        None if sinks is None else sinks.float(),
+        *_attention_options(window, scale, softcap, sinks),
     )
 
 
@@ -673,5 +675,4 @@ if _native.available:
         q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
     ):
         _check_one_device(q, k_data, k_scales, v_data, v_scales, block_tables, lengths, sinks)
-        B, H_q, T, _ = q.shape
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+        return _attention_outputs_like(q)
