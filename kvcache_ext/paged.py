@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from python_ref import quantize as quant
-from python_ref.caches import checked_step_counts
+from python_ref.caches import check_step_tensors, checked_step_counts
 
 from .capabilities import PAGED_BLOCK_SIZES, capabilities
 from . import quantized
@@ -439,20 +439,9 @@ class PagedKVCache:
         if self._step is None:
             raise RuntimeError("attend() called outside a step: call start_step(T) first")
         num_new, block_tables, lengths_before, new_counts = self._step
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
         batch = len(self._rows) if block_tables is not None else k.shape[0]
         expected = (batch, self.kv_heads, num_new, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {expected}, got {tuple(t.shape)}")
-            if t.dtype != self.dtype or t.device != self.k.device:
-                raise TypeError(f"{name} must be {self.dtype} on {self.k.device}, got {t.dtype} on {t.device}")
-        if q.dim() != 4 or q.shape[0] != batch or q.shape[2:] != (num_new, self.head_dim) or q.shape[1] % self.kv_heads:
-            raise ValueError(
-                f"q must have shape (B={batch}, H_q (a multiple of {self.kv_heads}), T={num_new}, "
-                f"D={self.head_dim}), got {tuple(q.shape)}"
-            )
+        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.k.device)
         if block_tables is None:  # the first step of an unscheduled cache: one new sequence per row
             counts = self._step_counts or [num_new] * batch
             if len(counts) != batch:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from python_ref import quantize as quant
-from python_ref.caches import PreallocatedCache
+from python_ref.caches import PreallocatedCache, check_step_tensors
 
 from . import ops
 from .cache import KVCache
@@ -115,26 +115,8 @@ class QuantizedKVCache(KVCache):
     def _check_step(self, layer, q, k, v, scale):
         if self._num_new is None:
             raise RuntimeError("attend() called outside a step: call start_step(T) first")
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
         expected = (self.batch_size, self.kv_heads, self._num_new, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {expected}, got {tuple(t.shape)}")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} must be {self.dtype} like the cache's dtype, got {t.dtype}")
-        if (
-            q.dim() != 4
-            or q.shape[0] != self.batch_size
-            or q.shape[2] != self._num_new
-            or q.shape[3] != self.head_dim
-            or q.shape[1] % self.kv_heads != 0
-        ):
-            raise ValueError(
-                f"q must have shape (B={self.batch_size}, H_q (a multiple of {self.kv_heads}), "
-                f"T={self._num_new}, D={self.head_dim}), got {tuple(q.shape)}"
-            )
+        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.k.device)
         # The attention of a step runs after its keys/values are stored: check it first. A ring
         # buffer takes a long step in pieces of chunk_size tokens; the first is the largest.
         piece = slice(0, self.chunk_size)

@@ -127,6 +127,29 @@ def start_forward(cache, idx: torch.Tensor, context_length: int, counts=None, lo
     return positions.to(idx.device)
 
 
+def check_step_tensors(layer, num_layers, q, k, v, expected, dtype, device) -> None:
+    """What every cache's ``attend`` checks of one layer's arguments before it stores anything:
+    the layer index, ``k``/``v`` of shape ``expected`` = ``(batch, kv_heads, num_new, head_dim)``
+    and ``q`` ``(batch, H_q, num_new, head_dim)`` with ``H_q`` a multiple of ``kv_heads``, all three
+    in the cache's float ``dtype`` on its ``device``."""
+    if not 0 <= layer < num_layers:
+        raise IndexError(f"layer must be in [0, {num_layers}), got {layer}")
+    batch, kv_heads, num_new, head_dim = expected
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {expected}, got {tuple(t.shape)}")
+    if q.dim() != 4 or q.shape[0] != batch or q.shape[2:] != (num_new, head_dim) or q.shape[1] % kv_heads:
+        raise ValueError(
+            f"q must have shape (B={batch}, H_q (a multiple of {kv_heads}), T={num_new}, D={head_dim}), "
+            f"got {tuple(q.shape)}"
+        )
+    for name, t in (("k", k), ("v", v), ("q", q)):
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype} like the cache, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device} like the cache, got {t.device}")
+
+
 def _check_logits_at(logits_at, batch: int, num_tokens: int) -> None:
     if not isinstance(logits_at, torch.Tensor) or logits_at.dtype not in (torch.long, torch.int32):
         raise TypeError(f"logits_at must be an integer tensor of token indices, got {logits_at!r}")
@@ -892,27 +915,8 @@ class PreallocatedCache(nn.Module):
         """Everything a step checks before it writes a byte (subclasses add what their kernels need)."""
         if self._num_new is None:
             raise RuntimeError("attend() called outside a step: call start_step(T) first")
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
         expected = (self.batch_size, self.kv_heads, self._num_new, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {expected}, got {tuple(t.shape)}")
-            if t.dtype != self.k.dtype:
-                raise TypeError(f"{name} must be {self.k.dtype} like the cache, got {t.dtype}")
-            if t.device != self.k.device:
-                raise ValueError(f"{name} must be on {self.k.device} like the cache, got {t.device}")
-        if (
-            q.dim() != 4
-            or q.shape[0] != self.batch_size
-            or q.shape[2] != self._num_new
-            or q.shape[3] != self.head_dim
-            or q.shape[1] % self.kv_heads != 0
-        ):
-            raise ValueError(
-                f"q must have shape (B={self.batch_size}, H_q (a multiple of {self.kv_heads}), "
-                f"T={self._num_new}, D={self.head_dim}), got {tuple(q.shape)}"
-            )
+        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.k.dtype, self.k.device)
 
     def bytes_allocated(self) -> int:
         sinks = 2 * self.sink_k.numel() * self.sink_k.element_size() if self.sink_tokens else 0
