@@ -103,8 +103,11 @@ class BlockPool:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-            raise ValueError(f"window must be a positive int (tokens each query sees) or None, got {window!r}")
+        # At most int64's largest: the paged ops take the window as an int64.
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or not 1 <= window < 2**63):
+            raise ValueError(
+                f"window must be a positive int (tokens each query sees, at most 2^63 - 1) or None, got {window!r}"
+            )
         self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
         self._ref_counts = [0] * num_blocks
         self._never_registered = deque(range(num_blocks))  # unused, no hash: taken first

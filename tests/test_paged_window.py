@@ -6,14 +6,23 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attention_oracle import attention_float64, attention_plain
 from kvcache_ext import BlockPool, Engine, KVCache, PagedKVCache, PoolExhaustedError
 from kvcache_ext.paged import RELEASED
 from python_ref import build_gpt2, build_llama, generate, reference_attention
+from python_ref.quantize import FORMATS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SAME_DTYPE_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
+# A small vocabulary: the output head is most of a tiny model's work.
+VOCAB = 512
+MODELS = {
+    "gpt2": lambda: build_gpt2("tiny", seed=0, vocab_size=VOCAB),
+    "llama": lambda: build_llama("llama-tiny", seed=0, vocab_size=VOCAB),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -300,8 +309,8 @@ def test_random_operations_keep_tables_counts_and_attention_right():
     assert refused_rewinds > 0 and any(lowest_kept.values())
 
 
-# -- refusals -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("window", [0, -3, 2.5, "8", True, torch.tensor(4)])
+# -- refusals ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("window", [0, -3, 2**63, 2.5, "8", True, torch.tensor(4)])
 def test_bad_windows_are_refused(window):
     with pytest.raises(ValueError, match="window must be a positive int"):
         PagedKVCache(1, 1, 8, num_blocks=4, window=window)
@@ -309,14 +318,66 @@ def test_bad_windows_are_refused(window):
         BlockPool(4, window=window)
 
 
+def test_a_window_longer_than_every_sequence_changes_nothing():
+    model = MODELS["gpt2"]()
+    kv = model.kv_shape
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    unbounded = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 8, 4)
+    longest = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 8, 4, window=2**63 - 1)
+    assert torch.equal(generate(model, prompt, 10, cache=longest), generate(model, prompt, 10, cache=unbounded))
+    assert RELEASED not in longest.pool.block_table(0) + longest.pool.block_table(1)
+
+
+ANY_COUNT = st.one_of(st.integers(-(2**64), 2**64), st.integers(-3, 80), st.booleans(), st.floats(), st.none())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.one_of(
+        st.integers(-(2**64), 2**64), st.integers(-2, 14), st.booleans(), st.floats(), st.text(max_size=2)
+    ),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    steps=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    count=ANY_COUNT,
+)
+def test_any_window_and_rewind_is_done_exactly_as_specified_or_refused_changing_nothing(
+    window, block_size, steps, count
+):
+    """A pool takes exactly the positive int windows; a sequence grown in ``steps`` rewinds by
+    ``count`` exactly when that is an int in [0, length] after which its next query's window lies
+    wholly in the blocks it still holds; every refusal leaves the pool as it was."""
+    if not (isinstance(window, int) and not isinstance(window, bool) and 1 <= window < 2**63):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            BlockPool(64, block_size, window)
+        return
+    pool = BlockPool(80, block_size, window)
+    pool.add_sequence("a")
+    for step in steps:
+        pool.reserve({"a": step})
+        pool.commit("a", step)
+    length = pool.length("a")
+    kept = first_seen_block(length, window, block_size)
+    assert pool.block_table("a")[:kept] == [RELEASED] * kept
+    allowed = (
+        isinstance(count, int)
+        and not isinstance(count, bool)
+        and 0 <= count <= length
+        and (kept == 0 or length - count - window + 1 >= kept * block_size)
+    )
+    before = pool_state(pool)
+    if not allowed:
+        with pytest.raises(ValueError):
+            pool.rewind("a", count)
+        assert pool_state(pool) == before
+        return
+    pool.rewind("a", count)
+    table = pool.block_table("a")
+    assert pool.length("a") == length - count and len(table) == -(-(length - count) // block_size)
+    assert table[:kept] == [RELEASED] * kept and RELEASED not in table[kept:]
+    assert pool.num_free_blocks == 80 - len(table) + kept
+
+
 # -- the Engine ---------------------------------------------------------------------------------
-VOCAB = 512
-MODELS = {
-    "gpt2": lambda: build_gpt2("tiny", seed=0, vocab_size=VOCAB),
-    "llama": lambda: build_llama("llama-tiny", seed=0, vocab_size=VOCAB),
-}
-
-
 def alone_with_a_window(model, prompt, max_new_tokens, window):
     """The continuation of one prompt, run by itself on the contiguous ring-buffer cache."""
     cache = KVCache(**model.kv_shape, batch_size=1, window=window, chunk_size=16)
@@ -363,3 +424,15 @@ def test_engine_needs_room_for_a_window_and_a_chunk_only():
     assert not small.has_unfinished
     prompt = [rng for rng in random.Random(0).choices(range(VOCAB), k=30)]
     assert engine(5).generate([prompt], 40) == [alone_with_a_window(model, prompt, 40, 9)]  # 70 tokens in 20
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_pool_with_a_window_gives_the_tokens_of_the_quantized_ring_buffer(fmt):
+    model = build_llama("llama-tiny", seed=0, head_dim=32, vocab_size=VOCAB)  # int4 takes groups of 32
+    kv = model.kv_shape
+    prompt = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0))
+    ring = KVCache(**kv, batch_size=3, window=11, chunk_size=16, kv_dtype=fmt)
+    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 18, 4, kv_dtype=fmt, window=11)
+    assert torch.equal(generate(model, prompt, 30, cache=cache), generate(model, prompt, 30, cache=ring))
+    # 38 tokens per row, 10 blocks' worth: each row holds the last 3, which its window needs.
+    assert all(cache.pool.block_table(row)[:7] == [RELEASED] * 7 for row in range(3))
