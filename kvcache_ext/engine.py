@@ -257,8 +257,9 @@ class Engine:
 
     def _admit(self) -> None:
         # Admit a request only if the free blocks hold all its tokens so far (a windowed cache: the
-        # blocks of its window and a chunk), a block to grow into, and a block for each running request; else it would just preempt others (or be
-        # preempted) before its prompt is read. Alone, a request always fits (add_request checks).
+        # blocks of its window and a chunk), a block to grow into, and a block for each running
+        # request; else it would just preempt others (or be preempted) before its prompt is read.
+        # Alone, a request always fits (add_request checks).
         free = self.cache.pool.num_free_blocks
         for request in list(self._waiting):
             if self.max_batch_size is not None and len(self._running) >= self.max_batch_size:

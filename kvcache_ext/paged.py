@@ -307,7 +307,8 @@ class BlockPool:
             block_tokens = sequence.tokens[index * self.block_size : (index + 1) * self.block_size]
             block_hash = _block_hash(previous, block_tokens)
             sequence.hashes.append(block_hash)
-            # Not released yet: releases follow registration, and a rewind keeps its window's blocks.
+            # Never RELEASED: a block is released only after it was registered here, and a rewind
+            # (which forgets hashes) keeps the blocks from its new end's window on.
             block = sequence.blocks[index]
             # A prefix computed twice at once stays registered under its first block only.
             if block_hash not in self._block_of_hash and block not in self._hash_of_block:
