@@ -20,7 +20,8 @@ sequence's next query is never read again: it is released as soon as the sequenc
 it (its reference dropped; a block shared by a fork or a prompt prefix stays while others hold it, and
 a registered one stays findable in the prefix cache until recycled). Its table entry then holds
 :data:`RELEASED`: the paged attention validates and reads only the entries some query of a step can
-see, so the released ones are never read. A sequence then holds at most
+see, so the released ones are never read. A prompt's cached prefix is reused when the blocks of its
+next query's window are cached, whether or not the earlier ones still are. A sequence then holds at most
 ``ceil((W - 1 + T) / block_size) + 1`` blocks during a step of ``T`` tokens, however long it grows.
 """
 
@@ -165,24 +166,21 @@ class BlockPool:
     def add_sequence(self, seq_id, prompt: Sequence[int] | None = None) -> int:
         """A new, empty sequence. With its ``prompt`` tokens, it takes the cached blocks of the longest
         prefix of the prompt held as full blocks (never the whole prompt: the last token must still be
-        computed to give logits) and returns how many tokens it then holds; these need no computing."""
+        computed to give logits) and returns how many tokens it then holds; these need no computing.
+        With a window, only the blocks the prefix's next query sees need be cached: the earlier ones
+        are RELEASED entries from the start (as vLLM's sliding-window prefix caching does)."""
         if seq_id in self._sequences:
             raise ValueError(f"sequence {seq_id!r} already exists")
+        sequence = _SequenceBlocks(tokens=None)
         if prompt is not None:
             prompt = _checked_token_ids(prompt, "prompt")
-        sequence = _SequenceBlocks(tokens=[] if prompt is not None else None)
-        previous = b""
-        for start in range(0, len(prompt or ()) - self.block_size, self.block_size):
-            previous = _block_hash(previous, prompt[start : start + self.block_size])
-            block = self._block_of_hash.get(previous)
-            if block is None:
-                break
-            self._retain(block)
-            sequence.blocks.append(block)
-            sequence.hashes.append(previous)
-            sequence.tokens.extend(prompt[start : start + self.block_size])
-            sequence.length += self.block_size
-        self._release_outside_window(sequence)
+            sequence.hashes, blocks = self._cached_prefix(prompt)
+            sequence.length = len(blocks) * self.block_size
+            sequence.tokens = prompt[: sequence.length]
+            sequence.released = self._first_seen_block(sequence.length)
+            sequence.blocks = [RELEASED] * sequence.released + blocks[sequence.released :]
+            for block in blocks[sequence.released :]:
+                self._retain(block)
         self._sequences[seq_id] = sequence
         return sequence.length
 
@@ -315,12 +313,30 @@ class BlockPool:
                 self._block_of_hash[block_hash] = block
                 self._hash_of_block[block] = block_hash
 
+    def _cached_prefix(self, prompt: list[int]) -> tuple[list[bytes], list[int | None]]:
+        """The hashes and cached blocks (None: not cached) of the prompt's longest prefix of full
+        blocks, short of its last token, whose blocks from its next query's window on are all cached."""
+        hashes, blocks, longest = [], [], 0
+        last_missing = -1  # the last block of the prompt found missing so far
+        for start in range(0, len(prompt) - self.block_size, self.block_size):
+            hashes.append(_block_hash(hashes[-1] if hashes else b"", prompt[start : start + self.block_size]))
+            blocks.append(self._block_of_hash.get(hashes[-1]))
+            if blocks[-1] is None:
+                last_missing = len(blocks) - 1
+                if self.window is None:
+                    break  # every longer prefix needs this block too
+            if last_missing < self._first_seen_block(len(blocks) * self.block_size):
+                longest = len(blocks)
+        return hashes[:longest], blocks[:longest]
+
+    def _first_seen_block(self, length: int) -> int:
+        """The table entry of the first position the query after ``length`` tokens sees (it sees
+        ``length - W + 1`` on): every earlier block may go. 0 without a window."""
+        return 0 if self.window is None else max(0, length - self.window + 1) // self.block_size
+
     def _release_outside_window(self, sequence: _SequenceBlocks) -> None:
-        """Release the blocks wholly before the window of the sequence's next query (position
-        ``length``, which sees ``length - W + 1`` on); none without a window."""
-        if self.window is None:
-            return
-        first_seen = max(0, sequence.length - self.window + 1) // self.block_size
+        """Release the blocks wholly before the window of the sequence's next query."""
+        first_seen = self._first_seen_block(sequence.length)
         for index in range(sequence.released, first_seen):
             self._release(sequence.blocks[index])
             sequence.blocks[index] = RELEASED

@@ -1,6 +1,7 @@
 """PagedKVCache(window=W): sliding-window attention on the paged cache, the blocks that leave every
-future query's window released to the pool, forks and prefix-cached blocks shared across the window,
-rewinds refused past what was released, and the Engine serving a sliding-window model."""
+future query's window released to the pool, forks and prefix-cached blocks shared across the window
+(a prefix reused when its window's blocks are cached), rewinds refused past what was released, and
+the Engine serving a sliding-window model."""
 
 import random
 
@@ -224,6 +225,27 @@ def test_forks_and_cached_prefixes_share_blocks_across_the_window():
     for seq in "abcd":
         cache.free(seq)
     assert pool.num_free_blocks == 16 and all(pool.ref_count(b) == 0 for b in range(16))
+
+
+def test_a_prompt_reuses_the_cached_blocks_of_its_window_after_earlier_ones_were_recycled():
+    window, block_size = 6, 4
+    keys = TokenKeys(vocab=8, kv_heads=1, q_heads=2, head_dim=8, seed=3)
+    cache = PagedKVCache(1, 1, 8, num_blocks=6, block_size=block_size, window=window)
+    prompt = [i % 7 for i in range(28)]  # 7 blocks through a pool of 6: its first blocks get recycled
+    tokens = {"a": []}
+    cache.add_sequence("a", prompt)
+    for start in range(0, 28, 8):
+        run_rows(cache, tokens, {"a": prompt[start : start + 8]}, keys)
+    cache.free("a")
+    # The first block is gone: a prompt that shares only it finds nothing.
+    assert cache.add_sequence("first block only", prompt[:4] + [7] * 5) == 0
+    cache.free("first block only")
+    # The whole prefix is reusable all the same: the query after 28 tokens sees 23..28, blocks 5 and 6.
+    assert cache.add_sequence("b", prompt + [1]) == 28
+    table = cache.pool.block_table("b")
+    assert table[:5] == [RELEASED] * 5 and all(cache.pool.ref_count(block) == 1 for block in table[5:])
+    tokens["b"] = list(prompt)
+    run_rows(cache, tokens, {"b": [1]}, keys)  # and attends over the reused keys as computed
 
 
 def test_rewind_is_refused_past_the_released_blocks_and_changes_nothing():
