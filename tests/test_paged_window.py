@@ -444,7 +444,7 @@ def test_engine_needs_room_for_a_window_and_a_chunk_only():
     with pytest.raises(ValueError, match=r"5 blocks at once with a window of 9 and chunks of 8; the whole pool"):
         small.add_request([1] * 30, 40)
     assert not small.has_unfinished
-    prompt = [rng for rng in random.Random(0).choices(range(VOCAB), k=30)]
+    prompt = random.Random(0).choices(range(VOCAB), k=30)
     assert engine(5).generate([prompt], 40) == [alone_with_a_window(model, prompt, 40, 9)]  # 70 tokens in 20
 
 
