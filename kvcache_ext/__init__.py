@@ -5,9 +5,10 @@
 ``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``; ``paged_append_kv`` and
 ``paged_decode_attention`` for block pools, their ``_quantized`` forms for quantized ones); ``capabilities(device)`` is the table of what the
 kernels support. ``PagedKVCache`` keeps many sequences in one pool of blocks (shared
-copy-on-write, prompt prefixes cached); ``Engine`` serves many requests at once on it
-(continuous batching). Without a loadable native library the package warns once and runs the same API
-on the pure-PyTorch reference path (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that an error).
+copy-on-write, prompt prefixes cached, blocks released as they leave a sliding window);
+``Engine`` serves many requests at once on it (continuous batching). Without a loadable native
+library the package warns once and runs the same API on the pure-PyTorch reference path
+(``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that an error).
 """
 
 from ._native import build_info

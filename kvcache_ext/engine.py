@@ -66,6 +66,10 @@ class Engine:
     it stops there. ``prefix_caching``: whether a prompt takes the cached blocks of an earlier
     prompt with the same start (False computes every prompt in full: the baseline that shows what
     prefix caching saves).
+
+    A cache with a ``window`` serves sliding-window models: each request's blocks that leave its
+    window return to the pool, so a request holds at most ``ceil((window - 1 + chunk_size) /
+    block_size) + 1`` blocks however long its prompt and output, and only that must fit the pool.
     """
 
     def __init__(
@@ -130,9 +134,14 @@ class Engine:
                 f"the model has {self.model.cfg.context_length} positions: a prompt of {len(prompt)} tokens "
                 f"with max_new_tokens={max_new_tokens} needs {fed}"
             )
-        capacity = self.cache.pool.num_blocks * self.cache.block_size
-        if fed > capacity:
-            raise ValueError(f"the request needs room for {fed} tokens, the whole pool holds {capacity}")
+        pool = self.cache.pool
+        needed = pool.max_blocks_held(fed, self.chunk_size)
+        if needed > pool.num_blocks:
+            window = "" if pool.window is None else f" with a window of {pool.window} and chunks of {self.chunk_size}"
+            raise ValueError(
+                f"the request needs room for {fed} tokens, {needed} blocks at once{window}; the whole pool holds "
+                f"{pool.num_blocks * pool.block_size} ({pool.num_blocks} blocks)"
+            )
         return _Request(-1, prompt, len(prompt), max_new_tokens, temperature, top_k, generator)
 
     def _enqueue(self, requests: list[_Request]) -> list[int]:
@@ -247,16 +256,17 @@ class Engine:
         )
 
     def _admit(self) -> None:
-        # Admit a request only if the free blocks hold all its tokens so far, a block to grow into,
-        # and a block for each running request; else it would just preempt others (or be
-        # preempted) before its prompt is read. Alone, a request always fits (add_request checks).
+        # Admit a request only if the free blocks hold all its tokens so far (a windowed cache: the
+        # blocks of its window and a chunk), a block to grow into, and a block for each running
+        # request; else it would just preempt others (or be preempted) before its prompt is read.
+        # Alone, a request always fits (add_request checks).
         free = self.cache.pool.num_free_blocks
         for request in list(self._waiting):
             if self.max_batch_size is not None and len(self._running) >= self.max_batch_size:
                 break
             if self.prefix_caching and self._prefix_in_flight(request):
                 continue  # admitted once a running request has stored (and registered) the prefix
-            wanted = -(-len(request.tokens) // self.cache.block_size) + 1
+            wanted = self.cache.pool.max_blocks_held(len(request.tokens), self.chunk_size) + 1
             if self._running and free < wanted + len(self._running):
                 break
             self._waiting.remove(request)

@@ -13,6 +13,16 @@ of the hash of every block before it (so a hash names a whole prefix, not just 1
 sequence whose prompt starts with the same tokens takes those blocks instead of computing them again
 (prefix caching). A registered block no sequence uses stays in the pool, still findable, and is
 recycled least recently freed first when the pool needs room.
+
+Sliding windows. With ``window=W`` every query at position ``p`` sees only positions ``j`` with
+``p - W < j <= p`` (Mistral-style attention), so a block that lies wholly before the window of a
+sequence's next query is never read again: it is released as soon as the sequence's length passes
+it (its reference dropped; a block shared by a fork or a prompt prefix stays while others hold it, and
+a registered one stays findable in the prefix cache until recycled). Its table entry then holds
+:data:`RELEASED`: the paged attention validates and reads only the entries some query of a step can
+see, so the released ones are never read. A prompt's cached prefix is reused when the blocks of its
+next query's window are cached, whether or not the earlier ones still are. A sequence then holds at most
+``ceil((W - 1 + T) / block_size) + 1`` blocks during a step of ``T`` tokens, however long it grows.
 """
 
 from __future__ import annotations
@@ -36,6 +46,10 @@ from .ops import (
     paged_decode_attention,
     paged_decode_attention_quantized,
 )
+
+
+#: The block-table entry of a block a windowed sequence released (no query of it sees that block again).
+RELEASED = -1
 
 
 class PoolExhaustedError(RuntimeError):
@@ -64,8 +78,9 @@ def _checked_token_ids(tokens, what: str) -> list[int]:
 
 @dataclass
 class _SequenceBlocks:
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the first `released` are RELEASED
     length: int = 0  # tokens whose keys/values are stored
+    released: int = 0  # leading table entries whose blocks left the window (windowed pools only)
     # The tokens at positions [0, length) while all of them are known; None once one is not (only
     # blocks of known tokens can be found by later prompts).
     tokens: list[int] | None = field(default_factory=list)
@@ -76,15 +91,25 @@ class BlockPool:
     """Block tables, reference counts and the prefix cache of ``num_blocks`` blocks of ``block_size``
     tokens; sequences are named by any hashable id.
 
+    ``window`` (None: every token is kept): the attention's sliding window in tokens. Each
+    sequence's blocks wholly before the window of its next query are released once its length
+    passes them; their table entries hold :data:`RELEASED`. ``rewind`` refuses to go back to a
+    length whose window would need a released block.
+
     Every method checks its arguments and the room it needs before it changes anything, so a refused
     call (ValueError, KeyError, :class:`PoolExhaustedError`) leaves the pool as it was.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16):
+    def __init__(self, num_blocks: int, block_size: int = 16, window: int | None = None):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        # At most int64's largest: the paged ops take the window as an int64.
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or not 1 <= window < 2**63):
+            raise ValueError(
+                f"window must be a positive int (tokens each query sees, at most 2^63 - 1) or None, got {window!r}"
+            )
+        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
         self._ref_counts = [0] * num_blocks
         self._never_registered = deque(range(num_blocks))  # unused, no hash: taken first
         self._cached_unused = OrderedDict()  # unused registered block -> its hash, least recently freed first
@@ -108,10 +133,24 @@ class BlockPool:
         return self._ref_counts[block]
 
     def block_table(self, seq_id) -> list[int]:
+        """The sequence's block ids in position order; :data:`RELEASED` for blocks that left its window."""
         return list(self._sequence(seq_id).blocks)
 
     def length(self, seq_id) -> int:
         return self._sequence(seq_id).length
+
+    def max_blocks_held(self, length: int, step: int) -> int:
+        """The most blocks one sequence holds (copies for copy-on-write aside) while it grows to
+        ``length`` tokens, at most ``step`` tokens a step: all of them, or with a window those
+        covering the window of a step's first query and the step."""
+        for name, value, lowest in (("length", length, 0), ("step", step, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
+        every_block = -(-length // self.block_size)
+        if self.window is None:
+            return every_block
+        # Positions [p - W + 1, p + step) with p - W + 1 anywhere in its block: one block more at worst.
+        return min(every_block, -(-(self.window - 1 + step) // self.block_size) + 1)
 
     def is_cached(self, block: int) -> bool:
         """Whether ``block`` is registered in the prefix cache (findable by a later prompt)."""
@@ -127,23 +166,21 @@ class BlockPool:
     def add_sequence(self, seq_id, prompt: Sequence[int] | None = None) -> int:
         """A new, empty sequence. With its ``prompt`` tokens, it takes the cached blocks of the longest
         prefix of the prompt held as full blocks (never the whole prompt: the last token must still be
-        computed to give logits) and returns how many tokens it then holds; these need no computing."""
+        computed to give logits) and returns how many tokens it then holds; these need no computing.
+        With a window, only the blocks the prefix's next query sees need be cached: the earlier ones
+        are RELEASED entries from the start (as vLLM's sliding-window prefix caching does)."""
         if seq_id in self._sequences:
             raise ValueError(f"sequence {seq_id!r} already exists")
+        sequence = _SequenceBlocks(tokens=None)
         if prompt is not None:
             prompt = _checked_token_ids(prompt, "prompt")
-        sequence = _SequenceBlocks(tokens=[] if prompt is not None else None)
-        previous = b""
-        for start in range(0, len(prompt or ()) - self.block_size, self.block_size):
-            previous = _block_hash(previous, prompt[start : start + self.block_size])
-            block = self._block_of_hash.get(previous)
-            if block is None:
-                break
-            self._retain(block)
-            sequence.blocks.append(block)
-            sequence.hashes.append(previous)
-            sequence.tokens.extend(prompt[start : start + self.block_size])
-            sequence.length += self.block_size
+            sequence.hashes, blocks = self._cached_prefix(prompt)
+            sequence.length = len(blocks) * self.block_size
+            sequence.tokens = prompt[: sequence.length]
+            sequence.released = self._first_seen_block(sequence.length)
+            sequence.blocks = [RELEASED] * sequence.released + blocks[sequence.released :]
+            for block in blocks[sequence.released :]:
+                self._retain(block)
         self._sequences[seq_id] = sequence
         return sequence.length
 
@@ -153,11 +190,12 @@ class BlockPool:
         source = self._sequence(seq_id)
         if new_seq_id in self._sequences:
             raise ValueError(f"sequence {new_seq_id!r} already exists")
-        for block in source.blocks:
+        for block in source.blocks[source.released :]:
             self._retain(block)
         self._sequences[new_seq_id] = _SequenceBlocks(
             blocks=list(source.blocks),
             length=source.length,
+            released=source.released,
             tokens=None if source.tokens is None else list(source.tokens),
             hashes=list(source.hashes),
         )
@@ -166,15 +204,25 @@ class BlockPool:
         """Remove a sequence; its blocks go back to the pool once no other sequence uses them."""
         sequence = self._sequence(seq_id)
         del self._sequences[seq_id]
-        for block in reversed(sequence.blocks):  # the prefix's first block is recycled last
+        for block in reversed(sequence.blocks[sequence.released :]):  # the prefix's first block is recycled last
             self._release(block)
 
     def rewind(self, seq_id, count: int) -> None:
         """Drop the last ``count`` tokens of a sequence (speculative decoding's rejected drafts, going
-        back to a common prefix); blocks it no longer needs go back to the pool."""
+        back to a common prefix); blocks it no longer needs go back to the pool. With a window, the
+        query after the new end must still find its window's blocks: refused (ValueError) past that."""
         sequence = self._sequence(seq_id)
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= sequence.length:
             raise ValueError(f"count must be an int in [0, {sequence.length}] (tokens held), got {count!r}")
+        if sequence.released:
+            # The query at the new end, position length - count, sees from length - count - W + 1.
+            shortest = sequence.released * self.block_size + self.window - 1
+            if sequence.length - count < shortest:
+                raise ValueError(
+                    f"sequence {seq_id!r} released its first {sequence.released * self.block_size} positions (they "
+                    f"left the window of {self.window}): it can drop at most {sequence.length - shortest} tokens "
+                    f"and still see a full window, not {count}"
+                )
         sequence.length -= count
         kept_blocks = -(-sequence.length // self.block_size)
         for block in reversed(sequence.blocks[kept_blocks:]):
@@ -242,21 +290,58 @@ class BlockPool:
         sequence.length += count
         if sequence.tokens is None or tokens is None:
             sequence.tokens = None
-            return
-        sequence.tokens.extend(tokens)
+        else:
+            sequence.tokens.extend(tokens)
+            self._register_full_blocks(sequence)
+        # After registering: a block filled and left behind by one long step stays findable.
+        self._release_outside_window(sequence)
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def _register_full_blocks(self, sequence: _SequenceBlocks) -> None:
+        """Hash the sequence's full blocks not hashed yet and register them in the prefix cache."""
         while (len(sequence.hashes) + 1) * self.block_size <= sequence.length:
             index = len(sequence.hashes)
             previous = sequence.hashes[-1] if sequence.hashes else b""
             block_tokens = sequence.tokens[index * self.block_size : (index + 1) * self.block_size]
             block_hash = _block_hash(previous, block_tokens)
             sequence.hashes.append(block_hash)
+            # Never RELEASED: a block is released only after it was registered here, and a rewind
+            # (which forgets hashes) keeps the blocks from its new end's window on.
             block = sequence.blocks[index]
             # A prefix computed twice at once stays registered under its first block only.
             if block_hash not in self._block_of_hash and block not in self._hash_of_block:
                 self._block_of_hash[block_hash] = block
                 self._hash_of_block[block] = block_hash
 
-    # -- blocks ---------------------------------------------------------------------------------
+    def _cached_prefix(self, prompt: list[int]) -> tuple[list[bytes], list[int | None]]:
+        """The hashes and cached blocks (None: not cached) of the prompt's longest prefix of full
+        blocks, short of its last token, whose blocks from its next query's window on are all cached."""
+        hashes, blocks, longest = [], [], 0
+        last_missing = -1  # the last block of the prompt found missing so far
+        for start in range(0, len(prompt) - self.block_size, self.block_size):
+            hashes.append(_block_hash(hashes[-1] if hashes else b"", prompt[start : start + self.block_size]))
+            blocks.append(self._block_of_hash.get(hashes[-1]))
+            if blocks[-1] is None:
+                last_missing = len(blocks) - 1
+                if self.window is None:
+                    break  # every longer prefix needs this block too
+            if last_missing < self._first_seen_block(len(blocks) * self.block_size):
+                longest = len(blocks)
+        return hashes[:longest], blocks[:longest]
+
+    def _first_seen_block(self, length: int) -> int:
+        """The table entry of the first position the query after ``length`` tokens sees (it sees
+        ``length - W + 1`` on): every earlier block may go. 0 without a window."""
+        return 0 if self.window is None else max(0, length - self.window + 1) // self.block_size
+
+    def _release_outside_window(self, sequence: _SequenceBlocks) -> None:
+        """Release the blocks wholly before the window of the sequence's next query."""
+        first_seen = self._first_seen_block(sequence.length)
+        for index in range(sequence.released, first_seen):
+            self._release(sequence.blocks[index])
+            sequence.blocks[index] = RELEASED
+        sequence.released = max(sequence.released, first_seen)
+
     def _copy_on_write_needed(self, sequence: _SequenceBlocks) -> bool:
         # Only a partly filled last block is written into (full blocks stay as they are): copied if
         # another sequence reads it, or if it is registered, full, in the prefix cache (a rewound
@@ -312,6 +397,12 @@ class PagedKVCache:
     ``k``/``v`` hold the codes, ``(num_layers, num_blocks, kv_heads, block_size, head_dim)`` (head_dim / 2
     bytes for int4), and ``k_scale``/``v_scale`` their scales, which copy-on-write copies with them;
     ``dtype`` stays that of q, k, v and the attention output.
+
+    ``window=W`` (None: every token is attended): sliding-window attention in every layer, as
+    ``KVCache(window=W)`` and ``reference_attention(window=W)`` have it (the query at position ``p``
+    sees the positions ``j`` with ``p - W < j <= p``). Blocks that leave every future query's window go
+    back to the pool (see :class:`BlockPool`), so a sequence holds about ``(W + T) / block_size``
+    blocks however long it grows, and ``bytes_used()`` counts only those.
     """
 
     def __init__(
@@ -324,6 +415,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         kv_dtype=None,
+        window: int | None = None,
     ):
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -336,7 +428,7 @@ class PagedKVCache:
         self.kv_dtype = None if kv_dtype is None else quantized.kv_format(kv_dtype)
         if self.kv_dtype is not None:
             quantized.check_kv_format(self.kv_dtype, dtype, head_dim, device)
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, window)  # checks window before any pool is allocated
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
         self.dtype = dtype
         shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
@@ -403,6 +495,11 @@ class PagedKVCache:
 
     # -- the cache protocol ---------------------------------------------------------------------
     @property
+    def window(self) -> int | None:
+        """Tokens each query sees (None: all before it)."""
+        return self.pool.window
+
+    @property
     def seq_length(self) -> int:
         return max((self.pool.length(seq_id) for seq_id in self._rows), default=0)
 
@@ -457,12 +554,12 @@ class PagedKVCache:
         if self.kv_dtype is None:
             paged_append_kv(self.k[layer], self.v[layer], k, v, block_tables, lengths_before, new_counts)
             out, _ = paged_decode_attention(
-                q, self.k[layer], self.v[layer], block_tables, lengths_before + num_new, scale=scale
+                q, self.k[layer], self.v[layer], block_tables, lengths_before + num_new, self.window, scale
             )
             return out
         pools = (self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer])
         paged_append_kv_quantized(*pools, k, v, block_tables, lengths_before, new_counts)
-        out, _ = paged_decode_attention_quantized(q, *pools, block_tables, lengths_before + num_new, scale=scale)
+        out, _ = paged_decode_attention_quantized(q, *pools, block_tables, lengths_before + num_new, self.window, scale)
         return out
 
     def finish_step(self) -> None:
@@ -485,7 +582,8 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self._pools())
 
     def bytes_used(self) -> int:
-        """Bytes of the blocks sequences use (each shared block counted once)."""
+        """Bytes of the blocks sequences use (each shared block counted once; blocks released from a
+        window not at all)."""
         in_use = self.pool.num_blocks - self.pool.num_free_blocks
         return self.bytes_allocated() // self.pool.num_blocks * in_use
 
@@ -511,7 +609,8 @@ class PagedKVCache:
         held = [self.pool.length(seq_id) for seq_id in self._rows]
         # Attention runs as if every row took all num_new tokens (the protocol's right padding): the
         # tables cover that many. Entries past a row's last block are read only by its padding's
-        # queries, whose outputs nobody uses: any valid id will do.
+        # queries, whose outputs nobody uses: any valid id will do. RELEASED entries lie before the
+        # window of every query of the step (padding's included), which the ops neither check nor read.
         width = max(max(len(table) for table in tables), -(-(max(held) + num_new) // self.block_size))
         block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
         lengths = torch.tensor(held, dtype=torch.long).to(self.k.device)
