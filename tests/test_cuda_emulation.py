@@ -1653,7 +1653,9 @@ SANITIZED_SELECTION = (
     "or forced_split_count and 64 or append_kv_edge_lengths and 3 or random_order or full3-3 "
     "or paged_attention_matches_reference and bfloat16 and (paged1 or paged3) or paged_attention_splits "
     "or paged_attention_unaligned_pool and float16 or paged_append_matches_reference and float16 "
-    "or paged_append_token_chunks or paged_append_refusals or paged_attention_refusals"
+    "or paged_append_token_chunks or paged_append_refusals or paged_attention_refusals "
+    "or paged_quantized_attention_matches_reference and bfloat16 and pq1 "
+    "or paged_append_quantized_is_bit_identical and float16 and 4-True or paged_append_quantized_refusals"
 )
 
 
