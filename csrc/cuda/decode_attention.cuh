@@ -414,7 +414,7 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
       int64_t slot = begin_slot + key_offset[u];  // in range: count <= S, so one wrap at most
       if (slot >= S) slot -= S;
       int64_t k_row = slot * p.k_stride[2], v_row = slot * p.v_stride[2];
-      // Scales of the row (a plain cache's formats ignore them and the compiler drops these).
+      // Where the row's scales are (PlainCache ignores them, and the compiler drops this for it).
       int64_t k_scale_row = slot * p.k_scale_stride[2], v_scale_row = slot * p.v_scale_stride[2];
       if constexpr (C::kPaged) {
         // A paged row never wraps (slot is the position); entries past the range are not ids.
