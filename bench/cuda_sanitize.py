@@ -15,7 +15,9 @@ decode_attention_quantized for int8, fp8_e4m3 and int4: codes equal to the CPU k
 against float64 over the dequantized values; aligned and byte-offset rows), and the paged ops
 (paged_append_kv with and without new_counts, block sizes 1 and 16; paged_decode_attention over
 random block tables with NaN in every unheld pool element, windows, forced splits, unaligned
-pools; an out-of-range id refused before any launch). Each case
+pools; an out-of-range id refused before any launch), and the quantized paged ops
+(paged_append_kv_quantized over random block tables, bytes equal to the CPU kernel's;
+paged_decode_attention_quantized over them with NaN scales at every unheld position). Each case
 synchronises, so an error is attributed to it.
 
 Exit status: 0 every case ran and matched the reference, 1 a case failed (wrong result or a
@@ -316,6 +318,56 @@ def paged_decode_case(
     return f"error {error:.1e}, lse error {lse_error:.1e}"
 
 
+def paged_quantized_case(fmt, dtype, head_dim, group, num_new, window, block_size, splits, kvcache_ext, reference):
+    """Rows of 0 tokens filled up to their lengths by one paged_append_kv_quantized (new_counts)
+    through random tables, bytes equal to the CPU kernel's; then paged_decode_attention_quantized
+    over them (NaN scales wherever no row holds a token) against float64 over the dequantized codes."""
+    B, H_kv = 3, 2
+    lengths = [num_new, 9 + num_new, 300]
+    g = torch.Generator().manual_seed(head_dim * 7 + group + block_size)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    table = paged_table(lengths, block_size, num_blocks, g)
+    row = head_dim // 2 if fmt == "int4" else head_dim
+    scale_shape = (num_blocks, H_kv, block_size, head_dim // 32) if fmt == "int4" else (num_blocks, H_kv, block_size)
+    scale_dtype = torch.float16 if fmt == "int4" else torch.float32
+
+    def empty(device):
+        data = [torch.zeros(num_blocks, H_kv, block_size, row, dtype=torch.uint8, device=device) for _ in range(2)]
+        scales = [torch.full(scale_shape, float("nan"), dtype=scale_dtype, device=device) for _ in range(2)]
+        return [data[0].view(QUANTIZED_DATA[fmt]), scales[0], data[1].view(QUANTIZED_DATA[fmt]), scales[1]]
+
+    gpu, cpu = empty(DEVICE), empty("cpu")
+    k_new, v_new = (torch.randn(B, H_kv, max(lengths), head_dim, generator=g).to(dtype) for _ in range(2))
+    counts, before = torch.tensor(lengths), torch.zeros(B, dtype=torch.long)
+    kvcache_ext.paged_append_kv_quantized(
+        *gpu, k_new.to(DEVICE), v_new.to(DEVICE), table.to(DEVICE), before.to(DEVICE), counts.to(DEVICE)
+    )
+    kvcache_ext.paged_append_kv_quantized(*cpu, k_new, v_new, table, before, counts)
+    synchronize()
+    for got, want in zip(gpu, cpu):
+        if not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
+            raise AssertionError("quantized pool bytes differ from the CPU kernel's")
+    q = torch.randn(B, H_kv * group, num_new, head_dim, generator=g).to(dtype)
+    with with_env("KVCACHE_EXT_CUDA_SPLITS", splits):
+        out, lse = kvcache_ext.paged_decode_attention_quantized(
+            q.to(DEVICE), *gpu, table.to(DEVICE), counts.to(DEVICE), window
+        )
+        synchronize()
+    # Each row's values in float64, position p at slot p (zeros past the row's length).
+    k64, v64 = (torch.zeros(B, H_kv, max(lengths), head_dim, dtype=torch.float64) for _ in range(2))
+    for b, n in enumerate(lengths):
+        positions = torch.arange(n)
+        blocks, offsets = table[b, positions // block_size].long(), positions % block_size
+        for values, data, scales in ((k64, cpu[0], cpu[1]), (v64, cpu[2], cpu[3])):
+            values[b, :, :n] = dequantized(data[blocks, :, offsets], scales[blocks, :, offsets], fmt).transpose(0, 1)
+    exact, exact_lse = reference(q.double(), k64, v64, counts, window, return_lse=True)
+    error = (out.cpu().double() - exact).abs().max().item()
+    lse_error = (lse.cpu().double() - exact_lse).abs().max().item()
+    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
+        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
+    return f"error {error:.1e}, lse error {lse_error:.1e}"
+
+
 def paged_refusal_case(kvcache_ext):
     """An id the append would write out of range: refused on the host, before any launch."""
     k_pool, v_pool = (torch.randn(8, 2, 4, 16).to(DEVICE) for _ in range(2))
@@ -519,6 +571,31 @@ def build_cases(kvcache_ext, reference, quick: bool):
                 kvcache_ext,
                 reference,
                 offset=offset,
+            )
+    # (dtype, head_dim, group, num_new, window, block_size, splits)
+    paged_quantized_configs = [
+        ("bfloat16", 64, 4, 1, None, 16, None),
+        ("float32", 128, 2, 3, 20, 4, 3),
+        ("float16", 96, 8, 2, None, 1, 1),
+    ]
+    for fmt in QUANTIZED_DATA:
+        for dtype_name, head_dim, group, num_new, window, block_size, splits in paged_quantized_configs[
+            : 1 if quick else None
+        ]:
+            add(
+                f"paged quantized {fmt} {dtype_name} D={head_dim} group={group} T={num_new} window={window} "
+                f"block_size={block_size} splits={splits}",
+                paged_quantized_case,
+                fmt,
+                DTYPES[dtype_name],
+                head_dim,
+                group,
+                num_new,
+                window,
+                block_size,
+                splits,
+                kvcache_ext,
+                reference,
             )
     add("paged append refused id", paged_refusal_case, kvcache_ext)
     return cases

@@ -380,4 +380,35 @@ inline int64_t check_quantized_new_tokens(const torch::stable::Tensor& k_data, i
   return T;
 }
 
+// paged_append_kv_quantized's new keys/values against a quantized pool of head_dim D: shapes and a
+// float dtype shared by both. Returns num_new. (Devices are each binding's to check.)
+inline int64_t check_paged_quantized_new_tokens(const torch::stable::Tensor& k_data, int64_t D,
+                                                const torch::stable::Tensor& k_new,
+                                                const torch::stable::Tensor& v_new) {
+  const int64_t H = k_data.size(1);
+  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == D && t->sizes().equals(k_new.sizes()),
+                    "k_new and v_new must both be (batch, kv_heads=", H, ", num_new, head_dim=", D, "), got ",
+                    shape_of(k_new), " and ", shape_of(v_new));
+    elem_type_of(*t, name);
+  }
+  STD_TORCH_CHECK(v_new.scalar_type() == k_new.scalar_type(), "v_new must be ", dtype_name(k_new.scalar_type()),
+                  " like k_new, got ", dtype_name(v_new.scalar_type()));
+  return k_new.size(2);
+}
+
+// A quantized attention's q against kv_heads KV heads, and the attention options: q's dtype, at
+// least one new token, GQA grouping, window, softcap and sinks. (Shapes against the cache or pool,
+// and devices, are each binding's to check.)
+inline void check_quantized_queries(const torch::stable::Tensor& q, int64_t H_kv, std::optional<int64_t> window,
+                                    std::optional<double> softcap, const std::optional<torch::stable::Tensor>& sinks) {
+  elem_type_of(q, "q");
+  const int64_t H_q = q.size(1), T = q.size(2);
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
+                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  check_softcap_and_sinks(softcap, sinks, q);
+}
+
 }  // namespace kvcache_ext

@@ -20,9 +20,8 @@ constexpr int64_t kMaxSlotsCpu = kMaxLength;
 constexpr int64_t kMaxSlotsCuda = (int64_t{1} << 31) - 1;
 
 // Paged pools (num_blocks, kv_heads, block_size, head_dim): block_size a power of two from 1 to
-// kMaxBlockSize (a position's block and offset are a shift and a mask), on both devices. Quantized
-// paged pools run on the CPU kernels only for now (paged_kv_formats in the table); on CUDA the
-// Python wrappers run python_ref's paged quantized reference.
+// kMaxBlockSize (a position's block and offset are a shift and a mask), on both devices, quantized
+// pools (paged_kv_formats in the table) included.
 constexpr int64_t kMaxBlockSize = 256;
 
 inline bool block_size_supported(int64_t block_size) {
@@ -45,9 +44,8 @@ inline std::string capabilities_json(bool cuda) {
          ", \"kv_formats\": [\"int8\", \"fp8_e4m3\", \"int4\"]" +
          // Block sizes of paged pools the kernels take: the same on both devices.
          ", \"paged_max_block_size\": " + std::to_string(kMaxBlockSize) +
-         // Quantized formats the paged kernels store (none: the quantized paged ops run python_ref's
-         // paged quantized reference on the device).
-         ", \"paged_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\", \"int4\"]") + "}";
+         // Quantized formats the paged kernels store and attend over: the same on both devices.
+         ", \"paged_kv_formats\": [\"int8\", \"fp8_e4m3\", \"int4\"]}";
 }
 
 }  // namespace kvcache_ext

@@ -753,3 +753,173 @@ def test_paged_greedy_generation_cuda_equals_cpu():
     gpu_cache = kvcache_ext.PagedKVCache(**gpu_model.kv_shape, **sizes, device="cuda")
     gpu_tokens = generate(gpu_model, prompt.cuda(), 24, cache=gpu_cache)
     assert torch.equal(gpu_tokens.cpu(), cpu_tokens)
+
+
+# ---- quantized paged pools -------------------------------------------------------------------------
+# tests/test_paged_quantized.py's checks on CUDA: the quantized kernels in their block-table address
+# mode, the binding's value checks on a host copy of lengths, counts and tables.
+def quantized_paged_copy(cache, lengths, block_size, seed=0):
+    """paged_copy for a quantized cache [k_data, k_scales, v_data, v_scales]: the positions each row
+    holds copied into block pools through a table of blocks in random order among spare ones. Every
+    other position holds random codes and NaN scales and every unused table entry is -1, so reading
+    either shows. Also returns the contiguous quantized cache of the slots the binding plans with."""
+    B = cache[0].shape[0]
+    g = torch.Generator().manual_seed(seed)
+    needed = [-(-int(n) // block_size) for n in lengths]
+    num_blocks = sum(needed) + 3
+    ids = torch.randperm(num_blocks, generator=g)
+    table = torch.full((B, max(needed) + 1), -1, dtype=torch.int32)
+    pools, same = [], []
+    for t in cache:
+        shape = (num_blocks, t.shape[1], block_size, *t.shape[3:])
+        if t.element_size() == 1:  # codes
+            pools.append(torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(t.dtype))
+        else:  # scales
+            pools.append(torch.full(shape, float("nan"), dtype=t.dtype))
+        slots_shape = (B, t.shape[1], max(needed) * block_size, *t.shape[3:])
+        same.append(torch.zeros(slots_shape, dtype=torch.uint8 if t.element_size() == 1 else t.dtype).view(t.dtype))
+    used = 0
+    for b in range(B):
+        n = int(lengths[b])
+        for j in range(needed[b]):
+            block, used = int(ids[used]), used + 1
+            table[b, j] = block
+            count = min(block_size, n - j * block_size)
+            for pool, t in zip(pools, cache):
+                pool[block, :, :count] = t[b, :, j * block_size : j * block_size + count]
+        for contiguous, t in zip(same, cache):
+            contiguous[b, :, :n] = t[b, :, :n]
+    return pools, table, same
+
+
+def check_paged_quantized_on_cuda(fmt, q, cache, lengths, block_size, window=None, softcap=None, sinks=None):
+    """CUDA paged quantized attention: bit for bit the CUDA contiguous quantized kernel on the same
+    positions, close to the CPU paged op, and within twice plain PyTorch's error of the float64
+    reference over the dequantized values."""
+    pools, table, same = quantized_paged_copy(cache, lengths, block_size)
+    options = dict(window=window, softcap=softcap)
+    gpu_sinks = None if sinks is None else sinks.cuda()
+    out, lse = kvcache_ext.paged_decode_attention_quantized(
+        q.cuda(), *(t.cuda() for t in pools), table.cuda(), lengths.cuda(), sinks=gpu_sinks, **options
+    )
+    same_out, same_lse = kvcache_ext.decode_attention_quantized(
+        q.cuda(), *(t.cuda() for t in same), lengths.cuda(), sinks=gpu_sinks, **options
+    )
+    assert torch.equal(out, same_out) and torch.equal(lse, same_lse)
+    cpu_out, cpu_lse = kvcache_ext.paged_decode_attention_quantized(q, *pools, table, lengths, sinks=sinks, **options)
+    atol, rtol = PAGED_TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.cpu().float(), cpu_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-3, rtol=1e-4)
+    check_quantized_parity(fmt, q, same, lengths, sinks=sinks, **options)
+
+
+PAGED_QUANTIZED_GRID = [
+    (fmt, dtype, *case)
+    for fmt, dtype in itertools.product(qref.FORMATS, DTYPES)
+    # head_dim, group, num_new, window, block_size
+    for case in [(64, 4, 1, None, 16), (96, 1, 3, 5, 1), (128, 3, 2, None, 256), (32, 2, 1, 40, 4)]
+]
+
+
+@pytest.mark.parametrize(
+    "fmt,dtype,head_dim,group,num_new,window,block_size",
+    PAGED_QUANTIZED_GRID,
+    ids=[f"{c[0]}-{str(c[1]).split('.')[-1]}-D{c[2]}-g{c[3]}-T{c[4]}-w{c[5]}-bs{c[6]}" for c in PAGED_QUANTIZED_GRID],
+)
+def test_paged_quantized_attention_parity(fmt, dtype, head_dim, group, num_new, window, block_size):
+    lengths = [num_new, 37 + num_new, 300]
+    q, cache, lengths = quantized_problem(fmt, dtype, 3, 2, group, num_new, head_dim, 300, lengths, seed=block_size)
+    check_paged_quantized_on_cuda(fmt, q, cache, lengths, block_size, window)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_paged_quantized_long_rows_split_kv(fmt):
+    # Few rows, long tables: Flash-Decoding splits over the blocks, softcap and sinks in the combine.
+    q, cache, lengths = quantized_problem(fmt, torch.bfloat16, 2, 2, 4, 1, 128, 6000, [6000, 2500], seed=9)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2))
+    check_paged_quantized_on_cuda(fmt, q, cache, lengths, 16, softcap=20.0, sinks=sinks)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,with_counts", [(1, True), (4, False), (16, True)])
+def test_paged_quantized_append_is_bit_identical_to_the_cpu(fmt, dtype, block_size, with_counts):
+    B, H, T, D = 3, 2, 5, 96
+    lengths = torch.tensor([0, 7, 13])
+    counts = torch.tensor([5, 0, 3]) if with_counts else None
+    max_blocks = -(-(13 + T) // block_size)
+    num_blocks = B * max_blocks + 2
+    g = torch.Generator().manual_seed(block_size)
+    table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    pools = empty_quantized_cache(fmt, num_blocks, H, block_size, D, "cpu")
+    k_new = hard_values(B, H, T, D, dtype, seed=1)
+    v_new = hard_values(B, T, H, D, dtype, seed=2).transpose(1, 2)  # non-contiguous
+    gpu = [t.cuda() for t in pools]
+    kvcache_ext.paged_append_kv_quantized(
+        *gpu, k_new.cuda(), v_new.cuda(), table.cuda(), lengths.cuda(), None if counts is None else counts.cuda()
+    )
+    kvcache_ext.paged_append_kv_quantized(*pools, k_new, v_new, table, lengths, counts)
+    for on_gpu, on_cpu in zip(gpu, pools):
+        assert same_bits(on_gpu, on_cpu)
+
+
+@pytest.mark.parametrize("change", ["unwritable_id", "shared_block", "past_table", "count_above_new_tokens"])
+def test_paged_quantized_append_refusals_change_nothing(change):
+    # Values only the host copy can see: a RuntimeError from the binding, and no byte written.
+    B, H, T, D, block_size = 2, 2, 3, 32, 4
+    lengths, counts = torch.tensor([2, 0]), torch.tensor([3, 2])
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    if change == "unwritable_id":
+        table[0, 1] = 8
+    elif change == "shared_block":
+        table[1, 0] = table[0, 1]  # row 0 writes its offset 0, row 1 offsets 0 and 1
+    elif change == "past_table":
+        lengths[1] = 15
+    else:
+        counts[0] = 4
+    pools = [t.cuda() for t in qref.quantize(torch.randn(8, H, block_size, D), "int4")]
+    pools = [t.clone() for t in pools * 2]
+    before = [t.clone() for t in pools]
+    k_new, v_new = torch.randn(B, H, T, D).cuda(), torch.randn(B, H, T, D).cuda()
+    with pytest.raises(RuntimeError):
+        kvcache_ext.paged_append_kv_quantized(*pools, k_new, v_new, table.cuda(), lengths.cuda(), counts.cuda())
+    assert all(same_bits(t, b) for t, b in zip(pools, before))
+
+
+@pytest.mark.parametrize("entry", [-1, 10, 2**31 - 1])
+def test_paged_quantized_attention_refuses_an_id_it_would_read(entry):
+    q = torch.randn(2, 4, 1, 32).cuda()
+    pools = [t.cuda() for t in qref.quantize(torch.randn(10, 2, 8, 32), "int8")]
+    pools = [t.clone() for t in pools * 2]
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    table[1, 3] = entry
+    lengths = torch.tensor([20, 30])
+    with pytest.raises(RuntimeError, match=r"block_tables\[1, 3\] = .* is not a block id in \[0, 10\) but row 1 reads"):
+        kvcache_ext.paged_decode_attention_quantized(q, *pools, table.cuda(), lengths.cuda())
+    lengths[1] = 24  # the entry is past what row 1 holds: never read
+    out, _ = kvcache_ext.paged_decode_attention_quantized(q, *pools, table.cuda(), lengths.cuda())
+    assert bool(out.isfinite().all())
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_paged_quantized_opcheck(fmt):
+    pools = [t.cuda() for t in qref.quantize(torch.randn(6, 2, 4, 64), fmt)]
+    pools = [t.clone() for t in pools * 2]
+    table, lengths = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32).cuda(), torch.tensor([5, 9]).cuda()
+    q = torch.randn(2, 4, 1, 64, dtype=torch.bfloat16, device="cuda")
+    # opcheck's schema test compares tensors with arithmetic float8 lacks: for fp8 the other three.
+    checks = (
+        {}
+        if fmt != "fp8_e4m3"
+        else dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    )
+    op = torch.ops.kvcache_ext
+    torch.library.opcheck(
+        op.paged_decode_attention_quantized.default, (q, *pools, table, lengths), {"window": 4}, **checks
+    )
+    new = torch.randn(2, 2, 3, 64, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(
+        op.paged_append_kv_quantized.default,
+        (*pools, new, new.clone(), table, torch.tensor([1, 2]).cuda(), torch.tensor([3, 1]).cuda()),
+        **checks,
+    )

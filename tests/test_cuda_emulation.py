@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from attention_oracle import attention_float64
-from python_ref import paged_append_reference, paged_attention_reference, reference_attention
+from python_ref import paged, paged_append_reference, paged_attention_reference, reference_attention
 from python_ref import quantize as qref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1367,6 +1367,283 @@ def test_paged_append_refusals_change_nothing(emulator, change, message):
     assert isinstance(error, str) and re.search(message, error), error
 
 
+# ---- quantized paged pools ----------------------------------------------------------------------
+# The quantized layout with blocks in place of rows (python_ref/paged.py's quantized pools): what
+# the CUDA binding does for paged_append_kv_quantized / paged_decode_attention_quantized after its
+# shape checks (the plain paged ops' value checks, then the quantized kernels in their paged address
+# mode on the checked copy of lengths, counts and block ids).
+QUANT_NAMES = ("k_data", "k_scales", "v_data", "v_scales")
+
+
+def random_pool_like(t, num_blocks, block_size, generator):
+    """A pool for the data or scales `t` (B, H, S, ...): random codes, NaN scales."""
+    shape = (num_blocks, t.shape[1], block_size, *t.shape[3:])
+    if t.dtype in (torch.float32, torch.float16):
+        return torch.full(shape, float("nan"), dtype=t.dtype)
+    return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).view(t.dtype)
+
+
+def quantized_pools(cache, lengths, block_size, generator, table_dtype=torch.int64, spare_blocks=3):
+    """The positions each row holds of a contiguous quantized cache [k_data, k_scales, v_data,
+    v_scales] (B, H, S, ...) copied into block pools through a random table. Every other position
+    has random codes and NaN scales, so a read of one poisons the output."""
+    num_blocks = sum(-(-int(n) // block_size) for n in lengths) + spare_blocks
+    table = block_table_for(lengths, block_size, num_blocks, generator, table_dtype)
+    pools = [random_pool_like(t, num_blocks, block_size, generator) for t in cache]
+    for b, n in enumerate(lengths.tolist()):
+        for p in range(n):
+            for pool, t in zip(pools, cache):
+                pool[int(table[b, p // block_size]), :, p % block_size] = t[b, :, p]
+    return pools, table
+
+
+def emulated_paged_quantized_attention(
+    lib, fmt, q, pools, table, lengths, window=None, softcap=None, sinks=None, sm_count=132, max_blocks=MAX_GRID_X
+):
+    """Returns (out, lse, plan), or the refusal's message; every buffer between guards (fp8 codes
+    between NaN codes), the inputs unchanged, and nothing written by a refused call."""
+    B, H_q, T, D = q.shape
+    num_blocks, H_kv, block_size = pools[0].shape[:3]
+    out = Guarded(torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype))
+    lse = Guarded(torch.full((B, H_q, T), float("nan")))
+    inputs = {"q": Guarded(q), **{n: Guarded(t) for n, t in zip(QUANT_NAMES, pools)}}
+    inputs["table"], inputs["lengths"] = Guarded(table), Guarded(lengths)
+    if sinks is not None:
+        inputs["sinks"] = Guarded(sinks.float().contiguous())
+    plan, slots = (ctypes.c_int64 * 4)(), ctypes.c_int64()
+    status = lib.emu_paged_decode_attention_quantized(
+        FORMAT_CODE[fmt],
+        ELEM[q.dtype],
+        ptr(inputs["q"].view),
+        int64s(q.stride()),
+        *(ptr(inputs[n].view) for n in QUANT_NAMES),
+        int64s(list(pools[0].stride()[:3]) + list(pools[2].stride()[:3])),
+        int64s(list(pools[1].stride()[:3]) + list(pools[3].stride()[:3])),
+        ptr(inputs["table"].view),
+        ctypes.c_int(TABLE_LAYOUT_DTYPES[table.dtype]),
+        int64s(list(table.shape) + list(table.stride())),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        ptr(out.view),
+        ptr(lse.view),
+        int64s([B, H_q, H_kv, T, D, num_blocks, block_size]),
+        ctypes.c_int64(window or 0),
+        ctypes.c_double(1.0 / math.sqrt(D)),
+        ctypes.c_double(softcap or 0.0),
+        None if sinks is None else ptr(inputs["sinks"].view),
+        ctypes.c_int(sm_count),
+        ctypes.c_int64(max_blocks),
+        plan,
+        ctypes.byref(slots),
+    )
+    error = take_error(lib)
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the paged quantized attention wrote into {name} or its guards"
+    if status == -3:
+        assert out.unchanged() and lse.unchanged(), "a refused call wrote its outputs"
+        return error
+    assert status == 0, f"emulated launch failed with status {status}: {error}"
+    assert not error, error
+    assert out.guards_intact() and lse.guards_intact(), "the kernels wrote outside out or lse"
+    return out.view, lse.view, {"splits": plan[2], "vector_loads": bool(plan[3]), "slots": slots.value}
+
+
+def check_paged_quantized(lib, fmt, q, cache, lengths, block_size, window=None, table_dtype=torch.int64, **options):
+    """Paged quantized attention under emulation against python_ref's paged quantized reference:
+    within twice its error in q's dtype of the float64 attention over the values the codes stand
+    for; and, bit for bit, the contiguous quantized kernel on a cache of the slots the binding plans
+    with (same positions, plan and order)."""
+    g = torch.Generator().manual_seed(block_size + len(lengths))
+    pools, table = quantized_pools(cache, lengths, block_size, g, table_dtype)
+    out, lse, plan = emulated_paged_quantized_attention(lib, fmt, q, pools, table, lengths, window, **options)
+    extra = dict(window=window, softcap=options.get("softcap"), sinks=options.get("sinks"))
+    k64 = qref.dequantize(cache[0], cache[1], fmt, torch.float64)
+    v64 = qref.dequantize(cache[2], cache[3], fmt, torch.float64)
+    exact, exact_lse = reference_attention(q.double(), k64, v64, lengths, return_lse=True, **extra)
+    plain = paged.paged_quantized_attention_reference(q, *pools, table, lengths, **extra)
+    bound = 2 * max_error(plain, exact) + 1e-5
+    assert max_error(out, exact) <= bound, (plan, max_error(out, exact), bound)
+    torch.testing.assert_close(lse.double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+    S = plan["slots"]
+    padded = [
+        torch.cat([t[:, :, :S], t.new_zeros(*t.shape[:2], max(0, S - t.shape[2]), *t.shape[3:])], 2) for t in cache
+    ]
+    options.pop("max_blocks", None)
+    same_out, same_lse, _ = emulated_quantized_attention(lib, fmt, q, padded, lengths, window, **options)
+    assert torch.equal(out, same_out) and torch.equal(lse, same_lse)
+    return plan
+
+
+# (batch, q_heads, kv_heads, num_new, head_dim, block_size, lengths, window, table dtype)
+PAGED_QUANT_CASES = [
+    (3, 8, 2, 1, 64, 16, [1, 37, 64], None, torch.int32),  # GQA 4, a one-token row, whole blocks
+    (2, 6, 2, 3, 96, 4, [3, 29], 7, torch.int64),  # T > 1, a window, head_dim below its capacity
+    (2, 5, 1, 2, 24, 1, [9, 2], None, torch.int32),  # block size 1, odd group; head_dim 24 (int4: 32)
+    (1, 2, 1, 2, 256, 256, [300], 40, torch.int64),  # blocks of 256, the first one unseen
+]
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", PAGED_QUANT_CASES, ids=[f"pq{i}" for i in range(len(PAGED_QUANT_CASES))])
+def test_paged_quantized_attention_matches_reference(emulator, fmt, dtype, case):
+    B, H_q, H_kv, T, D, block_size, lengths, window, table_dtype = case
+    if fmt == "int4" and D % 32:
+        D = 32
+    q, cache = quantized_problem(fmt, B, H_q, H_kv, T, D, max(lengths), dtype, seed=D + block_size)
+    check_paged_quantized(emulator, fmt, q, cache, torch.tensor(lengths), block_size, window, table_dtype)
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_paged_quantized_attention_splits_softcap_sinks_and_grid_launches(emulator, fmt):
+    # Long rows: Flash-Decoding splits and the combine, softcap and sinks, a grid capped at 5 blocks.
+    q, cache = quantized_problem(fmt, 2, 4, 2, 1, 64, 1500, torch.bfloat16, seed=31)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    plan = check_paged_quantized(
+        emulator, fmt, q, cache, torch.tensor([1500, 700]), 32, softcap=5.0, sinks=sinks, sm_count=4, max_blocks=5
+    )
+    assert plan["splits"] > 1 and plan["vector_loads"]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ("length_past_table", r"the 2 new ones included: between 2 and 48 .* got 49 for row 0"),
+        ("negative_id", r"block_tables\[1, 2\] = -1 is not a block id in \[0, 10\) but row 1 reads it"),
+    ],
+)
+def test_paged_quantized_attention_refusals(emulator, change, message):
+    q, cache = quantized_problem("int4", 2, 4, 2, 2, 32, 30, torch.float16, seed=32)
+    lengths = torch.tensor([30, 17])
+    pools, table = quantized_pools(cache, lengths, 8, torch.Generator().manual_seed(32))  # 10 blocks, 6 entries
+    if change == "length_past_table":
+        lengths[0] = 49
+    else:
+        table[1, 2] = -1
+    error = emulated_paged_quantized_attention(emulator, "int4", q, pools, table, lengths)
+    assert isinstance(error, str) and re.search(message, error), error
+
+
+def emulated_paged_append_quantized(lib, fmt, pools, k_new, v_new, table, lengths, new_counts=None, max_blocks=65535):
+    """The binding's steps under emulation, every buffer between guards; returns None, or the
+    refusal's message (then with every pool unchanged). `pools` get their new contents."""
+    num_blocks, H, block_size = pools[0].shape[:3]
+    guarded_pools = [Guarded(t) for t in pools]
+    inputs = {"k_new": Guarded(k_new), "v_new": Guarded(v_new), "table": Guarded(table), "lengths": Guarded(lengths)}
+    if new_counts is not None:
+        inputs["new_counts"] = Guarded(new_counts)
+    status = lib.emu_paged_append_kv_quantized(
+        FORMAT_CODE[fmt],
+        ELEM[k_new.dtype],
+        *(ptr(g.view) for g in guarded_pools),
+        int64s(list(pools[0].stride()[:3]) + list(pools[2].stride()[:3])),
+        int64s(list(pools[1].stride()[:3]) + list(pools[3].stride()[:3])),
+        ptr(inputs["k_new"].view),
+        ptr(inputs["v_new"].view),
+        int64s(list(k_new.stride()) + list(v_new.stride())),
+        ptr(inputs["table"].view),
+        ctypes.c_int(TABLE_LAYOUT_DTYPES[table.dtype]),
+        int64s(list(table.shape) + list(table.stride())),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        None if new_counts is None else ptr(inputs["new_counts"].view),
+        ctypes.c_int64(0 if new_counts is None else new_counts.stride(0)),
+        int64s([k_new.shape[0], H, k_new.shape[2], k_new.shape[3], num_blocks, block_size]),
+        ctypes.c_int64(max_blocks),
+    )
+    error = take_error(lib)
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the paged quantized append wrote into {name} or its guards"
+    if status == -3:
+        assert all(g.unchanged() for g in guarded_pools), "a refused append wrote into a pool"
+        return error
+    assert status == 0, f"emulated paged quantized append failed with status {status}: {error}"
+    assert not error, error
+    for name, pool, g in zip(QUANT_NAMES, pools, guarded_pools):
+        assert g.guards_intact(), f"the paged quantized append wrote outside {name}"
+        pool.copy_(g.view)
+    return None
+
+
+def expected_paged_append_quantized(fmt, pools, k_new, v_new, table, lengths, counts):
+    """The contract with Python integers: token t < counts[b] of row b quantized by python_ref at
+    position lengths[b] + t."""
+    expected = [t.clone() for t in pools]
+    block_size = pools[0].shape[2]
+    for b, (n, count) in enumerate(zip(lengths.tolist(), counts.tolist())):
+        for t in range(count):
+            block, offset = int(table[b, (n + t) // block_size]), (n + t) % block_size
+            for side, new in ((0, k_new), (2, v_new)):
+                data, scales = qref.quantize(new[b, :, t], fmt)
+                expected[side][block, :, offset] = data
+                expected[side + 1][block, :, offset] = scales
+    return expected
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("block_size,with_counts", [(1, False), (4, True), (16, True)])
+def test_paged_append_quantized_is_bit_identical_to_the_reference(emulator, fmt, dtype, block_size, with_counts):
+    B, H, T, D = 3, 2, 5, 96 if fmt != "int4" else 64
+    g = torch.Generator().manual_seed(block_size + D)
+    lengths = torch.tensor([0, 7, 2 * block_size - 1])  # from empty, mid-block, one short of a block
+    counts = torch.tensor([5, 0, 3]) if with_counts else torch.full((B,), T)
+    ends = (lengths + counts).tolist()
+    num_blocks = sum(-(-n // block_size) for n in ends) + 2
+    table = block_table_for(ends, block_size, num_blocks, g, torch.int32 if with_counts else torch.int64)
+    if with_counts:
+        table[1] = -1  # row 1 stores nothing: its table is never read
+    pools = list(quantized_cache(fmt, num_blocks, H, block_size, D, g)) + list(
+        quantized_cache(fmt, num_blocks, H, block_size, D, g)
+    )
+    k_new = awkward_values(B, H, T, D, dtype, g)
+    v_new = awkward_values(B, T, H, D, dtype, g).transpose(1, 2)  # non-contiguous source
+    new_counts = counts if with_counts else None
+    expected = expected_paged_append_quantized(fmt, pools, k_new, v_new, table, lengths, counts)
+    reference = [t.clone() for t in pools]
+    paged.paged_append_quantized_reference(*reference, k_new, v_new, table, lengths, new_counts)
+    # One block: its warps stride over every vector.
+    emulated_paged_append_quantized(
+        emulator, fmt, pools, k_new, v_new, table, lengths, new_counts, max_blocks=1 if block_size == 4 else 65535
+    )
+    for name, got, want, ref in zip(QUANT_NAMES, pools, expected, reference):
+        assert torch.equal(bits(got), bits(want)), f"{name} differs from python_ref.quantize at the positions"
+        assert torch.equal(bits(got), bits(ref)), f"{name} differs from python_ref's paged quantized append"
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ("negative_length", r"lengths must count the tokens already in each row: between 0 and 16 .* got -1"),
+        ("past_table", r"row 1 holds 14 of the 16 positions its table has room for and cannot take 3 new tokens"),
+        ("count_above_new_tokens", r"cannot take 4 new tokens \(new tokens per row: between 0 and 3"),
+        ("unwritable_id", r"block_tables\[0, 1\] = 9 is not a block id in \[0, 9\) but row 0 writes it"),
+        ("shared_block", r"block \d+ would be written twice: by row [01] \(table entry [01]\) and row [01]"),
+    ],
+)
+def test_paged_append_quantized_refusals_change_nothing(emulator, change, message):
+    B, H, T, D, block_size = 2, 2, 3, 32, 4
+    g = torch.Generator().manual_seed(33)
+    lengths, counts = torch.tensor([2, 1]), torch.tensor([3, 2])
+    table = block_table_for([16, 16], block_size, 9, g, torch.int32, spare_entries=0)
+    pools = list(quantized_cache("fp8_e4m3", 9, H, block_size, D, g)) * 2
+    pools = [t.clone() for t in pools]
+    k_new, v_new = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    if change == "negative_length":
+        lengths[1] = -1
+    elif change == "past_table":
+        lengths[1], counts[1] = 14, 3
+    elif change == "count_above_new_tokens":
+        counts[0] = 4
+    elif change == "unwritable_id":
+        table[0, 1] = 9  # row 0 writes positions 2..4: entries 0 and 1
+    else:
+        lengths[1] = 0  # row 1 writes offsets 0..1 of its first block, row 0 offset 0 of its second
+        table[1, 0] = table[0, 1]
+    error = emulated_paged_append_quantized(emulator, "fp8_e4m3", pools, k_new, v_new, table, lengths, counts)
+    assert isinstance(error, str) and re.search(message, error), error
+
+
 # ---- sanitizers --------------------------------------------------------------------------------------
 # Small enough for ~30 s under ASan at -O0: every kernel family (the paged modes too) and the
 # int64 edges. (Not the deliberate misalignment self-tests: UBSan stops at those as a GPU would.)
@@ -1376,7 +1653,9 @@ SANITIZED_SELECTION = (
     "or forced_split_count and 64 or append_kv_edge_lengths and 3 or random_order or full3-3 "
     "or paged_attention_matches_reference and bfloat16 and (paged1 or paged3) or paged_attention_splits "
     "or paged_attention_unaligned_pool and float16 or paged_append_matches_reference and float16 "
-    "or paged_append_token_chunks or paged_append_refusals or paged_attention_refusals"
+    "or paged_append_token_chunks or paged_append_refusals or paged_attention_refusals "
+    "or paged_quantized_attention_matches_reference and bfloat16 and pq1 "
+    "or paged_append_quantized_is_bit_identical and float16 and 4-True or paged_append_quantized_refusals"
 )
 
 

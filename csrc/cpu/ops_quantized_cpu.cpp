@@ -220,17 +220,11 @@ std::tuple<KvFormat, int64_t, int64_t> check_quantized_pool(const Tensor& k_data
 void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new,
                                Tensor v_new, Tensor block_tables, Tensor lengths, std::optional<Tensor> new_counts) {
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
-  const int64_t num_blocks = k_data.size(0), H = k_data.size(1);
-  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == D && t->sizes().equals(k_new.sizes()),
-                    "k_new and v_new must both be (batch, kv_heads=", H, ", num_new, head_dim=", D, "), got ",
-                    shape_of(k_new), " and ", shape_of(v_new));
-    elem_type_of(*t, name);
-    check_cpu_tensor(*t, name);
-  }
-  STD_TORCH_CHECK(v_new.scalar_type() == k_new.scalar_type(), "v_new must be ", dtype_name(k_new.scalar_type()),
-                  " like k_new, got ", dtype_name(v_new.scalar_type()));
-  const int64_t B = k_new.size(0), T = k_new.size(2);
+  const int64_t num_blocks = k_data.size(0);
+  const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
+  check_cpu_tensor(k_new, "k_new");
+  check_cpu_tensor(v_new, "v_new");
+  const int64_t B = k_new.size(0);
   check_block_tables(block_tables, B, shift);
   check_cpu_tensor(block_tables, "block_tables");
   check_row_vector(lengths, B, "lengths");
@@ -311,18 +305,6 @@ std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat for
   schedule_decode_attention(p, quantized_kernel(format, D), out.mutable_data_ptr(),
                             static_cast<int64_t>(q.element_size()), lse.mutable_data_ptr<float>());
   return {out, lse};
-}
-
-// q against kv_heads KV heads of head_dim D, and the attention options.
-void check_quantized_queries(const Tensor& q, int64_t H_kv, std::optional<int64_t> window,
-                             std::optional<double> softcap, const std::optional<Tensor>& sinks) {
-  elem_type_of(q, "q");
-  const int64_t H_q = q.size(1), T = q.size(2);
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
-                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  check_softcap_and_sinks(softcap, sinks, q);
 }
 
 std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,

@@ -2,7 +2,9 @@
 // (formats and arithmetic: python_ref/quantize.py), K and V in one launch. One warp per vector:
 // lane l holds values l, l + 32, ... (coalesced reads), the vector's (or an int4 group's) largest
 // magnitude is a warp reduction, and every code is computed with the reference's float32
-// operations (IEEE division, round half to even), so the bytes equal the reference's.
+// operations (IEEE division, round half to even), so the bytes equal the reference's. The same
+// kernel, in its paged mode (kPaged, for paged_append_kv_quantized), writes each vector through the
+// row's block table instead; with counts, either mode stores only a row's first counts[b] tokens.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -76,7 +78,7 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 // Vectors (side, row, head, token), token fastest: consecutive warps fill consecutive slots.
-template <typename E, KvFormat F>
+template <typename E, KvFormat F, bool kPaged>
 __global__ void __launch_bounds__(kQuantizeThreads) append_kv_quantized_kernel(const AppendKvQuantizedParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t warps_per_grid = int64_t{gridDim.x} * (kQuantizeThreads / 32);
@@ -88,9 +90,22 @@ __global__ void __launch_bounds__(kQuantizeThreads) append_kv_quantized_kernel(c
     const int64_t within = vector - side * per_side;
     const int64_t t = within % p.num_new, pair = within / p.num_new;
     const int64_t b = pair / p.kv_heads, h = pair % p.kv_heads;
+    // The whole warp takes the same branches: it serves one vector.
     const int64_t length = p.lengths[b * p.lengths_stride];
-    if (length < 0 || length > kMaxLength) continue;        // whole warp: same vector
-    const int64_t slot = (length % p.slots + t) % p.slots;  // length + t could exceed int64
+    const int64_t count = p.counts ? p.counts[b * p.counts_stride] : p.num_new;
+    // Where the vector goes: (outer, slot) = the row and its ring slot, or a block and an offset.
+    int64_t outer = b, slot = 0;
+    if constexpr (kPaged) {
+      // The binding's checked copies: positions length .. length + count - 1 are in the table.
+      if (t >= count) continue;
+      const int64_t position = length + t;
+      outer = p.block_ids[b * p.blocks_per_row + (position >> p.block_shift)];
+      slot = position & ((int64_t{1} << p.block_shift) - 1);
+    } else {
+      // An invalid length or count cannot be reported without a host sync: the row is left alone.
+      if (length < 0 || length > kMaxLength || count < 0 || count > p.num_new || t >= count) continue;
+      slot = (length % p.slots + t) % p.slots;  // length + t could exceed int64
+    }
 
     // Ternaries, not p.x[side]: indexing the parameter arrays at run time copies them to local
     // memory.
@@ -104,8 +119,8 @@ __global__ void __launch_bounds__(kQuantizeThreads) append_kv_quantized_kernel(c
       cs[i] = side ? p.scale_stride[1][i] : p.scale_stride[0][i];
     }
     const E* x_row = source + b * ss[0] + h * ss[1] + t * ss[2];
-    uint8_t* data = static_cast<uint8_t*>(side ? p.data[1] : p.data[0]) + b * ds[0] + h * ds[1] + slot * ds[2];
-    const int64_t scale_at = b * cs[0] + h * cs[1] + slot * cs[2];
+    uint8_t* data = static_cast<uint8_t*>(side ? p.data[1] : p.data[0]) + outer * ds[0] + h * ds[1] + slot * ds[2];
+    const int64_t scale_at = outer * cs[0] + h * cs[1] + slot * cs[2];
 
     float x[kMaxValuesPerLane];
 #pragma unroll
@@ -150,14 +165,20 @@ __global__ void __launch_bounds__(kQuantizeThreads) append_kv_quantized_kernel(c
 
 using AppendQuantizedKernel = void (*)(AppendKvQuantizedParams);
 
-template <typename E>
+template <typename E, bool kPaged>
 AppendQuantizedKernel append_quantized_kernel_for_format(KvFormat format) {
   switch (format) {
-    case KvFormat::kInt8: return append_kv_quantized_kernel<E, KvFormat::kInt8>;
-    case KvFormat::kFp8E4M3: return append_kv_quantized_kernel<E, KvFormat::kFp8E4M3>;
-    case KvFormat::kInt4: return append_kv_quantized_kernel<E, KvFormat::kInt4>;
+    case KvFormat::kInt8: return append_kv_quantized_kernel<E, KvFormat::kInt8, kPaged>;
+    case KvFormat::kFp8E4M3: return append_kv_quantized_kernel<E, KvFormat::kFp8E4M3, kPaged>;
+    case KvFormat::kInt4: return append_kv_quantized_kernel<E, KvFormat::kInt4, kPaged>;
   }
   return nullptr;
+}
+
+template <typename E>
+AppendQuantizedKernel append_quantized_kernel_for(const AppendKvQuantizedParams& p) {
+  return p.block_ids ? append_quantized_kernel_for_format<E, true>(p.format)
+                     : append_quantized_kernel_for_format<E, false>(p.format);
 }
 
 // `launch(kernel, blocks, threads, params)` starts `kernel(params)`; shared by the CUDA build and
@@ -171,9 +192,9 @@ cudaError_t dispatch_append_kv_quantized(const AppendKvQuantizedParams& p, Launc
     return cudaErrorInvalidValue;
   AppendQuantizedKernel kernel = nullptr;
   switch (p.elem) {
-    case ElemType::kFloat32: kernel = append_quantized_kernel_for_format<float>(p.format); break;
-    case ElemType::kBFloat16: kernel = append_quantized_kernel_for_format<__nv_bfloat16>(p.format); break;
-    case ElemType::kFloat16: kernel = append_quantized_kernel_for_format<__half>(p.format); break;
+    case ElemType::kFloat32: kernel = append_quantized_kernel_for<float>(p); break;
+    case ElemType::kBFloat16: kernel = append_quantized_kernel_for<__nv_bfloat16>(p); break;
+    case ElemType::kFloat16: kernel = append_quantized_kernel_for<__half>(p); break;
   }
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int64_t warps = kQuantizeThreads / 32, needed = (vectors + warps - 1) / warps;

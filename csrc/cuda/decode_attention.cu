@@ -88,6 +88,14 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
 }
 
 int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {
+  if (p.quantized && p.block_ids) {
+    switch (p.format) {
+      case KvFormat::kInt8: return paged_split_kernel_blocks_per_sm_int8(p);
+      case KvFormat::kFp8E4M3: return paged_split_kernel_blocks_per_sm_fp8(p);
+      case KvFormat::kInt4: return paged_split_kernel_blocks_per_sm_int4(p);
+    }
+    return 0;
+  }
   if (p.quantized) {
     switch (p.format) {
       case KvFormat::kInt8: return split_kernel_blocks_per_sm_int8(p);
@@ -114,6 +122,14 @@ int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {
 
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream) {
   if (p.batch * p.q_heads * p.num_new == 0) return cudaSuccess;
+  if (p.quantized && p.block_ids) {
+    switch (p.format) {
+      case KvFormat::kInt8: return launch_paged_decode_attention_int8(p, stream);
+      case KvFormat::kFp8E4M3: return launch_paged_decode_attention_fp8(p, stream);
+      case KvFormat::kInt4: return launch_paged_decode_attention_int4(p, stream);
+    }
+    return cudaErrorInvalidValue;
+  }
   if (p.quantized) {
     switch (p.format) {
       case KvFormat::kInt8: return launch_decode_attention_int8(p, stream);

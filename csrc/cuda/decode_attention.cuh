@@ -3,8 +3,8 @@
 // (the power of two at or above head_dim) and the number of query rows a block serves. Semantics:
 // python_ref.reference_attention (GQA, bottom-right causal for num_new >= 1, ring-buffer slots,
 // optional sliding window), over python_ref.quantize's dequantized values for a quantized cache.
-// The same body serves paged pools (python_ref/paged.py): the format type PagedCache switches the
-// address mode at compile time, so the contiguous kernels' code is as before.
+// The same body serves paged pools (python_ref/paged.py), plain or quantized: wrapping a format in
+// Paged switches the address mode at compile time, so the contiguous kernels' code is as before.
 //
 // Work split. A block serves one (batch row, KV head, chunk of query rows, split) at a time:
 //  * query rows are the (new token, group member) pairs of all query heads sharing the KV head,
@@ -128,8 +128,9 @@ __device__ __forceinline__ uint4 load_chunk(const E* address) {
 // python_ref.quantize.dequantize computes them), and value e of the lane's vec v is element
 // C::value_index(v, e) of the head_dim row. kLayoutBytes: the element size whose lane layout the
 // format shares (decode_tile_keys' elem_bytes); kRowMultiple: head_dim must be a multiple of it.
-// kPaged: the address mode, rows found through the block table (DecodeAttentionParams::block_ids)
-// rather than at slot % slots of the batch row's own buffer.
+// kPaged: the address mode, rows (and their scales) found through the block table
+// (DecodeAttentionParams::block_ids) rather than at slot % slots of the batch row's own buffer;
+// false for every format, true once wrapped in Paged.
 template <typename E>
 struct PlainCache {  // the cache holds q's type
   static constexpr bool kPaged = false;
@@ -146,12 +147,6 @@ struct PlainCache {  // the cache holds q's type
   static __device__ __forceinline__ float load_scale(const void*, int64_t, int) { return 1.0f; }
   static __device__ __forceinline__ void unpack(const Raw& raw, float, float* out) { Elem<E>::unpack(raw, out); }
   static __host__ __device__ constexpr int value_index(int vec, int e) { return vec * kValuesPerVec + e; }
-};
-
-// A paged pool of q's type: PlainCache's loads and values, its rows found through the block table.
-template <typename E>
-struct PagedCache : PlainCache<E> {
-  static constexpr bool kPaged = true;
 };
 
 // Bytes of a quantized row as 32-bit words (little-endian, like the GPU): one aligned load when
@@ -252,6 +247,15 @@ struct Int4Cache {
     return 32 * (vec / 4) + 4 * (vec % 4) + (e < 4 ? e : 12 + e);
   }
 };
+
+// The paged address mode of format C (a pool of blocks, python_ref/paged.py): C's loads, values and
+// scales, its rows found through the block table. PagedCache<E>: a paged pool of q's type.
+template <typename C>
+struct Paged : C {
+  static constexpr bool kPaged = true;
+};
+template <typename E>
+using PagedCache = Paged<PlainCache<E>>;
 
 // The head_dim capacity a kernel is compiled for: the power of two in [8, 256] at or above
 // head_dim. The lane layout below depends on head_dim only through it (lanes per key are a power
@@ -378,14 +382,14 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
     }
   }
 
-  // A row's keys: from k_head, at slot * k_stride[2] (a cache) or, paged, at block * k_stride[0] +
-  // offset * k_stride[2] with the block from row b's table.
+  // A row's keys (and, quantized, their scales): from k_head, at slot * k_stride[2] (a cache) or,
+  // paged, at block * k_stride[0] + offset * k_stride[2] with the block from row b's table.
   const Storage* k_head =
       static_cast<const Storage*>(p.k_cache) + (C::kPaged ? 0 : b * p.k_stride[0]) + kv_head * p.k_stride[1];
   const Storage* v_head =
       static_cast<const Storage*>(p.v_cache) + (C::kPaged ? 0 : b * p.v_stride[0]) + kv_head * p.v_stride[1];
-  const int64_t k_scale_head = b * p.k_scale_stride[0] + kv_head * p.k_scale_stride[1];  // quantized only
-  const int64_t v_scale_head = b * p.v_scale_stride[0] + kv_head * p.v_scale_stride[1];
+  const int64_t k_scale_head = (C::kPaged ? 0 : b * p.k_scale_stride[0]) + kv_head * p.k_scale_stride[1];
+  const int64_t v_scale_head = (C::kPaged ? 0 : b * p.v_scale_stride[0]) + kv_head * p.v_scale_stride[1];
   const int64_t begin_slot = begin % S;
 
   float running_max[kRows], running_sum[kRows], acc[kRows][kLaneElems];
@@ -410,12 +414,16 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
       int64_t slot = begin_slot + key_offset[u];  // in range: count <= S, so one wrap at most
       if (slot >= S) slot -= S;
       int64_t k_row = slot * p.k_stride[2], v_row = slot * p.v_stride[2];
+      // Where the row's scales are (PlainCache ignores them, and the compiler drops this for it).
+      int64_t k_scale_row = slot * p.k_scale_stride[2], v_scale_row = slot * p.v_scale_stride[2];
       if constexpr (C::kPaged) {
         // A paged row never wraps (slot is the position); entries past the range are not ids.
         const int64_t block = in_range ? __ldg(p.block_ids + b * p.blocks_per_row + (slot >> p.block_shift)) : 0;
         const int64_t offset = slot & ((int64_t{1} << p.block_shift) - 1);
         k_row = block * p.k_stride[0] + offset * p.k_stride[2];
         v_row = block * p.v_stride[0] + offset * p.v_stride[2];
+        k_scale_row = block * p.k_scale_stride[0] + offset * p.k_scale_stride[2];
+        v_scale_row = block * p.v_scale_stride[0] + offset * p.v_scale_stride[2];
       }
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
@@ -428,8 +436,8 @@ __device__ __forceinline__ void attend_work_unit(const DecodeAttentionParams& p,
           const int storage_offset = vec * C::kStorageElemsPerVec;
           k_raw[u][v] = C::template load<kVectorLoads>(k_head + k_row + storage_offset);
           v_raw[u][v] = C::template load<kVectorLoads>(v_head + v_row + storage_offset);
-          k_scale[u][v] = C::load_scale(p.k_scales, k_scale_head + slot * p.k_scale_stride[2], vec);
-          v_scale[u][v] = C::load_scale(p.v_scales, v_scale_head + slot * p.v_scale_stride[2], vec);
+          k_scale[u][v] = C::load_scale(p.k_scales, k_scale_head + k_scale_row, vec);
+          v_scale[u][v] = C::load_scale(p.v_scales, v_scale_head + v_scale_row, vec);
         }
       }
     }

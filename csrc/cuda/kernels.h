@@ -75,7 +75,8 @@ cudaError_t launch_append_kv(const AppendKvParams& p, cudaStream_t stream);
 // Quantizes the new keys and values (float32/bfloat16/float16) into a quantized cache, bit for
 // bit python_ref.quantize.quantize, K and V in one launch. Strides in elements of each tensor
 // (data: bytes; scales: float32 or float16 values, an int4 token's groups contiguous). A row
-// whose length is outside [0, kMaxLength] is left untouched, as in append_kv.
+// whose length is outside [0, kMaxLength] is left untouched, as in append_kv, and so is a row
+// whose counts entry is outside [0, num_new].
 struct AppendKvQuantizedParams {
   void* data[2];                // K, V codes: [batch, kv_heads, slots, head_dim bytes], bytes contiguous
   void* scales[2];              // K, V scales: [batch, kv_heads, slots] or [..., slots, head_dim / 32]
@@ -90,6 +91,14 @@ struct AppendKvQuantizedParams {
   int64_t batch, kv_heads, num_new, slots, head_dim;
   KvFormat format;
   ElemType elem;  // of the sources
+  // Paged mode (paged_append_kv_quantized), when block_ids is set: data[] and scales[] are block
+  // pools [num_blocks, kv_heads, block_size, ...] (strides: block, head, offset in block) and token
+  // t of row b, if t < counts[b], goes to position p = lengths[b] + t: block block_ids[b *
+  // blocks_per_row + (p >> block_shift)], offset p & (block_size - 1). No ring (slots unused).
+  // lengths, counts and block_ids are then the binding's checked copies (csrc/paged_blocks.h).
+  const int64_t* block_ids;  // [batch, blocks_per_row]
+  int64_t blocks_per_row;
+  int block_shift;
 };
 
 cudaError_t launch_append_kv_quantized(const AppendKvQuantizedParams& p, cudaStream_t stream);
@@ -134,7 +143,8 @@ struct DecodeAttentionParams {
   // and position p of row b lives in block block_ids[b * blocks_per_row + (p >> block_shift)] at
   // offset p & (block_size - 1). slots = blocks_per_row << block_shift holds every row's positions
   // (no ring). lengths and block_ids are the binding's checked copies (csrc/paged_blocks.h); the
-  // ids of entries no query sees are never read. Plain (not quantized) pools only.
+  // ids of entries no query sees are never read. Quantized pools' scales are found the same way
+  // (k_scale_stride/v_scale_stride: block, head, offset in block).
   const int64_t* block_ids;
   int64_t blocks_per_row;
   int block_shift;
@@ -227,5 +237,12 @@ cudaError_t launch_decode_attention_int4(const DecodeAttentionParams& p, cudaStr
 int split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p);
 int split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p);
 int split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p);
+// Per-format launchers of quantized paged pools (quantized and block_ids set), one translation unit each.
+cudaError_t launch_paged_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t launch_paged_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t launch_paged_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t stream);
+int paged_split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p);
+int paged_split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p);
+int paged_split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p);
 
 }  // namespace kvcache_ext::cuda

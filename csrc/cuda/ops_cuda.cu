@@ -197,15 +197,11 @@ std::pair<KvFormat, int64_t> check_quantized_cache(const Tensor& k_data, const T
   return format_and_head_dim;
 }
 
-void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
-                         Tensor lengths) {
-  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
-  const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
-  check_on_device(k_new, "k_new", k_data);
-  check_on_device(v_new, "v_new", k_data);
-  const int64_t B = k_data.size(0), H = k_data.size(1);
-  if (T == 0 || B == 0 || H == 0) return;
-
+// A quantized append's tensors (a cache's or a pool's: the same four, dimension 0 the rows or the
+// blocks) as the kernel reads them; the caller sets where the tokens go (lengths, and slots or the
+// paged mode's fields).
+AppendKvQuantizedParams quantized_append_params(Tensor& k_data, Tensor& k_scales, Tensor& v_data, Tensor& v_scales,
+                                                const Tensor& k_new, const Tensor& v_new, KvFormat format, int64_t D) {
   AppendKvQuantizedParams p{};
   p.data[0] = k_data.mutable_data_ptr();
   p.data[1] = v_data.mutable_data_ptr();
@@ -213,8 +209,6 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
   p.scales[1] = v_scales.mutable_data_ptr();
   p.source[0] = k_new.const_data_ptr();
   p.source[1] = v_new.const_data_ptr();
-  p.lengths = lengths.const_data_ptr<int64_t>();
-  p.lengths_stride = lengths.stride(0);
   const Tensor* data[2] = {&k_data, &v_data};
   const Tensor* scales[2] = {&k_scales, &v_scales};
   const Tensor* source[2] = {&k_new, &v_new};
@@ -225,12 +219,57 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
     }
     for (int i = 0; i < 4; ++i) p.source_stride[side][i] = source[side]->stride(i);
   }
-  p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = k_data.size(2), p.head_dim = D;
+  p.batch = k_new.size(0), p.kv_heads = k_data.size(1), p.num_new = k_new.size(2), p.head_dim = D;
   p.format = format;
   p.elem = elem_type_of(k_new, "k_new");
+  return p;
+}
 
+void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
+                         Tensor lengths) {
+  const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
+  check_on_device(k_new, "k_new", k_data);
+  check_on_device(v_new, "v_new", k_data);
+  const int64_t B = k_data.size(0), H = k_data.size(1);
+  if (T == 0 || B == 0 || H == 0) return;
+
+  AppendKvQuantizedParams p = quantized_append_params(k_data, k_scales, v_data, v_scales, k_new, v_new, format, D);
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.lengths_stride = lengths.stride(0);
+  p.slots = k_data.size(2);
   torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
   STD_CUDA_CHECK(launch_append_kv_quantized(p, current_stream(k_data.get_device_index())));
+}
+
+// A quantized attention's tensors and options (a cache's or a pool's: dimension 0 of the data and
+// scales the rows or the blocks) as the kernels read them; the caller sets the lengths and slots
+// (and the paged mode's fields).
+DecodeAttentionParams quantized_decode_params(const Tensor& q, KvFormat format, int64_t D, const Tensor& k_data,
+                                              const Tensor& k_scales, const Tensor& v_data, const Tensor& v_scales,
+                                              std::optional<int64_t> window, float scale, std::optional<double> softcap,
+                                              const std::optional<Tensor>& sinks) {
+  DecodeAttentionParams p{};
+  p.elem = elem_type_of(q, "q");
+  p.quantized = true;
+  p.format = format;
+  p.q = q.const_data_ptr();
+  p.k_cache = k_data.const_data_ptr();
+  p.v_cache = v_data.const_data_ptr();
+  p.k_scales = k_scales.const_data_ptr();
+  p.v_scales = v_scales.const_data_ptr();
+  p.batch = q.size(0), p.q_heads = q.size(1), p.kv_heads = k_data.size(1), p.num_new = q.size(2), p.head_dim = D;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+  for (int i = 0; i < 3; ++i) {
+    p.k_stride[i] = k_data.stride(i), p.v_stride[i] = v_data.stride(i);
+    p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
+  }
+  p.window = kernel_window(window.value_or(0));
+  p.scale = scale;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  return p;
 }
 
 std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
@@ -240,41 +279,18 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
   STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
   check_on_device(q, "q", k_data);
-  const int64_t B = k_data.size(0), H_kv = k_data.size(1), S = k_data.size(2);
-  const int64_t H_q = q.size(1), T = q.size(2);
+  const int64_t B = k_data.size(0), S = k_data.size(2);
   STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
                   ") to match the cache, got ", shape_of(q));
-  const ElemType elem = elem_type_of(q, "q");
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  check_new_tokens_fit(T, S);
-  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
-                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
+  check_new_tokens_fit(q.size(2), S);
   const float scale_value = checked_scale(scale, D);
-  check_softcap_and_sinks(softcap, sinks, q);
 
-  DecodeAttentionParams p{};
-  p.elem = elem;
-  p.quantized = true;
-  p.format = format;
-  p.q = q.const_data_ptr();
-  p.k_cache = k_data.const_data_ptr();
-  p.v_cache = v_data.const_data_ptr();
-  p.k_scales = k_scales.const_data_ptr();
-  p.v_scales = v_scales.const_data_ptr();
+  DecodeAttentionParams p =
+      quantized_decode_params(q, format, D, k_data, k_scales, v_data, v_scales, window, scale_value, softcap, sinks);
   p.lengths = lengths.const_data_ptr<int64_t>();
   p.lengths_stride = lengths.stride(0);
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
-  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
-  for (int i = 0; i < 3; ++i) {
-    p.k_stride[i] = k_data.stride(i), p.v_stride[i] = v_data.stride(i);
-    p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
-  }
-  p.window = kernel_window(window.value_or(0));
-  p.scale = scale_value;
-  p.softcap = static_cast<float>(softcap.value_or(0.0));
-  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
-  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  p.slots = S;
   choose_decode_loads(p, 1);  // data strides count bytes
   return plan_and_launch_decode(p, q, k_data.get_device_index());
 }
@@ -406,6 +422,100 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   return plan_and_launch_decode(p, q, k_pool.get_device_index());
 }
 
+// The quantized pool pair on the GPU: layout checks shared with the CPU binding, then devices.
+// Returns the format, head_dim and log2(block_size).
+std::tuple<KvFormat, int64_t, int64_t> check_quantized_pool(const Tensor& k_data, const Tensor& k_scales,
+                                                            const Tensor& v_data, const Tensor& v_scales) {
+  const auto layout = check_quantized_pool_layout(k_data, k_scales, v_data, v_scales);
+  STD_TORCH_CHECK(k_data.is_cuda(), "k_data must be a CUDA tensor for the CUDA kernel");
+  check_on_device(k_scales, "k_scales", k_data);
+  check_on_device(v_data, "v_data", k_data);
+  check_on_device(v_scales, "v_scales", k_data);
+  return layout;
+}
+
+void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new,
+                               Tensor v_new, Tensor block_tables, Tensor lengths, std::optional<Tensor> new_counts) {
+  const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
+  const int64_t num_blocks = k_data.size(0), H = k_data.size(1);
+  const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
+  const int64_t B = k_new.size(0);
+  check_block_tables(block_tables, B, shift);
+  check_row_counts(lengths, B, "lengths");
+  if (new_counts.has_value()) check_row_counts(*new_counts, B, "new_counts");
+  check_on_device(k_new, "k_new", k_data);
+  check_on_device(v_new, "v_new", k_data);
+  check_on_device(block_tables, "block_tables", k_data);
+  check_on_device(lengths, "lengths", k_data);
+  if (new_counts.has_value()) check_on_device(*new_counts, "new_counts", k_data);
+
+  torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
+  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
+  std::optional<Tensor> host_counts;
+  if (new_counts.has_value()) host_counts = host_copy(*new_counts);
+  PagedRows rows;
+  const std::string error = check_paged_append_values(
+      host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(), host_lengths.stride(0),
+      host_counts.has_value() ? host_counts->const_data_ptr<int64_t>() : nullptr,
+      host_counts.has_value() ? host_counts->stride(0) : 0, T, shift, num_blocks, rows);
+  STD_TORCH_CHECK(error.empty(), error);
+  if (rows.width == 0 || H == 0) return;  // no row stores a token
+  const Tensor checked = device_copy_of_checked(rows, true, k_data);
+
+  AppendKvQuantizedParams p = quantized_append_params(k_data, k_scales, v_data, v_scales, k_new, v_new, format, D);
+  p.lengths = checked.const_data_ptr<int64_t>();
+  p.lengths_stride = 1;
+  p.counts = p.lengths + B;  // the checked counts (every row has one: T where none was given)
+  p.counts_stride = 1;
+  p.block_ids = p.lengths + 2 * B;
+  p.blocks_per_row = rows.width;
+  p.block_shift = static_cast<int>(shift);
+  STD_CUDA_CHECK(launch_append_kv_quantized(p, current_stream(k_data.get_device_index())));
+}
+
+std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
+                                                            Tensor v_scales, Tensor block_tables, Tensor lengths,
+                                                            std::optional<int64_t> window, std::optional<double> scale,
+                                                            std::optional<double> softcap,
+                                                            std::optional<Tensor> sinks) {
+  const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
+  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
+                  shape_of(q));
+  check_on_device(q, "q", k_data);
+  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
+  const int64_t B = q.size(0), T = q.size(2);
+  check_block_tables(block_tables, B, shift);
+  check_row_counts(lengths, B, "lengths");
+  check_on_device(block_tables, "block_tables", k_data);
+  check_on_device(lengths, "lengths", k_data);
+  const int64_t capacity = block_tables.size(1) << shift;
+  STD_TORCH_CHECK(capacity <= kMaxSlotsCuda, "block_tables holds ", capacity, " positions per row (",
+                  block_tables.size(1), " blocks of ", k_data.size(2), "); the CUDA kernels take at most ",
+                  kMaxSlotsCuda);
+  const float scale_value = checked_scale(scale, D);
+
+  torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
+  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
+  PagedRows rows;
+  const std::string error =
+      check_paged_attention_values(host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(),
+                                   host_lengths.stride(0), T, window.value_or(0), shift, k_data.size(0), rows);
+  STD_TORCH_CHECK(error.empty(), error);
+  const Tensor checked = device_copy_of_checked(rows, false, k_data);
+
+  DecodeAttentionParams p =
+      quantized_decode_params(q, format, D, k_data, k_scales, v_data, v_scales, window, scale_value, softcap, sinks);
+  p.lengths = checked.const_data_ptr<int64_t>();
+  p.lengths_stride = 1;
+  p.block_ids = p.lengths + B;
+  p.blocks_per_row = rows.width;
+  p.block_shift = static_cast<int>(shift);
+  // The table's used part holds every row: the plan's span and the kernel's positions stay in it.
+  p.slots = rows.width << shift;
+  choose_decode_loads(p, 1);  // data strides count bytes
+  return plan_and_launch_decode(p, q, k_data.get_device_index());
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cuda
 
@@ -416,4 +526,6 @@ STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
   m.impl("decode_attention_quantized", TORCH_BOX(&kvcache_ext::cuda::decode_attention_quantized));
   m.impl("paged_append_kv", TORCH_BOX(&kvcache_ext::cuda::paged_append_kv));
   m.impl("paged_decode_attention", TORCH_BOX(&kvcache_ext::cuda::paged_decode_attention));
+  m.impl("paged_append_kv_quantized", TORCH_BOX(&kvcache_ext::cuda::paged_append_kv_quantized));
+  m.impl("paged_decode_attention_quantized", TORCH_BOX(&kvcache_ext::cuda::paged_decode_attention_quantized));
 }

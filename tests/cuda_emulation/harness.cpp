@@ -58,6 +58,15 @@ cudaError_t launch_decode_attention_fp8(const DecodeAttentionParams& p, cudaStre
 cudaError_t launch_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t) {
   return emulate_quantized_decode_attention<Int4Cache>(p);
 }
+cudaError_t launch_paged_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_quantized_decode_attention<Paged<ByteCodesCache<kvcache_ext::KvFormat::kInt8>>>(p);
+}
+cudaError_t launch_paged_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_quantized_decode_attention<Paged<ByteCodesCache<kvcache_ext::KvFormat::kFp8E4M3>>>(p);
+}
+cudaError_t launch_paged_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t) {
+  return emulate_quantized_decode_attention<Paged<Int4Cache>>(p);
+}
 // Not split_kernel_occupancy: it caches the first answer per kernel, and the tests change the
 // emulated occupancy (emu::blocks_per_sm) between calls.
 template <typename E, typename C = PlainCache<E>>
@@ -93,6 +102,15 @@ int split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p) {
 }
 int split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p) {
   return emulated_quantized_occupancy<Int4Cache>(p);
+}
+int paged_split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p) {
+  return emulated_quantized_occupancy<Paged<ByteCodesCache<kvcache_ext::KvFormat::kInt8>>>(p);
+}
+int paged_split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p) {
+  return emulated_quantized_occupancy<Paged<ByteCodesCache<kvcache_ext::KvFormat::kFp8E4M3>>>(p);
+}
+int paged_split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p) {
+  return emulated_quantized_occupancy<Paged<Int4Cache>>(p);
 }
 
 // Self-test kernels: faults the emulation must catch.
@@ -293,14 +311,13 @@ int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, con
 // ElemType of the sources. data_stride, scale_stride: k's 3 then v's 3; source_stride: k_new's 4
 // then v_new's 4 (elements). sizes: batch, kv_heads, num_new, slots, head_dim. max_blocks: the
 // grid cap.
-int emu_append_kv_quantized(int format, int elem, void* k_data, void* k_scales, void* v_data, void* v_scales,
-                            const int64_t* data_stride, const int64_t* scale_stride, const void* k_new,
-                            const void* v_new, const int64_t* source_stride, const int64_t* lengths,
-                            int64_t lengths_stride, const int64_t* sizes, int64_t max_blocks) {
+static AppendKvQuantizedParams quantized_append_params(int format, int elem, void* k_data, void* k_scales, void* v_data,
+                                                       void* v_scales, const int64_t* data_stride,
+                                                       const int64_t* scale_stride, const void* k_new,
+                                                       const void* v_new, const int64_t* source_stride) {
   AppendKvQuantizedParams p{};
   p.data[0] = k_data, p.data[1] = v_data, p.scales[0] = k_scales, p.scales[1] = v_scales;
   p.source[0] = k_new, p.source[1] = v_new;
-  p.lengths = lengths, p.lengths_stride = lengths_stride;
   for (int side = 0; side < 2; ++side) {
     for (int i = 0; i < 3; ++i) {
       p.data_stride[side][i] = data_stride[3 * side + i];
@@ -308,15 +325,29 @@ int emu_append_kv_quantized(int format, int elem, void* k_data, void* k_scales, 
     }
     for (int i = 0; i < 4; ++i) p.source_stride[side][i] = source_stride[4 * side + i];
   }
-  p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3], p.head_dim = sizes[4];
   p.format = static_cast<kvcache_ext::KvFormat>(format);
   p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  return p;
+}
+
+static int emulate_append_kv_quantized(const AppendKvQuantizedParams& p, int64_t max_blocks) {
   return dispatch_append_kv_quantized(
       p,
       [&](AppendQuantizedKernel kernel, int64_t blocks, int threads, const AppendKvQuantizedParams& params) {
         return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
       },
       max_blocks);
+}
+
+int emu_append_kv_quantized(int format, int elem, void* k_data, void* k_scales, void* v_data, void* v_scales,
+                            const int64_t* data_stride, const int64_t* scale_stride, const void* k_new,
+                            const void* v_new, const int64_t* source_stride, const int64_t* lengths,
+                            int64_t lengths_stride, const int64_t* sizes, int64_t max_blocks) {
+  AppendKvQuantizedParams p = quantized_append_params(format, elem, k_data, k_scales, v_data, v_scales, data_stride,
+                                                      scale_stride, k_new, v_new, source_stride);
+  p.lengths = lengths, p.lengths_stride = lengths_stride;
+  p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3], p.head_dim = sizes[4];
+  return emulate_append_kv_quantized(p, max_blocks);
 }
 
 // ---- paged ops: what the CUDA binding (ops_cuda.cu) does after its shape checks -----------------
@@ -409,6 +440,78 @@ int emu_paged_append_kv(void* k_pool, void* v_pool, const int64_t* pool_stride, 
         return emu::launch(kernel, grid, dim3(threads), chunk);
       },
       max_words_per_launch);
+}
+
+// emu_paged_decode_attention over a quantized pool: format (KvFormat) and elem (ElemType of q);
+// pool_stride: k_data's 3 then v_data's 3 (bytes), scale_stride: k_scales' 3 then v_scales' 3.
+int emu_paged_decode_attention_quantized(int format, int elem, const void* q, const int64_t* q_stride,
+                                         const void* k_data, const void* k_scales, const void* v_data,
+                                         const void* v_scales, const int64_t* pool_stride, const int64_t* scale_stride,
+                                         const void* table, int table_wide, const int64_t* table_layout,
+                                         const int64_t* lengths, int64_t lengths_stride, void* out, float* lse,
+                                         const int64_t* sizes, int64_t window, double scale, double softcap,
+                                         const float* sinks, int sm_count, int64_t max_blocks, int64_t* plan_out,
+                                         int64_t* slots_out) {
+  const int shift = block_shift_of(sizes[6]);
+  kvcache_ext::PagedRows rows;
+  const std::string error =
+      kvcache_ext::check_paged_attention_values(emulated_table(table, table_wide, table_layout), lengths,
+                                                lengths_stride, sizes[3], window, shift, sizes[5], rows);
+  if (!error.empty()) {
+    emu::first_error = error;
+    return -3;
+  }
+  const std::vector<int64_t> checked = kvcache_ext::packed_for_kernels(rows, false);
+  DecodeAttentionParams p{};
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  p.quantized = true;
+  p.format = static_cast<kvcache_ext::KvFormat>(format);
+  p.q = q, p.k_cache = k_data, p.v_cache = v_data, p.k_scales = k_scales, p.v_scales = v_scales;
+  p.lengths = checked.data(), p.lengths_stride = 1;
+  p.block_ids = checked.data() + sizes[0], p.blocks_per_row = rows.width, p.block_shift = shift;
+  p.out = out, p.lse = lse;
+  p.batch = sizes[0], p.q_heads = sizes[1], p.kv_heads = sizes[2], p.num_new = sizes[3];
+  p.head_dim = sizes[4], p.slots = rows.width << shift;
+  *slots_out = p.slots;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q_stride[i];
+  for (int i = 0; i < 3; ++i) {
+    p.k_stride[i] = pool_stride[i], p.v_stride[i] = pool_stride[3 + i];
+    p.k_scale_stride[i] = scale_stride[i], p.v_scale_stride[i] = scale_stride[3 + i];
+  }
+  p.window = kernel_window(window);
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.sinks = sinks, p.sinks_stride = 1;
+  return plan_and_launch(p, 1, sm_count, max_blocks, plan_out);
+}
+
+// emu_paged_append_kv into a quantized pool: as emu_append_kv_quantized for the tensors, as
+// emu_paged_append_kv for the table, lengths and new_counts. sizes: batch, kv_heads, num_new,
+// head_dim, num_blocks, block_size. A refusal returns -3, as there.
+int emu_paged_append_kv_quantized(int format, int elem, void* k_data, void* k_scales, void* v_data, void* v_scales,
+                                  const int64_t* data_stride, const int64_t* scale_stride, const void* k_new,
+                                  const void* v_new, const int64_t* source_stride, const void* table, int table_wide,
+                                  const int64_t* table_layout, const int64_t* lengths, int64_t lengths_stride,
+                                  const int64_t* new_counts, int64_t new_counts_stride, const int64_t* sizes,
+                                  int64_t max_blocks) {
+  const int shift = block_shift_of(sizes[5]);
+  kvcache_ext::PagedRows rows;
+  const std::string error =
+      kvcache_ext::check_paged_append_values(emulated_table(table, table_wide, table_layout), lengths, lengths_stride,
+                                             new_counts, new_counts_stride, sizes[2], shift, sizes[4], rows);
+  if (!error.empty()) {
+    emu::first_error = error;
+    return -3;
+  }
+  if (rows.width == 0 || sizes[1] == 0) return 0;  // no row stores a token
+  const std::vector<int64_t> checked = kvcache_ext::packed_for_kernels(rows, true);
+  AppendKvQuantizedParams p = quantized_append_params(format, elem, k_data, k_scales, v_data, v_scales, data_stride,
+                                                      scale_stride, k_new, v_new, source_stride);
+  p.lengths = checked.data(), p.lengths_stride = 1;
+  p.counts = checked.data() + sizes[0], p.counts_stride = 1;
+  p.block_ids = checked.data() + 2 * sizes[0], p.blocks_per_row = rows.width, p.block_shift = shift;
+  p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.head_dim = sizes[3];
+  return emulate_append_kv_quantized(p, max_blocks);
 }
 
 // Self-tests of the emulation. race: out[blocks * threads] gets what each thread read of a
