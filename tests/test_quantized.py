@@ -212,6 +212,25 @@ def test_every_cpu_code_path(isa, fmt):
 
 @native
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_caches_stored_token_major(isa, fmt):
+    # Codes and scales stored (B, S, H, ...) and viewed (B, H, S, ...), as a model's transpose gives:
+    # consecutive slots are not consecutive rows or scales (the kernel's per-block run then steps by
+    # the strides), over a full ring, a ring that wraps inside a block, and a row shorter than one block.
+    B, H, S, D, group = 2, 3, 100, 64, 2
+    for window, lengths in [(None, [S, 45]), (40, [S + 57, 20])]:
+        slots = S if window is None else window
+        k = torch.randn(B, slots, H, D) * 2
+        v = torch.randn(B, slots, H, D)
+        k_data, k_scales = (t.transpose(1, 2) for t in quantize(k, fmt))
+        v_data, v_scales = (t.transpose(1, 2) for t in quantize(v, fmt))
+        assert not k_data.is_contiguous() and not k_scales.is_contiguous()
+        for dtype in DTYPES:
+            q = torch.randn(B, H * group, 1, D, dtype=dtype)
+            _check_parity(fmt, q, k_data, k_scales, v_data, v_scales, torch.tensor(lengths), window=window)
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_split_k_softcap_and_sinks(fmt):
     # One row and KV head with 16 query heads over 6000 (2500 in the window) positions: with two
     # threads, enough work to split the positions (split-K) and merge the splits.
