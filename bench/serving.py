@@ -39,8 +39,8 @@ and without prefix caching (``Engine(prefix_caching=False)``).
 
 Prompts are at most ``context_length - longest output + 1`` tokens (GPT-2 124M: 769): a static
 batch's rows all run as long as the batch's longest output, past their own, and must stay within
-the model's positions. ``--full`` is slow on a CPU: with ``--requests 16`` it had not finished after
-29 minutes on a shared 2-core machine.
+the model's positions. ``--full`` is slow on a CPU: GPT-2 alone (``--models gpt2``) took 29.5 minutes
+of CPU time with one thread, most of it transformers' ``generate`` (13 minutes) and static batches.
 """
 
 from __future__ import annotations
