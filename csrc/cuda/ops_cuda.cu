@@ -314,6 +314,34 @@ Tensor device_copy_of_checked(const PagedRows& rows, bool append, const Tensor& 
   return torch::stable::to(host, like.device());
 }
 
+// The values of a paged append (lengths, new_counts, block ids) checked on host copies by
+// paged_blocks.h, as the CPU binding checks them; the plain and quantized bindings share it.
+PagedRows checked_append_rows(const Tensor& block_tables, const Tensor& lengths,
+                              const std::optional<Tensor>& new_counts, int64_t T, int64_t shift, int64_t num_blocks) {
+  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
+  std::optional<Tensor> host_counts;
+  if (new_counts.has_value()) host_counts = host_copy(*new_counts);
+  PagedRows rows;
+  const std::string error = check_paged_append_values(
+      host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(), host_lengths.stride(0),
+      host_counts.has_value() ? host_counts->const_data_ptr<int64_t>() : nullptr,
+      host_counts.has_value() ? host_counts->stride(0) : 0, T, shift, num_blocks, rows);
+  STD_TORCH_CHECK(error.empty(), error);
+  return rows;
+}
+
+// The same for a paged attention (lengths and the block ids some query sees).
+PagedRows checked_attention_rows(const Tensor& block_tables, const Tensor& lengths, int64_t T,
+                                 std::optional<int64_t> window, int64_t shift, int64_t num_blocks) {
+  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
+  PagedRows rows;
+  const std::string error =
+      check_paged_attention_values(host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(),
+                                   host_lengths.stride(0), T, window.value_or(0), shift, num_blocks, rows);
+  STD_TORCH_CHECK(error.empty(), error);
+  return rows;
+}
+
 // Devices of a paged call's pools, tables and lengths; the layout checks are check_pool_layout's.
 void check_paged_devices(const Tensor& k_pool, const Tensor& v_pool, const Tensor& block_tables,
                          const Tensor& lengths) {
@@ -338,15 +366,7 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
   if (new_counts.has_value()) check_on_device(*new_counts, "new_counts", k_pool);
 
   torch::stable::accelerator::DeviceGuard guard(k_pool.get_device_index());
-  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
-  std::optional<Tensor> host_counts;
-  if (new_counts.has_value()) host_counts = host_copy(*new_counts);
-  PagedRows rows;
-  const std::string error = check_paged_append_values(
-      host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(), host_lengths.stride(0),
-      host_counts.has_value() ? host_counts->const_data_ptr<int64_t>() : nullptr,
-      host_counts.has_value() ? host_counts->stride(0) : 0, T, shift, num_blocks, rows);
-  STD_TORCH_CHECK(error.empty(), error);
+  const PagedRows rows = checked_append_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
   if (rows.width == 0 || H == 0) return;  // no row stores a token
   const Tensor checked = device_copy_of_checked(rows, true, k_pool);
 
@@ -391,12 +411,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   const float scale_value = checked_scale(scale, D);
 
   torch::stable::accelerator::DeviceGuard guard(k_pool.get_device_index());
-  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
-  PagedRows rows;
-  const std::string error =
-      check_paged_attention_values(host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(),
-                                   host_lengths.stride(0), T, window.value_or(0), shift, num_blocks, rows);
-  STD_TORCH_CHECK(error.empty(), error);
+  const PagedRows rows = checked_attention_rows(block_tables, lengths, T, window, shift, num_blocks);
   const Tensor checked = device_copy_of_checked(rows, false, k_pool);
 
   DecodeAttentionParams p{};
@@ -450,15 +465,7 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
   if (new_counts.has_value()) check_on_device(*new_counts, "new_counts", k_data);
 
   torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
-  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
-  std::optional<Tensor> host_counts;
-  if (new_counts.has_value()) host_counts = host_copy(*new_counts);
-  PagedRows rows;
-  const std::string error = check_paged_append_values(
-      host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(), host_lengths.stride(0),
-      host_counts.has_value() ? host_counts->const_data_ptr<int64_t>() : nullptr,
-      host_counts.has_value() ? host_counts->stride(0) : 0, T, shift, num_blocks, rows);
-  STD_TORCH_CHECK(error.empty(), error);
+  const PagedRows rows = checked_append_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
   if (rows.width == 0 || H == 0) return;  // no row stores a token
   const Tensor checked = device_copy_of_checked(rows, true, k_data);
 
@@ -495,12 +502,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   const float scale_value = checked_scale(scale, D);
 
   torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
-  const Tensor host_lengths = host_copy(lengths), host_table = host_copy(block_tables);
-  PagedRows rows;
-  const std::string error =
-      check_paged_attention_values(host_block_table(host_table), host_lengths.const_data_ptr<int64_t>(),
-                                   host_lengths.stride(0), T, window.value_or(0), shift, k_data.size(0), rows);
-  STD_TORCH_CHECK(error.empty(), error);
+  const PagedRows rows = checked_attention_rows(block_tables, lengths, T, window, shift, k_data.size(0));
   const Tensor checked = device_copy_of_checked(rows, false, k_data);
 
   DecodeAttentionParams p =
