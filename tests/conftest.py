@@ -31,6 +31,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """For test files of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``): a second
+    thread only waits on a loaded machine and slows them many-fold."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 class FuzzTally:
     """Counts of one fuzz session, per op entry point: calls made, Python exceptions (refusals),
     results checked against the reference, calls run in a forked child, contract violations."""

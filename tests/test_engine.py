@@ -22,13 +22,7 @@ def model(request):
     return MODELS[request.param]()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: a second thread only waits on a loaded machine (and slows these tests many-fold)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def paged_cache(model, num_blocks, block_size=4):

@@ -13,13 +13,7 @@ from python_ref import build_gpt2, build_llama, generate, reference_attention
 from python_ref.quantize import FORMATS, data_shape, scale_dtype, scale_shape, storage_dtype
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: a second thread only waits on a loaded machine (and slows these tests many-fold)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def pool_state(pool):

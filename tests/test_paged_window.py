@@ -26,13 +26,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: a second thread only waits on a loaded machine (and slows these tests many-fold)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def pool_state(pool):

@@ -21,12 +21,7 @@ _spec.loader.exec_module(accuracy)
 TARGETS = {"none": 0.0, "int8": 0.005, "fp8_e4m3": 0.01, "int4": 0.03}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_quick_evaluation_meets_the_targets():

@@ -15,7 +15,10 @@ from kvcache_ext import Engine, KVCache, PagedKVCache
 from python_ref import build_gpt2, build_llama, generate
 from python_ref.caches import ConcatCache, PreallocatedCache, append_to_slots
 
-pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
+pytestmark = [
+    pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCAB = 512
@@ -23,15 +26,6 @@ MODELS = {
     "gpt2": lambda: build_gpt2("tiny", seed=0, vocab_size=VOCAB),
     "llama": lambda: build_llama("llama-tiny", seed=0, vocab_size=VOCAB),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: a second thread only waits on a loaded machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
