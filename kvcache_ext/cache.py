@@ -1,108 +1,229 @@
-"""The drop-in KV cache: python_ref's preallocated ring-buffer cache on the native kernels."""
+"""The drop-in KV cache: per-row state over a storage layout, run by the native kernels."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from python_ref.caches import PreallocatedCache
+from python_ref import quantize as quant
+from python_ref import saved_state
+from python_ref.caches import check_step_tensors, merge_attention, sink_token_attention, store_sink_tokens
+from python_ref.row_state import RowOperations, RowState
 
-from . import ops
-from .capabilities import capabilities
+from .storage import check_kv_format, contiguous_layout, kv_format
 
 
-class KVCache(PreallocatedCache):
-    """Preallocated per-layer K/V buffers written in place by the native ``append_kv`` op and
-    read by the fused ``decode_attention`` op.
+class KVCache(RowOperations, nn.Module):
+    """Preallocated per-layer key/value buffers written in place by the native append op and read
+    by the fused decode-attention op, behind the cache protocol of ``python_ref/caches.py``.
 
-    Same constructor, protocol and bookkeeping as :class:`python_ref.PreallocatedCache`
-    (``max_cache_len`` capacity or a ``window`` ring buffer, with ``sink_tokens`` kept besides it,
-    ``lengths`` per row, ``reset()``,
-    ``bytes_used()``/``bytes_allocated()``); only storage and attention run natively. It is an
-    ``nn.Module`` whose buffers move with ``.to()``.
+    ``max_cache_len`` bounds the tokens per row, or ``window=W`` keeps each row's last W tokens in a
+    ring of ``W + chunk_size - 1`` slots (a longer step is taken ``chunk_size`` tokens at a time), with
+    ``sink_tokens`` first tokens kept besides it (StreamingLLM). ``dtype`` is that of q, k, v and the
+    output. ``kv_dtype`` (None: keys/values stored in ``dtype``) stores them quantized, ``"int8"``,
+    ``"fp8_e4m3"`` (or ``"fp8"``) or ``"int4"`` (``python_ref/quantize.py``); sink tokens stay in
+    ``dtype`` (few, and the ones attention leans on most). Every combination of these works, with
+    rows that grow unevenly (``start_step(T, counts)``), every row operation (``reorder``, ``fork``,
+    ``select``, ``repeat_interleave``, ``crop``, ``rewind``, ``reset_rows``) and ``save``/``load``.
 
-    What the device's kernels support (:func:`kvcache_ext.capabilities`) is checked here, at
-    construction, and every step checks both ops' arguments once, before it writes anything, so
-    a refused call leaves the cache as it was. The lengths it passes are its own, valid by
-    construction. Row operations (``reorder``, ``fork``, ...) and ``save``/``load`` are
-    python_ref's; ``reorder`` and ``fork`` copy rows with the native ``gather_rows`` op.
-
-    ``kv_dtype`` (None: keys/values stored in ``dtype``) picks a quantized format, ``"int8"``,
-    ``"fp8_e4m3"`` or ``"int4"`` (``python_ref/quantize.py``), and returns a
-    :class:`kvcache_ext.quantized.QuantizedKVCache`; ``dtype`` stays that of q, k, v and the output.
+    The cache is the row state (:class:`python_ref.row_state.RowState`, ``rows``: ``lengths``,
+    ``seq_length``, the ring's rules, the step in progress) over a storage layout
+    (:mod:`kvcache_ext.storage`, ``storage``: the buffers and the ops that read and write them).
+    What the device's kernels support (:func:`kvcache_ext.capabilities`) is checked at construction;
+    a step is checked once, at its first layer, before anything is written (a refused step leaves
+    the cache as it was), and every layer then runs the ops unchecked. It is an ``nn.Module`` whose
+    buffers move with ``.to()``.
     """
 
-    def __new__(cls, *args, kv_dtype=None, **kwargs):
-        # kv_dtype="int8" / "fp8_e4m3" / "int4" stores quantized keys/values: a QuantizedKVCache.
-        if cls is KVCache and kv_dtype is not None:
-            from .quantized import QuantizedKVCache
-
-            cls = QuantizedKVCache
-        return super().__new__(cls)
+    #: Version of the file layout written by :meth:`save` (``python_ref/saved_state.py``).
+    FORMAT_VERSION = saved_state.CACHE_FORMAT_VERSION
 
     def __init__(
         self,
-        num_layers,
-        batch_size,
-        kv_heads,
-        head_dim,
-        max_cache_len=None,
-        window=None,
-        chunk_size=128,
-        dtype=torch.float32,
-        device=None,
-        sink_tokens=0,
-        kv_dtype=None,
+        num_layers: int,
+        batch_size: int,
+        kv_heads: int,
+        head_dim: int,
+        max_cache_len: int | None = None,
+        window: int | None = None,
+        chunk_size: int = 128,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        sink_tokens: int = 0,
+        kv_dtype: str | torch.dtype | None = None,
     ):
-        if kv_dtype is not None:  # only KVCache itself maps kv_dtype to the quantized cache
-            raise TypeError(f"{type(self).__name__} does not take kv_dtype")
-        table = capabilities(device)
-        table.check_dtype(dtype, "KVCache dtype")
-        if isinstance(head_dim, int):
-            table.check_head_dim(head_dim)
-        super().__init__(
-            num_layers,
-            batch_size,
-            kv_heads,
-            head_dim,
-            max_cache_len=max_cache_len,
-            window=window,
-            chunk_size=chunk_size,
-            dtype=dtype,
-            device=device,
-            sink_tokens=sink_tokens,
+        super().__init__()
+        for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        fmt = kv_format(kv_dtype)
+        check_kv_format(fmt, dtype, head_dim, device)
+        self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        layout = contiguous_layout(fmt)
+        shape = (num_layers, batch_size, kv_heads, self.rows.slots, head_dim)
+        self.storage = layout(*shape, dtype, device) if fmt is None else layout(*shape, dtype, fmt, device)
+        if sink_tokens:
+            # In dtype whatever kv_dtype is. One more slot than sink tokens: writes of later positions
+            # go to that scratch slot, so storing a step's sink tokens needs no host read of which they are.
+            sink_shape = (num_layers, batch_size, kv_heads, sink_tokens + 1, head_dim)
+            self.register_buffer("sink_k", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("sink_v", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
+        # During a step, once its first layer is checked: the arguments' shapes, dtypes and scale, and
+        # the pieces it is stored and attended in, (slice, lengths before, counts, lengths after).
+        self._step_shapes = self._step_plan = None
+
+    dtype = property(lambda self: self.storage.dtype)
+    kv_dtype = property(lambda self: self.storage.kv_dtype)
+    # The buffers: keys/values (codes when quantized) and their scales (None unless quantized).
+    k = property(lambda self: self.storage.k)
+    v = property(lambda self: self.storage.v)
+    k_scale = property(lambda self: getattr(self.storage, "k_scale", None))
+    v_scale = property(lambda self: getattr(self.storage, "v_scale", None))
+
+    # -- protocol -------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.rows.reset()
+        self._step_shapes = self._step_plan = None
+
+    def start_step(self, num_new: int, counts=None) -> torch.Tensor:
+        """Positions ``(B, T)`` of the step's tokens; ``counts``: the real tokens of each row (see
+        ``python_ref/caches.py``). Refuses, changing nothing, a step that does not fit or bad counts."""
+        positions = self.rows.start_step(num_new, counts)
+        self._step_shapes = self._step_plan = None
+        return positions
+
+    def attend(self, layer, q, k, v, scale=None):
+        """Store ``k``/``v`` ``(B, H_kv, T, D)`` for ``layer`` and return the attention of ``q``
+        ``(B, H_q, T, D)`` over everything the layer holds, the new tokens included."""
+        if (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale) != self._step_shapes or not (
+            0 <= layer < self.num_layers
+        ):
+            self._plan_step(layer, q, k, v, scale)
+        storage, window = self.storage, self.rows.window
+        outs = []
+        for piece, lengths, counts, lengths_after in self._step_plan:
+            if piece is not None:
+                q_piece, k_piece, v_piece = q[:, :, piece], k[:, :, piece], v[:, :, piece]
+            else:
+                q_piece, k_piece, v_piece = q, k, v
+            storage.append(layer, k_piece, v_piece, lengths, counts)
+            # Attention as if every row held all T tokens: with counts, each real query keeps its
+            # true position and the causal mask hides the padding's slots (python_ref/caches.py).
+            out, lse = storage.attention(layer, q_piece, lengths_after, window, scale)
+            if self.sink_tokens:
+                out = self._with_sink_tokens(layer, q_piece, k_piece, v_piece, lengths, counts, scale, out, lse)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def finish_step(self) -> None:
+        self.rows.finish_step()
+        self._step_shapes = self._step_plan = None
+
+    def _plan_step(self, layer, q, k, v, scale) -> None:
+        """Everything a step's layers run on, checked before the first byte is written: the
+        arguments, and both ops' on the first (largest) piece of the step; then the pieces' lengths
+        and counts, made once for all layers. Later layers of the step with the same shapes, dtypes
+        and scale run unchecked."""
+        rows = self.rows
+        rows.check_in_step()
+        expected = (rows.batch_size, self.kv_heads, rows.num_new, self.head_dim)
+        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.lengths.device)
+        pieces = rows.pieces()
+        first = slice(0, pieces[0][1])
+        self.storage.check_append(k[:, :, first], v[:, :, first], rows.lengths, rows.piece_counts(*pieces[0]))
+        self.storage.check_attention(q[:, :, first], rows.lengths, rows.window, scale)
+        plan = []
+        for offset, size in pieces:
+            lengths = rows.piece_lengths(offset)
+            piece = None if len(pieces) == 1 else slice(offset, offset + size)
+            plan.append((piece, lengths, rows.piece_counts(offset, size), lengths + size))
+        self._step_plan = plan
+        self._step_shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale)
+
+    def _with_sink_tokens(self, layer, q, k, v, lengths, counts, scale, out, lse):
+        """The ring's attention merged with the sink tokens' (the positions outside each query's
+        window that are below ``sink_tokens``), exactly, through the log-sum-exps."""
+        store_sink_tokens(self.sink_k[layer], self.sink_v[layer], k, v, lengths, counts)
+        sinks = slice(0, self.sink_tokens)
+        sink_out, sink_lse = sink_token_attention(
+            q,
+            self.sink_k[layer, :, :, sinks],
+            self.sink_v[layer, :, :, sinks],
+            lengths + k.shape[2],
+            self.window,
+            scale,
         )
-        table.check_slots(self.slots)
+        return merge_attention(out, lse, sink_out, sink_lse, q.dtype)
+
+    # -- row operations (python_ref.row_state.RowOperations) move rows through this ---------------
+    def move_rows(self, src_rows: torch.Tensor, resize: bool) -> None:
+        """Row ``i`` becomes old row ``src_rows[i]``: in place (``gather_rows``: the native op copies
+        only the rows that change) or into new buffers of ``len(src_rows)`` rows."""
+        if resize:
+            self.storage.select_entries(src_rows)
+        else:
+            self.storage.gather_rows(src_rows)
+        for name in ("sink_k", "sink_v") if self.sink_tokens else ():
+            rows = getattr(self, name).index_select(1, src_rows)
+            setattr(self, name, rows) if resize else getattr(self, name).copy_(rows)
+
+    # -- saved caches (python_ref/saved_state.py's format) ------------------------------------------
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """The storage's buffers ``(layers, B, H_kv, slots, ...)`` by saved name."""
+        return self.storage.tensors()
+
+    def sink_tensors(self) -> dict[str, torch.Tensor]:
+        """The sink tokens' buffers ``(layers, B, H_kv, sink_tokens, D)`` by saved name."""
+        if not self.sink_tokens:
+            return {}
+        return {"sink_k": self.sink_k[..., : self.sink_tokens, :], "sink_v": self.sink_v[..., : self.sink_tokens, :]}
+
+    def storage_meta(self) -> dict:
+        return {"dtype": saved_state.dtype_name(self.dtype), "kv_dtype": self.kv_dtype}
 
     @classmethod
-    def _format_kwargs(cls, meta: dict, path) -> dict:
-        # load() rebuilds a quantized cache too: its file names the format beside the dtype.
-        kwargs = super()._format_kwargs({**meta, "kv_dtype": None}, path)
-        if meta.get("kv_dtype") is not None:
-            from .quantized import kv_format
+    def storage_kwargs(cls, meta: dict, path) -> dict:
+        """The constructor arguments of a saved storage format, checked."""
+        kv_dtype = meta.get("kv_dtype")
+        if kv_dtype is not None and kv_dtype not in quant.FORMATS:
+            raise ValueError(f"{path}: kv_dtype must be None or one of {quant.FORMATS}, got {kv_dtype!r}")
+        return {"dtype": saved_state.saved_dtype(meta["dtype"], path), "kv_dtype": kv_dtype}
 
-            kwargs["kv_dtype"] = kv_format(meta["kv_dtype"])
-        return kwargs
+    def save(self, path, fingerprint: str = "") -> None:
+        """Write the cache to ``path`` as safetensors (no pickle): every layer's held slots (codes and
+        scales when quantized), the sink tokens, ``lengths``, the configuration and ``fingerprint``
+        (what the cache belongs to, e.g. model name and revision; :meth:`load` compares it), with a
+        sha256 checksum over all of it. Written beside ``path`` and renamed into place."""
+        saved_state.save_cache(self, path, fingerprint)
 
-    def _check_step(self, layer, q, k, v, scale):
-        super()._check_step(layer, q, k, v, scale)
-        # The attention of a step runs after its keys/values are stored: check it first. A ring
-        # buffer takes a long step in pieces of chunk_size tokens; the first is the largest (the
-        # views are made only then: a decode step's checks cost microseconds, per layer).
-        if self.window is not None and k.shape[2] > self.chunk_size:
-            piece = slice(0, self.chunk_size)
-            q, k, v = q[:, :, piece], k[:, :, piece], v[:, :, piece]
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        ops.check_append_kv(k_cache, v_cache, k, v, self.lengths, self._step_counts)
-        ops.check_decode_attention(q, k_cache, v_cache, self.lengths, self.window, scale)
+    @classmethod
+    def load(cls, path, device=None, fingerprint: str = "", max_cache_len: int | None = None):
+        """A new cache holding what :meth:`save` wrote to ``path`` (any ``kv_dtype``), on ``device``.
 
-    def _append(self, layer, k, v, lengths, counts):
-        ops.run_append_kv(self.k[layer], self.v[layer], k, v, lengths, counts)  # checked by _check_step
+        ``fingerprint`` must equal the one it was saved with; ``max_cache_len`` (caches without a
+        window) may give the new cache more room. Refuses, with nothing created, a file that is
+        unreadable, truncated or changed (checksum), of another format version or fingerprint, or
+        whose shapes do not fit."""
+        return saved_state.load_cache(cls, path, device, fingerprint, max_cache_len)
 
-    def _gather_rows(self, src_rows):
-        # In place, per layer: only the rows that change are written (python_ref copies the
-        # whole cache out and back to get the same in-place semantics).
-        for layer in range(self.num_layers):
-            ops.gather_rows(self.k[layer], self.v[layer], src_rows)
+    # -- memory ---------------------------------------------------------------------------------
+    def bytes_allocated(self) -> int:
+        sinks = 2 * self.sink_k.numel() * self.sink_k.element_size() if self.sink_tokens else 0
+        return self.storage.bytes_allocated() + sinks
 
-    def _attention(self, layer, q, lengths_after, longest_after, scale):
-        return ops.run_decode_attention(q, self.k[layer], self.v[layer], lengths_after, self.window, scale)
+    def bytes_used(self) -> int:
+        held = min(self.seq_length, self.slots)
+        sinks = min(self.seq_length, self.sink_tokens)
+        per_sink = 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return self.batch_size * (self.storage.bytes_per_slot() * held + per_sink * sinks)
+
+    def extra_repr(self) -> str:
+        mode = f"window={self.window}, slots={self.slots}" if self.window else f"max_cache_len={self.slots}"
+        if self.sink_tokens:
+            mode += f", sink_tokens={self.sink_tokens}"
+        fmt = f", kv_dtype={self.kv_dtype}" if self.kv_dtype else ""
+        return (
+            f"layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim}, {mode}, dtype={self.dtype}{fmt}"
+        )

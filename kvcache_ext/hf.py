@@ -57,15 +57,14 @@ layer window differs from the config's, ``position_bias`` and attention dropout 
 
 from __future__ import annotations
 
-import json
-import os
 
 import torch
 
-from . import ops
-from .quantized import as_bytes, check_kv_format, kv_format
-from python_ref import quantize as quant
-from python_ref.caches import _SAVED_DTYPES, CacheOverflowError, _checksum, _read_saved_cache
+from python_ref import saved_state
+from python_ref.row_state import CacheOverflowError
+
+from .storage import buffer_shapes, check_kv_format, contiguous_layout, kv_format
+from .storage.formats import as_bytes
 
 # The transformers versions this module is tested with (tests/test_hf.py). Its Cache and
 # attention-interface APIs change between releases, so other versions are refused.
@@ -76,6 +75,8 @@ DEFAULT_CHUNK_SIZE = 128
 # The safetensors metadata entry of a saved NativeCache (not python_ref's "kvcache": a saved
 # KVCache is a different layout and is refused by NativeCache.load, and the other way round).
 SAVED_NATIVE_CACHE_KEY = "kvcache_ext.hf.NativeCache"
+# A layer's storage buffers under the names a saved NativeCache gives them (with ".<layer>").
+_SAVED_NAMES = {"k": "keys", "v": "values", "k_scale": "key_scales", "v_scale": "value_scales"}
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -155,22 +156,23 @@ class NativeCacheLayer(CacheLayerMixin):
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         self.device = key_states.device
         self.dtype = key_states.dtype
-        shape = (self.batch_size, self.num_heads, self.slots, self.head_dim)
-        if self.kv_dtype is None:
-            self.keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
-            self.values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
-            ops.check_cache_pair(self.keys, self.values)  # dtype and head_dim the kernels support
-        else:
-            check_kv_format(self.kv_dtype, key_states.dtype, self.head_dim, self.device)
-            codes, scales = quant.data_shape(self.kv_dtype, shape), quant.scale_shape(self.kv_dtype, shape)
-            code_dtype, scale_dtype = quant.storage_dtype(self.kv_dtype), quant.scale_dtype(self.kv_dtype)
-            self.keys = torch.zeros(codes, dtype=code_dtype, device=self.device)
-            self.values = torch.zeros(codes, dtype=code_dtype, device=self.device)
-            self.key_scales = torch.zeros(scales, dtype=scale_dtype, device=self.device)
-            self.value_scales = torch.zeros(scales, dtype=scale_dtype, device=self.device)
-        self.keys._kvcache_ext_layer = self
+        check_kv_format(self.kv_dtype, self.dtype, self.head_dim, self.device)
+        shape = (1, self.batch_size, self.num_heads, self.slots, self.head_dim)  # one layer
+        layout = contiguous_layout(self.kv_dtype)
+        self.storage = (
+            layout(*shape, self.dtype, self.device)
+            if self.kv_dtype is None
+            else layout(*shape, self.dtype, self.kv_dtype, self.device)
+        )
+        self._expose_buffers()
         self.lengths = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         self.is_initialized = True
+
+    def _expose_buffers(self) -> None:
+        """transformers reads a layer's ``keys``/``values``: the storage's (codes when quantized); the
+        key buffer also carries the layer to the attention function."""
+        self.keys, self.values = self.storage.k[0], self.storage.v[0]
+        self.keys._kvcache_ext_layer = self
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -202,79 +204,57 @@ class NativeCacheLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def store_prompt(self, attention_mask) -> None:
+        """Store the prompt's real tokens, each row's at positions 0, 1, ... (so that the kernel, which
+        reads a row's positions 0 .. lengths[row] - 1, never sees padding); a ring keeps each row's
+        last ``slots``. One append of them, packed to the left, through the storage layout."""
         keys, values = self._prompt
         self._prompt = None
-        length = keys.shape[2]
-        real = _real_tokens(attention_mask, keys.shape[0], length)
-        if real is None:  # no padding: one append of the tokens the buffer keeps (a ring: the last `slots`)
+        batch, _, length, _ = keys.shape
+        real = _real_tokens(attention_mask, batch, length)
+        if real is None:  # no padding: the tokens the buffer keeps (a ring: the last `slots`)
             kept = min(length, self.slots)
-            self.lengths.fill_(length - kept)
-            self._append(keys[:, :, length - kept :], values[:, :, length - kept :])
-            self.lengths.fill_(length)
-            longest = length
+            counts = torch.full((batch,), length, dtype=torch.long, device=keys.device)
+            packed_k, packed_v = keys[:, :, length - kept :], values[:, :, length - kept :]
         else:
-            # Each row's real tokens take positions 0, 1, ... (so that the kernel, which reads a
-            # row's positions 0 .. lengths[row] - 1, never sees padding); position p goes to slot
-            # p % slots, and a ring keeps only each row's last `slots` positions.
             counts = real.sum(dim=1)
             rows, columns = real.nonzero(as_tuple=True)
             positions = real.cumsum(dim=1)[rows, columns] - 1
-            held = positions >= counts[rows] - self.slots
-            rows, columns, positions = rows[held], columns[held], positions[held]
-            slots = positions % self.slots
-            if self.kv_dtype is None:
-                self.keys[rows, :, slots] = keys[rows, :, columns]
-                self.values[rows, :, slots] = values[rows, :, columns]
-            else:  # the reference quantizer gives the append op's bytes (tests/test_quantized.py)
-                for new, codes, scales in (
-                    (keys, self.keys, self.key_scales),
-                    (values, self.values, self.value_scales),
-                ):
-                    data, data_scales = quant.quantize(new[rows, :, columns], self.kv_dtype)
-                    as_bytes(codes)[rows, :, slots] = as_bytes(data)
-                    scales[rows, :, slots] = data_scales
-            self.lengths.copy_(counts)
-            longest = int(counts.max())
-        self._longest = self._high_water = longest
+            first_kept = (counts - self.slots).clamp(min=0)  # a ring keeps each row's last `slots`
+            held = positions >= first_kept[rows]
+            rows, columns, places = rows[held], columns[held], positions[held] - first_kept[rows[held]]
+            kept = int((counts - first_kept).max())
+            packed_k = keys.new_zeros(batch, keys.shape[1], kept, keys.shape[3])
+            packed_v = values.new_zeros(batch, values.shape[1], kept, values.shape[3])
+            packed_k[rows, :, places] = keys[rows, :, columns]
+            packed_v[rows, :, places] = values[rows, :, columns]
+        before = (counts - self.slots).clamp(min=0)
+        if packed_k.shape[2]:
+            held_counts = counts - before
+            self.storage.check_append(packed_k, packed_v, before, held_counts)
+            self.storage.append(0, packed_k, packed_v, before, held_counts)
+        self.lengths.copy_(counts)
+        self._longest = self._high_water = int(counts.max())
 
     def attend(self, query, scaling, softcap, sinks):
         """Store the step's new keys/values and return the attention of ``query`` over each row's
         tokens, ``(batch, heads, new tokens, head_dim)``, with the native ops."""
         keys, values = self._new
         first = slice(0, self.tokens_per_call)
-        stored = self._stored()
         # Both ops' arguments are checked before anything is written: a refused step changes nothing.
-        check_append, check_attention = (
-            (ops.check_append_kv, ops.check_decode_attention)
-            if self.kv_dtype is None
-            else (ops.check_append_kv_quantized, ops.check_decode_attention_quantized)
-        )
-        check_append(*stored, keys[:, :, first], values[:, :, first], self.lengths)
-        check_attention(query[:, :, first], *stored, self.lengths, self.window, scaling, softcap, sinks)
-        attention = ops.decode_attention if self.kv_dtype is None else ops.decode_attention_quantized
+        self.storage.check_append(keys[:, :, first], values[:, :, first], self.lengths, None)
+        self.storage.check_attention(query[:, :, first], self.lengths, self.window, scaling, softcap, sinks)
         self._new = None
         outs = []
         for start in range(0, keys.shape[2], self.tokens_per_call):
             piece = slice(start, start + self.tokens_per_call)
-            self._append(keys[:, :, piece], values[:, :, piece])
+            self.storage.append(0, keys[:, :, piece], values[:, :, piece], self.lengths, None)
             self.lengths += keys[:, :, piece].shape[2]
             # Bottom-right causal attention of the new queries over each row's real tokens.
-            outs.append(attention(query[:, :, piece], *stored, self.lengths, self.window, scaling, softcap, sinks)[0])
+            out, _ = self.storage.attention(0, query[:, :, piece], self.lengths, self.window, scaling, softcap, sinks)
+            outs.append(out)
         self._longest += keys.shape[2]
         self._high_water = max(self._high_water, self._longest)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-    def _stored(self) -> tuple[torch.Tensor, ...]:
-        """The buffers as the ops take them: keys, values, or codes and scales of each."""
-        if self.kv_dtype is None:
-            return self.keys, self.values
-        return self.keys, self.key_scales, self.values, self.value_scales
-
-    def _append(self, keys, values) -> None:
-        if self.kv_dtype is None:
-            ops.append_kv(self.keys, self.values, keys, values, self.lengths)
-        else:
-            ops.append_kv_quantized(*self._stored(), keys, values, self.lengths)
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         # The mask transformers builds describes its own layout (padding included); it is used
@@ -338,11 +318,7 @@ class NativeCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         src_rows = torch.as_tensor(beam_idx, device=self.device).long()
-        if self.kv_dtype is None:
-            ops.gather_rows(self.keys, self.values, src_rows)
-        else:
-            for t in self._stored():
-                as_bytes(t).copy_(as_bytes(t).index_select(0, src_rows))
+        self.storage.gather_rows(src_rows)
         self.lengths = self.lengths.index_select(0, src_rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -361,13 +337,9 @@ class NativeCacheLayer(CacheLayerMixin):
             self._keep_rows(rows)
 
     def _keep_rows(self, src_rows: torch.Tensor) -> None:
-        self.keys = self.keys.index_select(0, src_rows)
-        self.values = self.values.index_select(0, src_rows)
-        if self.kv_dtype is not None:
-            self.key_scales = self.key_scales.index_select(0, src_rows)
-            self.value_scales = self.value_scales.index_select(0, src_rows)
+        self.storage.select_entries(src_rows)
+        self._expose_buffers()
         self.lengths = self.lengths.index_select(0, src_rows)
-        self.keys._kvcache_ext_layer = self
         self.batch_size = len(src_rows)
 
 
@@ -434,10 +406,6 @@ class NativeCache(Cache):
         over all of it. The file is written beside ``path`` and renamed into place, so ``path`` is
         never half-written.
         """
-        from safetensors.torch import save_file
-
-        if not isinstance(fingerprint, str):
-            raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
         tensors, layers = {}, []
         for i, layer in enumerate(self.layers):
             if layer._prompt is not None or layer._new is not None or layer._awaiting_attention:
@@ -453,18 +421,15 @@ class NativeCache(Cache):
             }
             if layer.is_initialized:
                 used = min(layer._high_water, layer.slots)  # slots never written hold nothing
-                tensors[f"keys.{i}"] = layer.keys[:, :, :used].contiguous().cpu()
-                tensors[f"values.{i}"] = layer.values[:, :, :used].contiguous().cpu()
-                if layer.kv_dtype is not None:
-                    tensors[f"key_scales.{i}"] = layer.key_scales[:, :, :used].contiguous().cpu()
-                    tensors[f"value_scales.{i}"] = layer.value_scales[:, :, :used].contiguous().cpu()
+                for name, t in layer.storage.tensors().items():
+                    tensors[f"{_SAVED_NAMES[name]}.{i}"] = t[0, :, :, :used].contiguous().cpu()
                 tensors[f"lengths.{i}"] = layer.lengths.cpu()
                 entry.update(
                     batch_size=layer.batch_size,
                     kv_heads=layer.num_heads,
                     head_dim=layer.head_dim,
                     used=used,
-                    dtype=str(layer.dtype).removeprefix("torch."),
+                    dtype=saved_state.dtype_name(layer.dtype),
                     lengths=tensors[f"lengths.{i}"].tolist(),
                 )
             layers.append(entry)
@@ -475,12 +440,8 @@ class NativeCache(Cache):
             "kv_dtype": self.kv_dtype,
             "num_layers": len(self.layers),
             "layers": layers,
-            "fingerprint": fingerprint,
         }
-        meta["sha256"] = _checksum(tensors, meta)
-        partial = f"{os.fspath(path)}.partial"
-        save_file(tensors, partial, metadata={SAVED_NATIVE_CACHE_KEY: json.dumps(meta)})
-        os.replace(partial, path)
+        saved_state.write(path, SAVED_NATIVE_CACHE_KEY, tensors, meta, fingerprint)
 
     @classmethod
     def load(cls, path, config, device=None, fingerprint: str = "", max_cache_len: int | None = None):
@@ -497,28 +458,10 @@ class NativeCache(Cache):
         what ``config`` builds.
         """
 
-        def names_ok(names):
-            kinds = ("keys", "values", "key_scales", "value_scales", "lengths")
-            return all(n.split(".")[0] in kinds and n.split(".")[-1].isdigit() for n in names)
-
-        meta, tensors = _read_saved_cache(
-            path, key=SAVED_NATIVE_CACHE_KEY, names_ok=names_ok, expected="tensors keys.<i>, values.<i>, lengths.<i>"
+        required = {"max_cache_len", "chunk_size", "num_layers", "layers"}
+        meta, tensors = saved_state.read(
+            path, SAVED_NATIVE_CACHE_KEY, cls.FORMAT_VERSION, "NativeCache", required, fingerprint
         )
-        if meta.get("format_version") != cls.FORMAT_VERSION:
-            raise ValueError(
-                f"{path} has NativeCache format version {meta.get('format_version')!r}; this version "
-                f"reads version {cls.FORMAT_VERSION}. Re-create the cache and save it again."
-            )
-        required = {"sha256", "fingerprint", "max_cache_len", "chunk_size", "num_layers", "layers"}
-        if not required <= set(meta):
-            raise ValueError(f"{path} is corrupt: its metadata lacks {sorted(required - set(meta))}")
-        if _checksum(tensors, {k: v for k, v in meta.items() if k != "sha256"}) != meta["sha256"]:
-            raise ValueError(f"{path} is corrupt: its contents do not match the sha256 checksum saved with them")
-        if meta["fingerprint"] != fingerprint:
-            raise ValueError(
-                f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
-                "it holds another model's keys and values"
-            )
         saved = meta["layers"]
         if not isinstance(saved, list) or len(saved) != meta["num_layers"]:
             raise ValueError(f"{path} is corrupt: {meta['num_layers']} layers but {len(saved)} layer entries")
@@ -563,39 +506,19 @@ class NativeCache(Cache):
                     f"{path}: layer {i} holds {entry['kv_heads']} key/value heads of size "
                     f"{entry['head_dim']}; this config has {kv_heads} of size {head_dim}"
                 )
-            dtype = _SAVED_DTYPES.get(entry["dtype"])
-            if dtype is None:
-                raise ValueError(f"{path}: dtype must be one of {sorted(_SAVED_DTYPES)}, got {entry['dtype']!r}")
-            shape = (entry["batch_size"], entry["kv_heads"], entry["used"], entry["head_dim"])
+            dtype = saved_state.saved_dtype(entry["dtype"], path)
             if entry["used"] != min(entry["high_water"], entry["slots"]):
                 raise ValueError(f"{path} is corrupt: layer {i} says {entry['used']} slots are used")
-            stored = {f"keys.{i}": (shape, dtype), f"values.{i}": (shape, dtype)}
-            if cache.kv_dtype is not None:
-                codes = (quant.data_shape(cache.kv_dtype, shape), quant.storage_dtype(cache.kv_dtype))
-                scales = (quant.scale_shape(cache.kv_dtype, shape), quant.scale_dtype(cache.kv_dtype))
-                stored = {f"keys.{i}": codes, f"values.{i}": codes}
-                stored.update({f"key_scales.{i}": scales, f"value_scales.{i}": scales})
-            for name, (expected_shape, expected_dtype) in stored.items():
-                t = tensors.get(name)
-                if t is None or tuple(t.shape) != tuple(expected_shape) or t.dtype != expected_dtype:
-                    raise ValueError(
-                        f"{path}: {name} must be {expected_dtype} of shape {tuple(expected_shape)}, got "
-                        f"{None if t is None else (t.dtype, tuple(t.shape))}"
-                    )
-            lengths = tensors.get(f"lengths.{i}")
-            if (
-                lengths is None
-                or lengths.dtype != torch.long
-                or lengths.tolist() != entry["lengths"]
-                or len(entry["lengths"]) != entry["batch_size"]
-                or min(entry["lengths"]) < 0
-                or max(entry["lengths"]) != entry["longest"]
-            ):
-                raise ValueError(
-                    f"{path}: lengths.{i} must be the {entry['batch_size']} non-negative row "
-                    f"lengths recorded in its metadata"
-                )
-            expected_names |= {*stored, f"lengths.{i}"}
+            # The buffers a layer of this cache allocates say what the file holds: their first `used` slots.
+            shape = (entry["batch_size"], entry["kv_heads"], entry["used"], entry["head_dim"])
+            buffers = buffer_shapes(cache.kv_dtype, shape, dtype)
+            stored = {f"{_SAVED_NAMES[name]}.{i}": shape_and_dtype for name, shape_and_dtype in buffers.items()}
+            stored[f"lengths.{i}"] = ((entry["batch_size"],), torch.long)
+            saved_state.check_tensors(path, {name: tensors[name] for name in stored if name in tensors}, stored)
+            saved_state.check_lengths(path, tensors[f"lengths.{i}"], entry["lengths"], entry["batch_size"])
+            if max(entry["lengths"], default=0) != entry["longest"]:
+                raise ValueError(f"{path}: lengths.{i} must be the row lengths recorded in its metadata")
+            expected_names |= set(stored)
         if set(tensors) != expected_names:
             raise ValueError(f"{path}: expected tensors {sorted(expected_names)}, got {sorted(tensors)}")
         # Everything is checked: fill the new cache (a failure above left no cache behind).
@@ -609,14 +532,13 @@ class NativeCache(Cache):
             if not entry["initialized"]:
                 continue
             shape = (entry["batch_size"], entry["kv_heads"], 1, entry["head_dim"])
-            dtype = _SAVED_DTYPES[entry["dtype"]]
+            dtype = saved_state.SAVED_DTYPES[entry["dtype"]]
             layer.lazy_initialization(
                 torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
             )
             used = entry["used"]
-            for name in ("keys", "values", "key_scales", "value_scales"):
-                if f"{name}.{i}" in tensors:
-                    as_bytes(getattr(layer, name))[:, :, :used] = as_bytes(tensors[f"{name}.{i}"]).to(device)
+            for name, t in layer.storage.tensors().items():
+                as_bytes(t[0, :, :, :used]).copy_(as_bytes(tensors[f"{_SAVED_NAMES[name]}.{i}"]))
             layer.lengths.copy_(tensors[f"lengths.{i}"].to(device))
         return cache
 

@@ -40,16 +40,14 @@ attention is causal over the given tokens); ``ConcatCache`` refuses them (it sto
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from . import saved_state
 from .attention import reference_attention
+from .row_state import CacheOverflowError, RowOperations, RowState, checked_step_counts  # noqa: F401 (imported from here too)
 
 
 def append_to_slots(k_cache, v_cache, k_new, v_new, lengths, counts=None) -> None:
@@ -89,6 +87,20 @@ def sink_token_attention(q, sink_k, sink_v, lengths, window: int, scale=None):
     # Rows that see nothing: exp(-inf - 0) = 0 weights instead of exp(-inf - -inf) = NaN.
     weights = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
     return weights @ values, lse
+
+
+def store_sink_tokens(sink_k, sink_v, k, v, lengths_before, counts=None) -> None:
+    """Write the new tokens ``k``/``v`` ``(B, H_kv, T, D)`` that are sink tokens into a layer's sink
+    buffers ``(B, H_kv, S + 1, D)``: position ``j < S`` goes to slot ``j``; later positions, and
+    padding (``t >= counts[b]``), to the scratch slot ``S`` (so no host read of which they are)."""
+    sink_tokens = sink_k.shape[2] - 1
+    tokens = torch.arange(k.shape[2], device=k.device)
+    slots = (lengths_before.unsqueeze(1) + tokens).clamp(max=sink_tokens)
+    if counts is not None:
+        slots = slots.masked_fill(tokens >= counts.unsqueeze(1), sink_tokens)
+    rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+    sink_k[rows, :, slots] = k.permute(0, 2, 1, 3)
+    sink_v[rows, :, slots] = v.permute(0, 2, 1, 3)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b, dtype):
@@ -175,95 +187,6 @@ def positions_for_logits(hidden: torch.Tensor, logits_at) -> torch.Tensor:
     return hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
-def checked_step_counts(counts, num_new: int, batch: int | None = None):
-    """``counts`` of a step of ``num_new`` tokens (see the protocol) as ``(tensor, host)``: an int64
-    tensor where it came from (ints become a CPU tensor) and, where that costs no synchronisation,
-    its CPU copy (else None). Checks the type, the shape ``(batch,)`` (when ``batch`` is known) and,
-    on the host, that every count lies in ``[0, num_new]``; raises TypeError/ValueError otherwise."""
-    if isinstance(counts, torch.Tensor):
-        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
-            raise TypeError(f"counts must be integers, got {counts.dtype}")
-    elif isinstance(counts, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
-        counts = torch.tensor(list(counts), dtype=torch.long)
-    else:
-        raise TypeError(f"counts must be a sequence of ints or a 1-D integer tensor, got {counts!r}")
-    if counts.dim() != 1 or (batch is not None and counts.shape[0] != batch):
-        rows = "one per row" if batch is None else f"one per row, shape ({batch},)"
-        raise ValueError(f"counts must hold the new tokens of each row ({rows}), got shape {tuple(counts.shape)}")
-    counts = counts.long()
-    host = counts if counts.device.type == "cpu" else None
-    if host is not None:
-        bad = ((host < 0) | (host > num_new)).nonzero()
-        if len(bad):
-            row = int(bad[0, 0])
-            raise ValueError(
-                f"counts must lie in [0, {num_new}] (the step's new tokens), got {int(host[row])} for row {row}"
-            )
-    return counts, host
-
-
-SAVED_CACHE_KEY = "kvcache"  # the safetensors metadata entry that holds a saved cache's description
-_SAVED_DTYPES = {
-    str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-}
-
-
-def _checksum(tensors: dict, meta: dict) -> str:
-    """sha256 of a saved cache's metadata and of every tensor's name, dtype, shape and bytes."""
-    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _saved_names_ok(names: set) -> bool:
-    """Whether a saved cache's tensor names fit some layout: keys, values, lengths, with sink
-    tokens their copies, with a quantized format their scales (load() then checks them exactly)."""
-    return {"k", "v", "lengths"} <= names <= {"k", "v", "lengths", "sink_k", "sink_v", "k_scale", "v_scale"}
-
-
-def _read_saved_cache(
-    path,
-    key: str = SAVED_CACHE_KEY,
-    names_ok=_saved_names_ok,
-    expected: str = "tensors k, v, lengths (and sink_k, sink_v with sink tokens, k_scale, v_scale when quantized)",
-):
-    """The metadata and tensors of a file written by ``PreallocatedCache.save``, read completely
-    into memory before anything is built from them.
-
-    ``key`` is the safetensors metadata entry holding the description, ``names_ok(names)`` says
-    whether the set of tensor names fits (default: a ``PreallocatedCache``'s), ``expected`` describes
-    them for the error message (``kvcache_ext.hf.NativeCache`` passes its own)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(os.fspath(path), framework="pt") as f:
-            header = (f.metadata() or {}).get(key)
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (OSError, SafetensorError) as error:
-        raise ValueError(
-            f"{path} is not a readable saved cache (missing, truncated or not safetensors): {error}"
-        ) from error
-    if header is None or not names_ok(set(tensors)):
-        raise ValueError(
-            f"{path} is a safetensors file but not a saved cache of this kind: expected {expected} "
-            f"and '{key}' metadata, got tensors {sorted(tensors)}"
-        )
-    try:
-        meta = json.loads(header)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is corrupt: its metadata is not JSON ({error})") from error
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path} is corrupt: its metadata is not a JSON object")
-    return meta, tensors
-
-
-class CacheOverflowError(ValueError):
-    """More tokens were offered than a cache without a sliding window can hold."""
-
-
 class NoCache:
     """No cache at all: every forward pass sees only the tokens it is given.
 
@@ -344,7 +267,7 @@ class ConcatCache:
         return sum(t.numel() * t.element_size() for t in [*self.keys.values(), *self.values.values()])
 
 
-class PreallocatedCache(nn.Module):
+class PreallocatedCache(RowOperations, nn.Module):
     """Buffers allocated once, written in place; optionally a sliding window as a ring buffer.
 
     Buffers are ``(num_layers, batch, kv_heads, slots, head_dim)``. Without a window,
@@ -355,18 +278,9 @@ class PreallocatedCache(nn.Module):
     step writes only its new tokens, and longer inputs are processed ``chunk_size`` tokens
     at a time. The cache never overflows in this mode.
 
-    Row lengths live in a device tensor (``lengths``) and, mirrored, on the host so that
-    capacity checks never read device memory. The host mirror is one int, ``seq_length``: the
-    longest row. (One int, not a list, also lets a compiled decode step treat it as a symbolic
-    value instead of recompiling for each new length; see tests/test_compile.py.) A step that adds
-    the same number of tokens to every row keeps it exact; one with ``counts`` adds the largest
-    count (known on the host: the counts of a step on a GPU count as ``T`` each), which may
-    overstate the longest row, never understate it. Row operations whose effect
-    on the longest row depends on device values (``reorder``, ``fork``, ``select``,
-    ``reset_rows``, ``rewind`` with differing counts) keep it *conservative*: never below the
-    true longest row, so capacity checks may refuse early but never let a row overflow, and
-    attention only looks at more (masked) slots. ``crop`` and ``reset`` make it exact again, and
-    :meth:`sync_seq_length` does with one read of ``lengths``.
+    What each row holds (``lengths``, the longest row ``seq_length``, the ring's rules, the step in
+    progress, the row operations' checks) is a :class:`~python_ref.row_state.RowState`, ``rows``,
+    shared with ``kvcache_ext.KVCache``; this class stores keys and values in plain tensors.
 
     Row operations (between steps; every argument is checked before anything changes):
     ``reorder(indices)`` and ``fork(src_row, dst_rows)`` copy rows in place (beam search,
@@ -376,12 +290,6 @@ class PreallocatedCache(nn.Module):
     ``lengths``. Index and count values held on the host (ints, lists, CPU tensors) are checked
     on the host; values already on a GPU are not read back (no synchronisation), except by
     ``rewind`` on a ring buffer, which must know how far each row goes back.
-
-    A ring buffer can only go back as far as tokens are still held: after the ring wraps, the
-    oldest slots have been overwritten, and a row that drops tokens must still hold the
-    ``window - 1`` tokens before its new end. ``crop``/``rewind`` refuse to go further, naming how
-    many tokens can be removed (at least ``chunk_size`` right after a step, less after earlier
-    rewinds; the count is tracked on the host, conservatively over all rows).
 
     Attention sinks (StreamingLLM). With ``window=W`` and ``sink_tokens=S`` the cache also keeps
     the first ``S`` tokens of every row, forever, in ``S`` dedicated slots per row
@@ -395,8 +303,8 @@ class PreallocatedCache(nn.Module):
     so a model still stops at its context length (``start_forward`` refuses beyond it).
     """
 
-    #: Version of the file layout written by :meth:`save`; :meth:`load` reads only this one.
-    FORMAT_VERSION = 1
+    #: Version of the file layout written by :meth:`save` (``python_ref/saved_state.py``).
+    FORMAT_VERSION = saved_state.CACHE_FORMAT_VERSION
 
     def __init__(
         self,
@@ -412,253 +320,74 @@ class PreallocatedCache(nn.Module):
         sink_tokens: int = 0,
     ):
         super().__init__()
-        for name, value in [
-            ("num_layers", num_layers),
-            ("batch_size", batch_size),
-            ("kv_heads", kv_heads),
-            ("head_dim", head_dim),
-            ("chunk_size", chunk_size),
-        ]:
+        for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if window is not None and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive int or None, got {window!r}")
-        if window is None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
-            raise ValueError(f"max_cache_len must be a positive int when there is no window, got {max_cache_len!r}")
-        if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
-        if sink_tokens and window is None:
-            raise ValueError(
-                f"sink_tokens={sink_tokens} needs a window: without one the cache keeps every token "
-                "already. Pass window=... as well, or leave sink_tokens at 0."
-            )
-        self.num_layers, self.batch_size = num_layers, batch_size
-        self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.window = window
-        self.max_cache_len = max_cache_len if window is None else None  # a ring buffer has no bound
-        self.chunk_size = chunk_size if window is not None else None
-        self.slots = max_cache_len if window is None else window + chunk_size - 1
-        shape = (num_layers, batch_size, kv_heads, self.slots, head_dim)
+        self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        shape = (num_layers, batch_size, kv_heads, self.rows.slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
-        self.sink_tokens = sink_tokens
         if sink_tokens:
             # One more slot than sink tokens: writes of later positions go to that scratch slot, so
             # that storing a step's sink tokens needs no host read of which tokens they are.
             sink_shape = (num_layers, batch_size, kv_heads, sink_tokens + 1, head_dim)
             self.register_buffer("sink_k", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("sink_v", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
-        self._host_length = 0
-        # Ring buffers only: None while no row has wrapped around (a row can drop all its tokens),
-        # then the fewest tokens any row can drop and still hold its window (see the docstring).
-        self._ring_rewindable = None
-        self._num_new = None
-        self._step_counts = None  # during a step with counts: the (B,) counts on the cache's device
-        self._step_growth = None  # during a step: (fewest, most) tokens a row adds, known on the host
 
     # -- protocol -------------------------------------------------------------------------
-    @property
-    def seq_length(self) -> int:
-        return self._host_length
-
     def reset(self) -> None:
-        self.lengths.zero_()
-        self._host_length = 0
-        self._ring_rewindable = None
-        self._num_new = self._step_counts = self._step_growth = None
+        self.rows.reset()
 
     def start_step(self, num_new: int, counts=None) -> torch.Tensor:
         """Positions ``(B, T)`` of the step's tokens; ``counts``: see the module docstring (rows that
         grow unevenly). Refuses, changing nothing, a step that does not fit or bad counts."""
-        if not isinstance(num_new, int) or num_new < 1:
-            raise ValueError(f"a step adds at least one token, got {num_new!r}")
-        growth = (num_new, num_new)
-        if counts is not None:
-            if isinstance(counts, torch.Tensor) and self.lengths.device.type == "cpu":
-                counts = counts.cpu()  # a CPU cache checks every count on the host
-            counts, host = checked_step_counts(counts, num_new, self.batch_size)
-            counts = counts.to(self.lengths.device)
-            # Counts on a GPU are not read back: a row may add anything from 0 to T tokens.
-            growth = (0, num_new) if host is None else (int(host.min()), int(host.max()))
-        if self.window is None and self.seq_length + num_new > self.slots:
-            raise CacheOverflowError(
-                f"KV cache overflow: the longest row holds {self.seq_length} tokens and "
-                f"{num_new} more were offered, but max_cache_len is {self.slots}. Create the cache "
-                f"with max_cache_len >= {self.seq_length + num_new}, or pass window=... to keep only "
-                "the most recent tokens."
-            )
-        self._num_new, self._step_counts, self._step_growth = num_new, counts, growth
-        return self.lengths.unsqueeze(1) + torch.arange(num_new, device=self.lengths.device)
+        return self.rows.start_step(num_new, counts)
 
     def attend(self, layer, q, k, v, scale=None):
-        self._check_step(layer, q, k, v, scale)
-        T = self._num_new
-        if self.window is None or T <= self.chunk_size:
-            return self._append_and_attend(layer, q, k, v, 0, scale)
-        # A chunk longer than the ring's spare room would overwrite keys its first
-        # queries still need: process it in pieces.
+        rows = self.rows
+        rows.check_in_step()
+        expected = (rows.batch_size, self.kv_heads, rows.num_new, self.head_dim)
+        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.k.dtype, self.k.device)
         outs = []
-        for start in range(0, T, self.chunk_size):
-            piece = slice(start, start + self.chunk_size)
-            outs.append(self._append_and_attend(layer, q[:, :, piece], k[:, :, piece], v[:, :, piece], start, scale))
-        return torch.cat(outs, dim=2)
+        for offset, size in rows.pieces():
+            piece = slice(offset, offset + size)
+            outs.append(self._append_and_attend(layer, q[:, :, piece], k[:, :, piece], v[:, :, piece], offset, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def finish_step(self) -> None:
-        if self._num_new is None:
-            raise RuntimeError("finish_step() without start_step()")
-        self.lengths += self._num_new if self._step_counts is None else self._step_counts
-        fewest, most = self._step_growth
-        if self.window is not None and (self._ring_rewindable is not None or self._host_length + most > self.slots):
-            # A wrapped row holds `slots` tokens at most and needs its last window - 1: it can
-            # drop slots - (window - 1) = chunk_size tokens, or what it regained since a rewind.
-            spare = self.slots - (self.window - 1)
-            self._ring_rewindable = (
-                spare if self._ring_rewindable is None else min(self._ring_rewindable + fewest, spare)
-            )
-        self._host_length = self._host_length + most
-        self._num_new = self._step_counts = self._step_growth = None
+        self.rows.finish_step()
 
-    # -- row operations (between steps) --------------------------------------------------
-    def reorder(self, indices) -> None:
-        """Row ``i`` becomes a copy of old row ``indices[i]``, for every ``i`` (beam search).
-
-        ``indices``: ``batch_size`` row indices (ints or a 1-D integer tensor); rows may repeat.
-        """
-        src_rows = self._row_indices(indices, "indices", count=self.batch_size)
-        self._copy_rows(src_rows)
-
-    def fork(self, src_row: int, dst_rows) -> None:
-        """Rows ``dst_rows`` become copies of row ``src_row``: its cached tokens and length
-        (a shared prompt prefix, fanned out in place)."""
-        self._check_between_steps("fork")
-        if not isinstance(src_row, int) or isinstance(src_row, bool) or not 0 <= src_row < self.batch_size:
-            raise IndexError(f"src_row must be a row index in [0, {self.batch_size}), got {src_row!r}")
-        dst = self._row_indices(dst_rows, "dst_rows")
-        self._copy_rows(torch.arange(self.batch_size, device=dst.device).index_fill_(0, dst, src_row))
-
-    def select(self, rows) -> None:
-        """Keep only ``rows``, in that order: the batch becomes ``len(rows)`` rows (drop
-        finished sequences). The buffers are reallocated at the new size."""
-        self._resize_rows(self._row_indices(rows, "rows"))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        """Each row repeated ``repeats`` times in place of itself (``n`` samples per prompt):
-        rows ``b * repeats ... (b + 1) * repeats - 1`` are copies of old row ``b``. The buffers are
-        reallocated at ``repeats`` times the batch size (one copy of the old rows, done once)."""
-        self._check_between_steps("repeat_interleave")
-        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        device = self.lengths.device
-        self._resize_rows(torch.arange(self.batch_size, device=device).repeat_interleave(repeats))
-
-    def crop(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens of every row (rows already shorter are unchanged)."""
-        self._check_between_steps("crop")
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise ValueError(f"crop keeps a number of tokens >= 0, got {num_tokens!r}")
-        removed = max(self._host_length - num_tokens, 0)  # the most any row loses
-        self._check_ring_rewind(removed, f"crop({num_tokens})")
-        self.lengths.clamp_(max=num_tokens)
-        self._host_length = min(self._host_length, num_tokens)
-        self._spend_ring_rewind(removed)
-
-    def rewind(self, counts) -> None:
-        """Remove the last ``counts[b]`` tokens of row ``b`` (speculative decoding: drop the
-        rejected draft tokens). ``counts``: an int for every row, or one count per row (a
-        sequence or a 1-D integer tensor); each in ``[0, lengths[b]]``."""
-        self._check_between_steps("rewind")
-        counts, host_counts = self._row_counts(counts)
-        if host_counts is not None:
-            if len(host_counts) and int(host_counts.min()) < 0:
-                raise ValueError(f"counts must be >= 0, got {host_counts.tolist()}")
-            longest_removed = int(host_counts.max())
-            if longest_removed > self._host_length:
-                raise ValueError(f"cannot remove {longest_removed} tokens: the longest row holds {self._host_length}")
-            if self.lengths.device.type == "cpu":
-                over = (host_counts > self.lengths).nonzero()
-                if len(over):
-                    row = int(over[0, 0])
-                    raise ValueError(
-                        f"cannot remove {int(host_counts[row])} tokens from row {row}: it holds "
-                        f"{int(self.lengths[row])}"
-                    )
-            self._check_ring_rewind(longest_removed, "rewind")
-        self.lengths -= counts
-        if host_counts is not None:
-            # Exact when every row removes the same count, conservative otherwise.
-            self._host_length -= int(host_counts.min())
-            self._spend_ring_rewind(longest_removed)
-
-    def reset_rows(self, rows) -> None:
-        """Empty ``rows`` (their next step starts at position 0); other rows keep their tokens."""
-        self._check_between_steps("reset_rows")
-        self.lengths.index_fill_(0, self._row_indices(rows, "rows"), 0)
-
-    def sync_seq_length(self) -> int:
-        """Make ``seq_length`` exact after row operations (one read of ``lengths``); returns it."""
-        self._host_length = int(self.lengths.max())
-        return self._host_length
-
-    # -- what save() and load() store: a storage format's hooks -------------------------------
-    def _slot_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers with one entry per slot, ``(layers, B, H_kv, slots, ...)``; save() keeps
-        their held slots."""
+    # -- saved caches (python_ref/saved_state.py) -----------------------------------------------
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers with one entry per slot, ``(layers, B, H_kv, slots, ...)``, by saved name."""
         return {"k": self.k, "v": self.v}
 
-    def _format_meta(self) -> dict:
+    def sink_tensors(self) -> dict[str, torch.Tensor]:
+        """The sink tokens' buffers ``(layers, B, H_kv, sink_tokens, ...)``, by saved name."""
+        if not self.sink_tokens:
+            return {}
+        return {"sink_k": self.sink_k[..., : self.sink_tokens, :], "sink_v": self.sink_v[..., : self.sink_tokens, :]}
+
+    def storage_meta(self) -> dict:
         """The saved metadata that names the storage format: here the keys' and values' dtype."""
-        return {"dtype": str(self.k.dtype).removeprefix("torch.")}
+        return {"dtype": saved_state.dtype_name(self.k.dtype)}
 
     @classmethod
-    def _format_kwargs(cls, meta: dict, path) -> dict:
-        """The constructor arguments that rebuild the saved storage format, checked."""
+    def storage_kwargs(cls, meta: dict, path) -> dict:
+        """The constructor arguments that rebuild a saved storage format, checked."""
         if meta.get("kv_dtype") is not None:
             raise ValueError(
                 f"{path} holds a quantized cache (kv_dtype {meta['kv_dtype']!r}): load it with kvcache_ext.KVCache.load"
             )
-        dtype = _SAVED_DTYPES.get(meta["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: dtype must be one of {sorted(_SAVED_DTYPES)}, got {meta['dtype']!r}")
-        return {"dtype": dtype}
+        return {"dtype": saved_state.saved_dtype(meta["dtype"], path)}
 
-    # -- saved caches -----------------------------------------------------------------------
     def save(self, path, fingerprint: str = "") -> None:
         """Write the cache to ``path`` as safetensors (no pickle): the held slots of every layer,
         ``lengths``, the configuration and ``fingerprint`` (what the cache belongs to, e.g. model
         name and revision; :meth:`load` compares it), with a sha256 checksum over all of it. The
         file is written beside ``path`` and renamed into place, so ``path`` is never half-written."""
-        from safetensors.torch import save_file
-
-        self._check_between_steps("save")
-        if not isinstance(fingerprint, str):
-            raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
-        used = min(self._host_length, self.slots)
-        tensors = {name: t.narrow(3, 0, used).contiguous().cpu() for name, t in self._slot_buffers().items()}
-        tensors["lengths"] = self.lengths.cpu()
-        if self.sink_tokens:
-            tensors["sink_k"] = self.sink_k[..., : self.sink_tokens, :].contiguous().cpu()
-            tensors["sink_v"] = self.sink_v[..., : self.sink_tokens, :].contiguous().cpu()
-        meta = {
-            "format_version": self.FORMAT_VERSION,
-            "num_layers": self.num_layers,
-            "batch_size": self.batch_size,
-            "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "slots": self.slots,
-            "max_cache_len": self.max_cache_len,
-            "window": self.window,
-            "chunk_size": self.chunk_size,
-            **self._format_meta(),
-            "lengths": tensors["lengths"].tolist(),
-            "ring_rewindable": self._ring_rewindable,
-            "sink_tokens": self.sink_tokens,
-            "fingerprint": fingerprint,
-        }
-        meta["sha256"] = _checksum(tensors, meta)
-        partial = f"{os.fspath(path)}.partial"
-        save_file(tensors, partial, metadata={SAVED_CACHE_KEY: json.dumps(meta)})
-        os.replace(partial, path)
+        saved_state.save_cache(self, path, fingerprint)
 
     @classmethod
     def load(cls, path, device=None, fingerprint: str = "", max_cache_len: int | None = None):
@@ -669,227 +398,41 @@ class PreallocatedCache(nn.Module):
         created, a file that is unreadable, truncated or changed (checksum), of another format
         version or fingerprint, or whose shapes do not fit.
         """
-        meta, tensors = _read_saved_cache(path)
-        if meta.get("format_version") != cls.FORMAT_VERSION:
-            raise ValueError(
-                f"{path} has saved-cache format version {meta.get('format_version')!r}; this version "
-                f"reads version {cls.FORMAT_VERSION}. Re-create the cache and save it again."
-            )
-        required = {
-            "sha256",
-            "fingerprint",
-            "num_layers",
-            "batch_size",
-            "kv_heads",
-            "head_dim",
-            "slots",
-            "max_cache_len",
-            "window",
-            "chunk_size",
-            "dtype",
-            "lengths",
-            "ring_rewindable",
-        }
-        if not required <= set(meta):
-            raise ValueError(f"{path} is corrupt: its metadata lacks {sorted(required - set(meta))}")
-        if _checksum(tensors, {k: v for k, v in meta.items() if k != "sha256"}) != meta["sha256"]:
-            raise ValueError(f"{path} is corrupt: its contents do not match the sha256 checksum saved with them")
-        if meta["fingerprint"] != fingerprint:
-            raise ValueError(
-                f"{path} was saved for fingerprint {meta['fingerprint']!r}, not {fingerprint!r}: "
-                "it holds another model's keys and values"
-            )
-        format_kwargs = cls._format_kwargs(meta, path)
-        lengths = tensors["lengths"]
-        longest = max(meta["lengths"], default=0)
-        window = meta["window"]
-        if window is None:
-            capacity = meta["max_cache_len"] if max_cache_len is None else max_cache_len
-            if not isinstance(capacity, int) or capacity < longest:
-                raise ValueError(f"max_cache_len must hold the longest saved row ({longest} tokens), got {capacity!r}")
-        elif max_cache_len is not None:
-            raise ValueError(
-                "max_cache_len applies to caches without a window; this one has window="
-                f"{window} and chunk_size={meta['chunk_size']}"
-            )
-        if lengths.dtype != torch.long or lengths.tolist() != meta["lengths"] or min(meta["lengths"], default=0) < 0:
-            raise ValueError(
-                f"{path}: lengths must be the {meta['batch_size']} non-negative row lengths recorded "
-                f"in its metadata, got {lengths.tolist()}"
-            )
-        sink_tokens = meta.get("sink_tokens", 0)  # files from before sink tokens have none
-        cache = cls(
-            meta["num_layers"],
-            meta["batch_size"],
-            meta["kv_heads"],
-            meta["head_dim"],
-            max_cache_len=capacity if window is None else None,
-            window=window,
-            chunk_size=meta["chunk_size"] or 128,
-            device=device,
-            **format_kwargs,
-            **({"sink_tokens": sink_tokens} if sink_tokens else {}),
-        )
-        if window is not None and cache.slots != meta["slots"]:
-            raise ValueError(
-                f"{path}: a window of {window} with chunk_size {meta['chunk_size']} has "
-                f"{cache.slots} slots, but the file says {meta['slots']}"
-            )
-        # The new cache's own buffers say what the file must hold: their layout up to the held slots.
-        used = min(longest, meta["slots"])
-        expected = {name: (t.shape[:3] + (used,) + t.shape[4:], t.dtype) for name, t in cache._slot_buffers().items()}
-        if sink_tokens:
-            expected.update(sink_k=(cache.sink_k[..., :sink_tokens, :].shape, cache.sink_k.dtype))
-            expected.update(sink_v=(cache.sink_v[..., :sink_tokens, :].shape, cache.sink_v.dtype))
-        if set(tensors) != {"lengths", *expected}:
-            raise ValueError(
-                f"{path}: a {type(cache).__name__} with sink_tokens={sink_tokens} holds tensors "
-                f"{sorted({'lengths', *expected})}, got {sorted(tensors)}"
-            )
-        for name, (shape, dtype) in expected.items():
-            if tensors[name].shape != shape or tensors[name].dtype != dtype:
-                raise ValueError(
-                    f"{path}: {name} must be {dtype} of shape {tuple(shape)}, got "
-                    f"{tensors[name].dtype} of shape {tuple(tensors[name].shape)}"
-                )
-        for name, t in cache._slot_buffers().items():
-            t.narrow(3, 0, used).copy_(tensors[name])
-        if sink_tokens:
-            cache.sink_k[..., :sink_tokens, :] = tensors["sink_k"]
-            cache.sink_v[..., :sink_tokens, :] = tensors["sink_v"]
-        cache.lengths.copy_(lengths)
-        cache._host_length = longest
-        cache._ring_rewindable = meta["ring_rewindable"]
-        return cache
+        return saved_state.load_cache(cls, path, device, fingerprint, max_cache_len)
 
-    # -- row operations' checks and copies -----------------------------------------------------
-    def _check_between_steps(self, operation: str) -> None:
-        if self._num_new is not None:
-            raise RuntimeError(f"{operation}() inside a step: call it before start_step() or after finish_step()")
-
-    def _row_indices(self, rows, what: str, count: int | None = None) -> torch.Tensor:
-        """``rows`` (ints or a 1-D integer tensor) as int64 on the cache's device, checked to lie in
-        [0, batch_size) where the values are on the host."""
-        self._check_between_steps("a row operation")
-        if isinstance(rows, torch.Tensor):
-            if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
-                raise TypeError(
-                    f"{what} must be a 1-D integer tensor of row indices, got {rows.dtype} of shape {tuple(rows.shape)}"
-                )
-            host = rows if rows.device.type == "cpu" else None
-        elif isinstance(rows, Sequence) and all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
-            host = rows = torch.tensor(list(rows), dtype=torch.long)
-        else:
-            raise TypeError(f"{what} must be a sequence of ints or a 1-D integer tensor, got {rows!r}")
-        if count is not None and len(rows) != count:
-            raise ValueError(f"{what} must hold {count} row indices (one per row), got {len(rows)}")
-        if len(rows) == 0:
-            raise ValueError(f"{what} must name at least one row")
-        if host is not None:
-            bad = ((host < 0) | (host >= self.batch_size)).nonzero()
-            if len(bad):
-                position = int(bad[0, 0])
-                raise IndexError(
-                    f"{what} must be row indices in [0, {self.batch_size}), got {int(host[position])} "
-                    f"at position {position}"
-                )
-        return rows.to(device=self.lengths.device, dtype=torch.long)
-
-    def _row_counts(self, counts):
-        """``counts`` as int64 ``(batch_size,)`` on the cache's device, and on the host where that
-        costs no synchronisation (always for a ring buffer, which must check them)."""
-        if isinstance(counts, int) and not isinstance(counts, bool):
-            host = torch.full((self.batch_size,), counts, dtype=torch.long)
-            return host.to(self.lengths.device), host
-        if isinstance(counts, torch.Tensor):
-            if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
-                raise TypeError(f"counts must be integers, got {counts.dtype}")
-        elif isinstance(counts, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
-            counts = torch.tensor(list(counts), dtype=torch.long)
-        else:
-            raise TypeError(f"counts must be an int, a sequence of ints or an integer tensor, got {counts!r}")
-        if tuple(counts.shape) != (self.batch_size,):
-            raise ValueError(
-                f"counts must hold one count per row, shape ({self.batch_size},), got {tuple(counts.shape)}"
-            )
-        host = counts.cpu() if counts.device.type == "cpu" or self.window is not None else None
-        return counts.to(device=self.lengths.device, dtype=torch.long), None if host is None else host.long()
-
-    def _check_ring_rewind(self, removed: int, operation: str) -> None:
-        if self._ring_rewindable is not None and removed > self._ring_rewindable:
-            raise ValueError(
-                f"{operation} would remove {removed} tokens from a row, but this ring buffer ({self.slots} slots, "
-                f"window {self.window}) has overwritten older ones: a row can lose at most {self._ring_rewindable} "
-                f"tokens now and still hold the {self.window - 1} before its new end. Use a larger chunk_size "
-                "(slots = window + chunk_size - 1) to be able to go back further."
-            )
-
-    def _spend_ring_rewind(self, removed: int) -> None:
-        if self._ring_rewindable is not None:
-            self._ring_rewindable -= removed
-
-    def _copy_rows(self, src_rows: torch.Tensor) -> None:
-        """Row ``i`` becomes old row ``src_rows[i]``, in place, with its length."""
-        self._gather_rows(src_rows)
-        if self.sink_tokens:
-            self.sink_k.copy_(self.sink_k.index_select(1, src_rows))
-            self.sink_v.copy_(self.sink_v.index_select(1, src_rows))
-        self.lengths.copy_(self.lengths.index_select(0, src_rows))
-
-    def _resize_rows(self, src_rows: torch.Tensor) -> None:
-        """New buffers of ``len(src_rows)`` rows, row ``i`` a copy of old row ``src_rows[i]``."""
-        self.k = self.k.index_select(1, src_rows)
-        self.v = self.v.index_select(1, src_rows)
-        if self.sink_tokens:
-            self.sink_k = self.sink_k.index_select(1, src_rows)
-            self.sink_v = self.sink_v.index_select(1, src_rows)
-        self.lengths = self.lengths.index_select(0, src_rows)
-        self.batch_size = len(src_rows)
-
-    # -- storage and attention; kvcache_ext.KVCache overrides these with native ops ---------
-    def _gather_rows(self, src_rows):
-        # In-place semantics need a snapshot: the whole cache is gathered into a temporary and
-        # copied back (two full copies; KVCache's native op copies only the rows that change).
-        self.k.copy_(self.k.index_select(1, src_rows))
-        self.v.copy_(self.v.index_select(1, src_rows))
-
-    def _append(self, layer, k, v, lengths, counts):
-        append_to_slots(self.k[layer], self.v[layer], k, v, lengths, counts)
-
-    def _attention(self, layer, q, lengths_after, longest_after, scale):
-        """The attention over what the layer's buffer holds, and its log-sum-exp."""
-        # Before the ring wraps, the layout is linear: attend only over the filled prefix.
-        used = min(longest_after, self.slots)
-        return reference_attention(
-            q,
-            self.k[layer, :, :, :used],
-            self.v[layer, :, :, :used],
-            lengths_after,
-            window=self.window,
-            scale=scale,
-            return_lse=True,
-        )
-
-    # -------------------------------------------------------------------------------------
-    def _piece_counts(self, offset: int, num_new: int):
-        """The step's counts for its tokens ``[offset, offset + num_new)`` (a ring buffer's piece)."""
-        counts = self._step_counts
-        if counts is None or (offset == 0 and num_new == self._num_new):
-            return counts
-        return (counts - offset).clamp(0, num_new)
+    # -- storage and attention, in plain tensors ------------------------------------------------
+    def move_rows(self, src_rows: torch.Tensor, resize: bool) -> None:
+        """Row ``i`` of every buffer becomes old row ``src_rows[i]``: in place (in-place semantics
+        need a snapshot: each buffer is gathered into a temporary and copied back), or into new
+        buffers of ``len(src_rows)`` rows."""
+        for name, t in self.named_buffers(recurse=False):
+            if resize:
+                setattr(self, name, t.index_select(1, src_rows))
+            else:
+                t.copy_(t.index_select(1, src_rows))
 
     def _append_and_attend(self, layer, q, k, v, offset, scale):
         # offset: tokens of this step that earlier pieces already stored
         T = k.shape[2]
-        lengths_before = self.lengths + offset if offset else self.lengths
-        counts = self._piece_counts(offset, T)
-        self._append(layer, k, v, lengths_before, counts)
+        lengths_before = self.rows.piece_lengths(offset)
+        counts = self.rows.piece_counts(offset, T)
+        append_to_slots(self.k[layer], self.v[layer], k, v, lengths_before, counts)
         # Attention as if every row held all T tokens: with counts, each real query keeps its true
         # position and the causal mask hides the padding's slots (see the module docstring).
-        out, lse = self._attention(layer, q, lengths_before + T, self.seq_length + offset + T, scale)
+        # Before the ring wraps, the layout is linear: attend only over the filled prefix.
+        used = min(self.seq_length + offset + T, self.slots)
+        out, lse = reference_attention(
+            q,
+            self.k[layer, :, :, :used],
+            self.v[layer, :, :, :used],
+            lengths_before + T,
+            window=self.window,
+            scale=scale,
+            return_lse=True,
+        )
         if not self.sink_tokens:
             return out
-        self._store_sink_tokens(layer, k, v, lengths_before, counts)
+        store_sink_tokens(self.sink_k[layer], self.sink_v[layer], k, v, lengths_before, counts)
         sink_out, sink_lse = sink_token_attention(
             q,
             self.sink_k[layer, :, :, : self.sink_tokens],
@@ -900,27 +443,8 @@ class PreallocatedCache(nn.Module):
         )
         return merge_attention(out, lse, sink_out, sink_lse, q.dtype)
 
-    def _store_sink_tokens(self, layer, k, v, lengths_before, counts):
-        """New tokens at positions below ``sink_tokens`` go to their sink slot; the others, and
-        padding, to the scratch slot."""
-        tokens = torch.arange(k.shape[2], device=k.device)
-        slots = (lengths_before.unsqueeze(1) + tokens).clamp(max=self.sink_tokens)
-        if counts is not None:
-            slots = slots.masked_fill(tokens >= counts.unsqueeze(1), self.sink_tokens)
-        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
-        self.sink_k[layer][rows, :, slots] = k.permute(0, 2, 1, 3)
-        self.sink_v[layer][rows, :, slots] = v.permute(0, 2, 1, 3)
-
-    def _check_step(self, layer, q, k, v, scale):
-        """Everything a step checks before it writes a byte (subclasses add what their kernels need)."""
-        if self._num_new is None:
-            raise RuntimeError("attend() called outside a step: call start_step(T) first")
-        expected = (self.batch_size, self.kv_heads, self._num_new, self.head_dim)
-        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.k.dtype, self.k.device)
-
     def bytes_allocated(self) -> int:
-        sinks = 2 * self.sink_k.numel() * self.sink_k.element_size() if self.sink_tokens else 0
-        return 2 * self.k.numel() * self.k.element_size() + sinks
+        return sum(t.numel() * t.element_size() for t in self.buffers(recurse=False))
 
     def bytes_used(self) -> int:
         per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * self.k.element_size()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from attention_oracle import attention_float64, attention_plain
 from kvcache_ext import BlockPool, Engine, KVCache, PagedKVCache, PoolExhaustedError
-from kvcache_ext.paged import RELEASED
+from kvcache_ext.block_pool import RELEASED
 from python_ref import build_gpt2, build_llama, generate, reference_attention
 from python_ref.quantize import FORMATS
 

@@ -1,0 +1,185 @@
+"""What the cache protocol costs over the bare ops: one decode step of a 12-layer model, per layout.
+
+    python bench/cache_overhead.py [--contexts 128 1024] [--dtype float32] [--rounds 7] [--steps 40]
+
+For each storage layout (plain, int8, fp8_e4m3, int4; contiguous and paged) one decode step at
+batch 1 (GPT-2 shape: 12 query and KV heads of 64) is timed three ways, in alternating rounds on one
+thread so that load on a shared machine weighs on all alike:
+
+* ``cache``: through the cache protocol, ``start_step(1)``, ``attend`` for each of 12 layers,
+  ``finish_step()`` (``KVCache`` / ``PagedKVCache``);
+* ``bare ops``: the same layers' raw ``torch.ops.kvcache_ext`` append and attention calls on
+  buffers and lengths prepared in advance (what the cache protocol adds nothing to);
+* ``sdpa``: a preallocated cache written by slice assignment and read by PyTorch's
+  ``scaled_dot_product_attention`` (GQA), the baseline the native path must beat.
+
+Each timed round runs ``--steps`` decode steps from a context of L tokens; the table gives the
+median per-step time and the ratios cache / bare ops (the protocol's overhead; goal <= 1.2) and
+sdpa / cache (goal >= 1.0). The CPU model and the kernel copy that ran are printed with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kvcache_ext
+from kvcache_ext import KVCache, PagedKVCache
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 12, 12, 64, 16
+FORMATS = [None, "int8", "fp8_e4m3", "int4"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_model() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def step_inputs(dtype, steps):
+    g = torch.Generator().manual_seed(0)
+    shape = (steps, LAYERS, 1, HEADS, 1, HEAD_DIM)
+    return tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(3))
+
+
+def prefilled(cache, context, dtype):
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(1, HEADS, context, HEAD_DIM, generator=g).to(dtype)
+    cache.start_step(context)
+    for layer in range(LAYERS):
+        cache.attend(layer, k, k, k)
+    cache.finish_step()
+
+
+def cache_steps(make_cache, context, dtype, steps):
+    """A function running ``steps`` decode steps through the cache protocol from ``context`` tokens."""
+    cache = make_cache()
+    prefilled(cache, context, dtype)
+    q, k, v = step_inputs(dtype, steps)
+
+    def run():
+        for s in range(steps):
+            cache.start_step(1)
+            for layer in range(LAYERS):
+                cache.attend(layer, q[s, layer], k[s, layer], v[s, layer])
+            cache.finish_step()
+        # back to `context` tokens for the next round
+        cache.rewind(0, steps) if isinstance(cache, PagedKVCache) else cache.rewind(steps)
+
+    return run
+
+
+def bare_steps(make_cache, context, dtype, steps):
+    """The same steps as raw op calls on the cache's own buffers, every argument made in advance."""
+    cache = make_cache()
+    prefilled(cache, context, dtype)
+    q, k, v = step_inputs(dtype, steps)
+    ops = torch.ops.kvcache_ext
+    lengths = [torch.full((1,), context + s, dtype=torch.long) for s in range(steps + 1)]
+    if isinstance(cache, PagedKVCache):
+        tables = torch.tensor([cache.pool.block_table(0) + [0] * (steps // BLOCK + 2)], dtype=torch.int32)
+        pools = [tuple(t[layer] for t in cache.storage.tensors().values()) for layer in range(LAYERS)]
+        append = ops.paged_append_kv if cache.kv_dtype is None else ops.paged_append_kv_quantized
+        attend = ops.paged_decode_attention if cache.kv_dtype is None else ops.paged_decode_attention_quantized
+        extra = (tables,)
+    else:
+        pools = [tuple(t[layer] for t in cache.storage.tensors().values()) for layer in range(LAYERS)]
+        append = ops.append_kv if cache.kv_dtype is None else ops.append_kv_quantized
+        attend = ops.decode_attention if cache.kv_dtype is None else ops.decode_attention_quantized
+        extra = ()
+
+    def run():
+        for s in range(steps):
+            for layer in range(LAYERS):
+                append(*pools[layer], k[s, layer], v[s, layer], *extra, lengths[s])
+                attend(q[s, layer], *pools[layer], *extra, lengths[s + 1])
+
+    return run
+
+
+def sdpa_steps(context, dtype, steps):
+    k_cache = torch.randn(LAYERS, 1, HEADS, context + steps, HEAD_DIM).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    q, k, v = step_inputs(dtype, steps)
+
+    def run():
+        for s in range(steps):
+            end = context + s + 1
+            for layer in range(LAYERS):
+                k_cache[layer, :, :, end - 1 : end] = k[s, layer]
+                v_cache[layer, :, :, end - 1 : end] = v[s, layer]
+                F.scaled_dot_product_attention(q[s, layer], k_cache[layer, :, :, :end], v_cache[layer, :, :, :end])
+
+    return run
+
+
+def measure(fns, rounds):
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=[128, 1024], help="context lengths L (default: 128 1024)"
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="q/k/v dtype (default: float32)")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating timed rounds (default: 7)")
+    parser.add_argument("--steps", type=int, default=40, help="decode steps per round (default: 40)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dtype = DTYPES[args.dtype]
+    print(
+        f"{cpu_model()}, kernels: {kvcache_ext.kernels_used('cpu')}, one thread, {args.dtype}, B=1, "
+        f"{LAYERS} layers, {HEADS} heads of {HEAD_DIM}, {args.steps} steps x {args.rounds} rounds (median)"
+    )
+    print("| layout | L | cache (us/step) | bare ops (us/step) | sdpa (us/step) | cache / bare ops | sdpa / cache |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for context in args.contexts:
+        capacity = context + args.steps
+        blocks = capacity // BLOCK + 4
+        layouts = {}
+        for fmt in FORMATS:
+            name = fmt or "plain"
+            layouts[f"KVCache {name}"] = lambda fmt=fmt: KVCache(
+                LAYERS, 1, HEADS, HEAD_DIM, max_cache_len=capacity, dtype=dtype, kv_dtype=fmt
+            )
+            layouts[f"PagedKVCache {name}"] = lambda fmt=fmt: PagedKVCache(
+                LAYERS, HEADS, HEAD_DIM, num_blocks=blocks, block_size=BLOCK, dtype=dtype, kv_dtype=fmt
+            )
+        sdpa = sdpa_steps(context, dtype, args.steps)
+        for name, make in layouts.items():
+            t = measure(
+                {
+                    "cache": cache_steps(make, context, dtype, args.steps),
+                    "bare": bare_steps(make, context, dtype, args.steps),
+                    "sdpa": sdpa,
+                },
+                args.rounds,
+            )
+            per = {key: value / args.steps * 1e6 for key, value in t.items()}
+            print(
+                f"| {name} | {context} | {per['cache']:.0f} | {per['bare']:.0f} | {per['sdpa']:.0f} | "
+                f"{per['cache'] / per['bare']:.2f} | {per['sdpa'] / per['cache']:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Where a cache's keys and values live: the storage layouts every cache is built on.
+
+A layout owns the buffers of every layer and answers, per layer, four questions and nothing else:
+store these new tokens for these rows (``append``), attend with these queries over what the rows
+hold (``attention``), and, for the caches' row operations and accounting, move rows
+(``gather_rows`` in place, ``select_rows`` into new buffers) and count bytes. Each call has a
+``check_*`` twin that raises, changing nothing, for arguments the unchecked call must not get; a
+cache checks a step once and then runs every layer unchecked. ``tensors()`` names the buffers for
+saving. What rows hold (lengths, windows, sink tokens, the row operations' rules) is the caches'
+row state (``python_ref.row_state.RowState``), not the layout's.
+
+Contiguous layouts (:class:`ContiguousLayout`, :class:`QuantizedLayout`) hold a ring of ``slots``
+per row, ``(layers, batch, kv_heads, slots, ...)``: position ``p`` of row ``b`` in slot ``p % slots``.
+Paged layouts (:class:`PagedLayout`, :class:`PagedQuantizedLayout`) hold pools of blocks,
+``(layers, num_blocks, kv_heads, block_size, ...)``, addressed through per-row block tables.
+The quantized ones store codes and scales (``python_ref/quantize.py``) and dequantize in the kernel.
+"""
+
+from .contiguous import ContiguousLayout
+from .formats import KV_DTYPES, check_kv_format, kv_format
+from .paged import PagedLayout, PagedQuantizedLayout
+from .quantized import QuantizedLayout, quantized_shapes
+
+
+def contiguous_layout(kv_dtype):
+    """The contiguous layout class of ``kv_dtype`` (None: keys/values in the queries' dtype)."""
+    return ContiguousLayout if kv_dtype is None else QuantizedLayout
+
+
+def buffer_shapes(kv_dtype, shape: tuple, dtype) -> dict:
+    """``name -> (shape, dtype)`` of the buffers a layout of ``kv_dtype`` holds for values of
+    ``shape`` (last dimension head_dim) in ``dtype``."""
+    return {"k": (shape, dtype), "v": (shape, dtype)} if kv_dtype is None else quantized_shapes(kv_dtype, shape)
+
+
+def paged_layout(kv_dtype):
+    """The paged layout class of ``kv_dtype``."""
+    return PagedLayout if kv_dtype is None else PagedQuantizedLayout
+
+
+__all__ = [
+    "KV_DTYPES",
+    "ContiguousLayout",
+    "PagedLayout",
+    "PagedQuantizedLayout",
+    "QuantizedLayout",
+    "buffer_shapes",
+    "check_kv_format",
+    "contiguous_layout",
+    "kv_format",
+    "paged_layout",
+]
