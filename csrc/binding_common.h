@@ -207,6 +207,24 @@ inline std::vector<int64_t> row_lengths(const torch::stable::Tensor& lengths, in
   return len;
 }
 
+// Each row's count of stored tokens for an append of num_new tokens per row: new_counts (int64
+// (batch,), read through its stride) checked to lie in [0, num_new], or num_new for every row
+// without it. Reads new_counts on the host: for the CPU bindings only.
+inline std::vector<int64_t> row_new_counts(const std::optional<torch::stable::Tensor>& new_counts, int64_t batch,
+                                           int64_t num_new) {
+  std::vector<int64_t> count(static_cast<size_t>(batch), num_new);
+  if (!new_counts.has_value()) return count;
+  check_new_counts_layout(*new_counts, batch);
+  STD_TORCH_CHECK(new_counts->is_cpu(), "new_counts must be a CPU tensor for the CPU kernel");
+  const int64_t* data = new_counts->const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    count[b] = data[b * new_counts->stride(0)];
+    STD_TORCH_CHECK(count[b] >= 0 && count[b] <= num_new, "new_counts must be between 0 and num_new=", num_new,
+                    ", got ", count[b], " for row ", b);
+  }
+  return count;
+}
+
 // append_kv's new keys/values against the cache: shapes, dtype, equal token counts, at most as
 // many tokens as slots. Returns the number of new tokens. (Devices are each binding's to check.)
 inline int64_t check_new_tokens(const torch::stable::Tensor& k_cache, const torch::stable::Tensor& k_new,

@@ -69,10 +69,11 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // [batch, kv_heads, slots] (int8, fp8) or float16 [batch, kv_heads, slots, head_dim / 32]
   // (int4). append_kv_quantized quantizes k_new/v_new [batch, kv_heads, num_new, head_dim]
   // (float32, bfloat16 or float16) into slot (lengths[b] + t) % slots, data and scales, exactly
-  // as python_ref.quantize.quantize does; lengths as for append_kv.
+  // as python_ref.quantize.quantize does; lengths and new_counts as for append_kv (only tokens
+  // t < new_counts[b] of row b are quantized and written).
   m.def(
       "append_kv_quantized(Tensor(a!) k_data, Tensor(b!) k_scales, Tensor(c!) v_data, Tensor(d!) v_scales, "
-      "Tensor k_new, Tensor v_new, Tensor lengths) -> ()");
+      "Tensor k_new, Tensor v_new, Tensor lengths, Tensor? new_counts=None) -> ()");
   // decode_attention over the values a quantized cache stands for, dequantized in registers:
   // python_ref.quantize.reference_quantized_attention. q (and out) float32, bfloat16 or float16.
   m.def(

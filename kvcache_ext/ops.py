@@ -385,8 +385,9 @@ def check_quantized_cache(k_data, k_scales, v_data, v_scales, dims="batch, kv_he
     return fmt, head_dim
 
 
-def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths) -> None:
-    """Everything ``append_kv_quantized`` needs of its arguments, values of ``lengths`` excepted."""
+def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
+    """Everything ``append_kv_quantized`` needs of its arguments, values of ``lengths`` and
+    ``new_counts`` excepted."""
     _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
     B, H, S = k_data.shape[:3]
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -405,6 +406,7 @@ def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, 
     if k_new.shape[2] > S:
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_data.device)
+    check_new_counts(new_counts, B, k_data.device)
 
 
 def check_decode_attention_quantized(
@@ -418,21 +420,20 @@ def check_decode_attention_quantized(
     check_lengths(lengths, k_data.shape[0], k_data.device)
 
 
-def append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths) -> None:
+def append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
     """Quantize ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the cache at slots ``(lengths + t) % S``:
-    codes into ``*_data``, scales into ``*_scales``, exactly ``python_ref.quantize.quantize``."""
-    check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths)
+    codes into ``*_data``, scales into ``*_scales``, exactly ``python_ref.quantize.quantize``.
+    ``new_counts`` as for :func:`append_kv`: only tokens ``t < new_counts[b]`` of row ``b`` are
+    quantized and written; the other slots keep their bytes."""
+    check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
     check_length_values(lengths, 0, "the tokens already in each row")
+    check_new_count_values(new_counts, k_new.shape[2])
     if not capabilities(k_data.device).native:
-        fmt = kv_format_of(k_data)
-        rows = torch.arange(k_data.shape[0], device=k_data.device).unsqueeze(1)
-        slots = (lengths.unsqueeze(1) + torch.arange(k_new.shape[2], device=k_data.device)) % k_data.shape[2]
-        for data, scales, new in ((k_data, k_scales, k_new), (v_data, v_scales, v_new)):
-            codes, new_scales = quant.quantize(new, fmt)
-            data[rows, :, slots] = codes.movedim(2, 1)
-            scales[rows, :, slots] = new_scales.movedim(2, 1)
+        quant.append_quantized_to_slots(
+            k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, kv_format_of(k_data), new_counts
+        )
         return
-    torch.ops.kvcache_ext.append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths)
+    torch.ops.kvcache_ext.append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
 
 
 def decode_attention_quantized(
@@ -473,8 +474,8 @@ def decode_attention_quantized(
 if _native.available:
 
     @torch.library.register_fake("kvcache_ext::append_kv_quantized")
-    def _append_kv_quantized_fake(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths):
-        _check_one_device(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths)
+    def _append_kv_quantized_fake(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None):
+        _check_one_device(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention_quantized")

@@ -102,6 +102,26 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scales
 
 
+def append_quantized_to_slots(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, fmt: str, counts=None) -> None:
+    """Quantize ``k_new``/``v_new`` ``(B, H_kv, T, D)`` (:func:`quantize`) into a quantized cache of
+    format ``fmt`` in place: codes into ``*_data``, scales into ``*_scales``, token ``t`` of row ``b`` at
+    slot ``(lengths[b] + t) % S`` (the semantics of the native ``append_kv_quantized``); with
+    ``counts`` ``(B,)``, only the tokens ``t < counts[b]``."""
+    B, _, T, _ = k_new.shape
+    rows = torch.arange(B, device=k_new.device).unsqueeze(1).expand(B, T)
+    tokens = torch.arange(T, device=k_new.device).expand(B, T)
+    if counts is not None:
+        kept = tokens < counts.unsqueeze(1)
+        rows, tokens = rows[kept], tokens[kept]
+    rows, tokens = rows.flatten(), tokens.flatten()
+    slots = (lengths[rows] % k_data.shape[2] + tokens) % k_data.shape[2]  # lengths + t could pass int64
+    for data, scales, new in ((k_data, k_scales, k_new), (v_data, v_scales, v_new)):
+        codes, new_scales = quantize(new[rows, :, tokens], fmt)  # (tokens, H_kv, ...)
+        # Through bytes: indexed writes into float8 tensors are not implemented everywhere.
+        data.view(torch.uint8)[rows, :, slots] = codes.view(torch.uint8)
+        scales[rows, :, slots] = new_scales
+
+
 def dequantize(data: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values that ``(data, scales)`` of format ``fmt`` stand for, exactly (in float32 or
     float64), then cast to ``dtype``."""

@@ -464,6 +464,30 @@ def test_quantized_append_is_bit_identical_to_the_reference(fmt, dtype):
         assert same_bits(gpu, cpu)
 
 
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantized_append_with_new_counts_equals_cpu(fmt, dtype):
+    # Per-row counts (0 to num_new, a wrapping row, a strided counts view): the GPU writes exactly
+    # the CPU's bytes, and the slots of uncounted tokens keep theirs.
+    B, H, T, D, S = 4, 3, 5, 96, 7
+    k_new = hard_values(B, H, T, D, dtype, seed=3)
+    v_new = hard_values(B, T, H, D, dtype, seed=4).transpose(1, 2)
+    lengths = torch.tensor([6, 2**62, 0, 3])
+    counts = torch.tensor([[0, 9], [5, 9], [2, 9], [1, 9]])[:, 0]
+    g = torch.Generator().manual_seed(5)
+    cpu_cache = [
+        torch.randint(0, 100, t.shape, generator=g, dtype=torch.uint8).view(t.dtype) if t.element_size() == 1 else t + 1
+        for t in empty_quantized_cache(fmt, B, H, S, D, "cpu")
+    ]
+    cache = [t.cuda() for t in cpu_cache]
+    before = [t.clone() for t in cpu_cache]
+    kvcache_ext.append_kv_quantized(*cache, k_new.cuda(), v_new.cuda(), lengths.cuda(), counts.cuda())
+    kvcache_ext.append_kv_quantized(*cpu_cache, k_new, v_new, lengths, counts)
+    for gpu, cpu in zip(cache, cpu_cache):
+        assert same_bits(gpu.cpu(), cpu)
+    assert same_bits(cpu_cache[0][0], before[0][0])  # row 0 counts no token
+
+
 def quantized_problem(fmt, dtype, B, H_kv, group, T, D, S, lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H_kv * group, D, generator=g).to(dtype).transpose(1, 2)
@@ -559,6 +583,8 @@ def test_quantized_opcheck(fmt):
     torch.library.opcheck(op.decode_attention_quantized.default, (q, *cache, lengths, 5, None), **checks)
     new = torch.randn(2, 2, 3, 64, dtype=torch.bfloat16, device="cuda")
     torch.library.opcheck(op.append_kv_quantized.default, (*cache, new, new.clone(), lengths), **checks)
+    counts = torch.tensor([1, 3], device="cuda")
+    torch.library.opcheck(op.append_kv_quantized.default, (*cache, new, new.clone(), lengths, counts), **checks)
 
 
 @pytest.mark.parametrize("fmt", qref.FORMATS)

@@ -640,11 +640,13 @@ def bits(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(BITS_DTYPE.get(t.dtype, torch.int32))
 
 
-def emulated_append_quantized(lib, fmt, cache, k_new, v_new, lengths, max_blocks=65535):
+def emulated_append_quantized(lib, fmt, cache, k_new, v_new, lengths, max_blocks=65535, counts=None):
     """The CUDA binding's launch under emulation, every buffer between guards; `cache` =
     [k_data, k_scales, v_data, v_scales] gets the new contents."""
     guarded_cache = [Guarded(t) for t in cache]
     inputs = {"k_new": Guarded(k_new), "v_new": Guarded(v_new), "lengths": Guarded(lengths)}
+    if counts is not None:
+        inputs["counts"] = Guarded(counts)
     B, H, S = cache[0].shape[:3]
     status = lib.emu_append_kv_quantized(
         FORMAT_CODE[fmt],
@@ -657,6 +659,8 @@ def emulated_append_quantized(lib, fmt, cache, k_new, v_new, lengths, max_blocks
         int64s(list(k_new.stride()) + list(v_new.stride())),
         ptr(inputs["lengths"].view),
         ctypes.c_int64(lengths.stride(0)),
+        ptr(inputs["counts"].view) if counts is not None else None,
+        ctypes.c_int64(counts.stride(0) if counts is not None else 0),
         int64s([B, H, k_new.shape[2], S, k_new.shape[3]]),
         ctypes.c_int64(max_blocks),
     )
@@ -670,14 +674,16 @@ def emulated_append_quantized(lib, fmt, cache, k_new, v_new, lengths, max_blocks
         t.copy_(g.view)
 
 
-def expected_append_quantized(fmt, cache, k_new, v_new, lengths):
-    """python_ref's quantizer at slot (n + t) % S of every row with 0 <= n <= 2^62."""
+def expected_append_quantized(fmt, cache, k_new, v_new, lengths, counts=None):
+    """python_ref's quantizer at slot (n + t) % S of every row with 0 <= n <= 2^62, for t < counts[b]
+    (a row whose count is outside [0, num_new] untouched)."""
     expected = [t.clone() for t in cache]
-    S = cache[0].shape[2]
+    S, T = cache[0].shape[2], k_new.shape[2]
     for b, n in enumerate(lengths.tolist()):
-        if not 0 <= n <= MAX_LENGTH:
+        count = T if counts is None else int(counts[b])
+        if not 0 <= n <= MAX_LENGTH or not 0 <= count <= T:
             continue
-        for t in range(k_new.shape[2]):
+        for t in range(count):
             for side, new in ((0, k_new), (2, v_new)):
                 data, scales = qref.quantize(new[b, :, t], fmt)
                 expected[side][b, :, (n + t) % S] = data
@@ -745,6 +751,24 @@ def test_append_kv_quantized_strided_cache_and_grid_stride(emulator, fmt):
     emulated_append_quantized(emulator, fmt, cache, k_new, v_new, lengths, max_blocks=1)
     for got, want in zip(cache, expected):
         assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+def test_append_kv_quantized_stores_only_the_counted_tokens(emulator, fmt):
+    # new_counts: row b quantizes its first counts[b] tokens (ring wrap included); a count outside
+    # [0, num_new] leaves its row untouched (the binding cannot read it without a host sync).
+    counts = torch.tensor([0, 1, 3, 5, -1, 6, INT64_MAX, INT64_MIN])
+    B, H, S, D, T = len(counts), 2, 7, 64, 5
+    g = torch.Generator().manual_seed(23)
+    cache = list(quantized_cache(fmt, B, H, S, D, g)) + list(quantized_cache(fmt, B, H, S, D, g))
+    k_new = awkward_values(B, H, T, D, torch.bfloat16, g)
+    v_new = awkward_values(B, T, H, D, torch.bfloat16, g).transpose(1, 2)  # non-contiguous
+    lengths = torch.tensor([0, 6, 4, MAX_LENGTH, 0, 1, 2, 3])
+    counts_view = torch.stack([counts, counts], 1)[:, 1]  # a strided view
+    expected = expected_append_quantized(fmt, cache, k_new, v_new, lengths, counts)
+    emulated_append_quantized(emulator, fmt, cache, k_new, v_new, lengths, max_blocks=3, counts=counts_view)
+    for name, got, want in zip(("k_data", "k_scales", "v_data", "v_scales"), cache, expected):
+        assert torch.equal(bits(got), bits(want)), f"{name} differs from python_ref.quantize"
 
 
 # ---- quantized decode attention -----------------------------------------------------------------

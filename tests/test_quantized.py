@@ -11,7 +11,15 @@ import kvcache_ext
 from attention_oracle import attention_float64, attention_plain
 from kvcache_ext import KVCache
 from python_ref import build_gpt2, build_llama
-from python_ref.quantize import FORMATS, data_shape, dequantize, quantize, scale_dtype, scale_shape
+from python_ref.quantize import (
+    FORMATS,
+    append_quantized_to_slots,
+    data_shape,
+    dequantize,
+    quantize,
+    scale_dtype,
+    scale_shape,
+)
 
 native = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -139,6 +147,130 @@ def test_native_append_of_many_tokens_with_strided_inputs(fmt):
             for t in range(T):
                 assert same_bits(cache[side][b, :, (n + t) % S], expected_data[b, :, t])
                 assert same_bits(cache[side + 1][b, :, (n + t) % S], expected_scales[b, :, t])
+
+
+# ---- per-row counts: only the counted tokens are quantized ------------------------------------
+INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
+STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}
+
+
+def _guarded_cache(fmt, B, H, S, D, generator):
+    """Codes and scales as strided views (slots and head heads interleaved in a larger buffer)
+    full of random bytes; returns the four views and the four buffers around them."""
+    views, buffers = [], []
+    for _ in range(2):
+        wide = data_shape(fmt, (B, S + 3, H, D + 32))
+        data = torch.randint(0, 256, wide, generator=generator, dtype=torch.uint8)
+        if fmt == "fp8_e4m3":  # no NaN codes: they would compare unequal to themselves
+            data = torch.where(data & 0x7F == 0x7F, 0, data)
+        data = data.view(STORAGE[fmt])
+        scales = torch.rand(scale_shape(fmt, (B, S + 3, H, D + 32)), generator=generator).to(scale_dtype(fmt))
+        row = D // 2 if fmt == "int4" else D
+        views.append(data[:, 1 : S + 1, :, :row].transpose(1, 2))
+        views.append(
+            scales[:, 2 : S + 2, :, : D // 32].transpose(1, 2)
+            if fmt == "int4"
+            else scales[:, 2 : S + 2].transpose(1, 2)
+        )
+        buffers += [data, scales]
+    return views, buffers
+
+
+def _expected_counted_append(fmt, buffers, views, k_new, v_new, lengths, counts):
+    """What the buffers hold after the append: python_ref's quantizer, token by token, at slot
+    (n + t) % S of row b for t < counts[b]; every other byte as it was."""
+    expected = [t.clone() for t in buffers]
+    expected_views = [e.as_strided(v.shape, v.stride(), v.storage_offset()) for e, v in zip(expected, views)]
+    S = views[0].shape[2]
+    for b, (n, count) in enumerate(zip(lengths.tolist(), counts.tolist())):
+        for t in range(count):
+            for side, new in ((0, k_new), (2, v_new)):
+                data, scales = quantize(new[b, :, t], fmt)
+                expected_views[side][b, :, (n + t) % S].view(torch.uint8).copy_(data.view(torch.uint8))
+                expected_views[side + 1][b, :, (n + t) % S] = scales
+    return expected
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["native", "reference"])
+def test_append_with_new_counts_writes_only_the_counted_tokens(fmt, dtype, path):
+    # Odd sizes, rows that wrap around the ring (length 2^62 included), counts from 0 to num_new,
+    # transposed and head_dim-strided sources, a strided counts view, a cache viewed out of buffers
+    # whose other bytes must stay as they were.
+    if path == "native" and not kvcache_ext.native_available():
+        pytest.skip("native library not loaded")
+    B, H, S, D, T = 5, 3, 7, 96, 4
+    g = torch.Generator().manual_seed(5)
+    views, buffers = _guarded_cache(fmt, B, H, S, D, g)
+    k_new = (torch.randn(B, T, H, D, generator=g) * 3).to(dtype).transpose(1, 2)
+    v_new = torch.randn(B, H, D, T, generator=g).to(dtype).transpose(2, 3)  # head_dim not contiguous
+    v_new[1, 2, 3] = 0.0  # a zero vector: scale 0
+    lengths = torch.tensor([0, 5, 6, 2**62, 13])
+    counts = torch.stack([torch.tensor([0, 4, 2, 1, 3]), torch.zeros(5, dtype=torch.long)], 1)[:, 0]
+    expected = _expected_counted_append(fmt, buffers, views, k_new, v_new, lengths, counts)
+    if path == "native":
+        kvcache_ext.append_kv_quantized(*views, k_new, v_new, lengths, counts)
+    else:
+        append_quantized_to_slots(*views, k_new, v_new, lengths, fmt, counts)
+    for got, want in zip(buffers, expected):
+        assert same_bits(got, want)
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_append_without_counts_equals_full_counts(fmt):
+    B, H, S, D, T = 2, 2, 6, 64, 3
+    g = torch.Generator().manual_seed(9)
+    k_new, v_new = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    lengths = torch.tensor([4, 1])
+    with_counts, without = _empty_cache(fmt, B, H, S, D), _empty_cache(fmt, B, H, S, D)
+    kvcache_ext.append_kv_quantized(*with_counts, k_new, v_new, lengths, torch.tensor([T, T]))
+    kvcache_ext.append_kv_quantized(*without, k_new, v_new, lengths)
+    assert all(same_bits(a, b) for a, b in zip(with_counts, without))
+    assert with_counts[0].view(torch.uint8).any()
+
+
+@native
+@pytest.mark.parametrize("through", ["wrapper", "op"])
+@pytest.mark.parametrize(
+    "counts,message",
+    [
+        (torch.tensor([0, 3]), "between 0 and num_new=2"),
+        (torch.tensor([-1, 0]), "between 0 and num_new=2"),
+        (torch.tensor([INT64_MIN, 0]), "between 0 and num_new=2"),
+        (torch.tensor([1, INT64_MAX]), "between 0 and num_new=2"),
+        (torch.tensor([1, 1], dtype=torch.int32), "new_counts must be int64 of shape \\(2,\\)"),
+        (torch.tensor([1, 1, 1]), "new_counts must be int64 of shape \\(2,\\)"),
+        (torch.tensor([[1, 1]]), "new_counts must be int64 of shape \\(2,\\)"),
+    ],
+    ids=["above", "negative", "int64_min", "int64_max", "int32", "long", "2d"],
+)
+def test_bad_new_counts_are_refused_with_nothing_written(through, counts, message):
+    fmt, B, H, S, D, T = "int8", 2, 2, 5, 64, 2
+    cache = _empty_cache(fmt, B, H, S, D)
+    new = torch.randn(B, H, T, D)
+    append = kvcache_ext.append_kv_quantized if through == "wrapper" else torch.ops.kvcache_ext.append_kv_quantized
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        append(*cache, new, new, torch.tensor([0, 1]), counts)
+    assert not any(t.view(torch.uint8).any() for t in cache)
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_opcheck_append_with_new_counts(fmt):
+    cache = _empty_cache(fmt, 3, 2, 5, 64)
+    new = torch.randn(3, 2, 3, 64, dtype=torch.float16)
+    checks = (
+        {}
+        if fmt != "fp8_e4m3"
+        else dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    )
+    torch.library.opcheck(
+        torch.ops.kvcache_ext.append_kv_quantized.default,
+        (*cache, new, new.clone(), torch.tensor([0, 4, 2]), torch.tensor([3, 0, 2])),
+        **checks,
+    )
 
 
 # ---- native attention over the same bytes -------------------------------------------------------

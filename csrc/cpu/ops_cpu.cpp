@@ -65,17 +65,7 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
   check_cpu(k_new, "k_new");
   check_cpu(v_new, "v_new");
   const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
-  std::vector<int64_t> count(static_cast<size_t>(B), T);  // tokens of each row that are stored
-  if (new_counts.has_value()) {
-    check_new_counts_layout(*new_counts, B);
-    check_cpu(*new_counts, "new_counts");
-    const int64_t* data = new_counts->const_data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      count[b] = data[b * new_counts->stride(0)];
-      STD_TORCH_CHECK(count[b] >= 0 && count[b] <= T, "new_counts must be between 0 and num_new=", T, ", got ",
-                      count[b], " for row ", b);
-    }
-  }
+  const std::vector<int64_t> count = row_new_counts(new_counts, B, T);  // tokens of each row that are stored
 
   const int64_t elem = static_cast<int64_t>(k_cache.element_size());
   struct Side {

@@ -193,15 +193,16 @@ void quantize_into(KvFormat format, int64_t D, Tensor& k_data, Tensor& k_scales,
 }
 
 void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
-                         Tensor lengths) {
+                         Tensor lengths, std::optional<Tensor> new_counts) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
   const int64_t S = k_data.size(2);
   const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
   check_cpu_tensor(k_new, "k_new");
   check_cpu_tensor(v_new, "v_new");
   const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
+  const std::vector<int64_t> count = row_new_counts(new_counts, k_data.size(0), T);
   quantize_into(
-      format, D, k_data, k_scales, v_data, v_scales, k_new, v_new, [T](int64_t) { return T; },
+      format, D, k_data, k_scales, v_data, v_scales, k_new, v_new, [&](int64_t b) { return count[b]; },
       [&](int64_t b, int64_t t) {
         return std::pair{b, (len[b] % S + t) % S};  // len[b] + t could exceed int64
       });

@@ -226,17 +226,24 @@ AppendKvQuantizedParams quantized_append_params(Tensor& k_data, Tensor& k_scales
 }
 
 void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
-                         Tensor lengths) {
+                         Tensor lengths, std::optional<Tensor> new_counts) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
   const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
   check_on_device(k_new, "k_new", k_data);
   check_on_device(v_new, "v_new", k_data);
   const int64_t B = k_data.size(0), H = k_data.size(1);
+  if (new_counts.has_value()) {
+    check_new_counts_layout(*new_counts, B);
+    check_on_device(*new_counts, "new_counts", k_data);
+  }
   if (T == 0 || B == 0 || H == 0) return;
 
   AppendKvQuantizedParams p = quantized_append_params(k_data, k_scales, v_data, v_scales, k_new, v_new, format, D);
   p.lengths = lengths.const_data_ptr<int64_t>();
   p.lengths_stride = lengths.stride(0);
+  // Values are the kernel's to check (a row with a count outside [0, num_new] is left alone).
+  p.counts = new_counts.has_value() ? new_counts->const_data_ptr<int64_t>() : nullptr;
+  p.counts_stride = new_counts.has_value() ? new_counts->stride(0) : 0;
   p.slots = k_data.size(2);
   torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
   STD_CUDA_CHECK(launch_append_kv_quantized(p, current_stream(k_data.get_device_index())));

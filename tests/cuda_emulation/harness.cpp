@@ -309,8 +309,9 @@ int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, con
 
 // What the CUDA binding does for append_kv_quantized after its checks. format: KvFormat; elem:
 // ElemType of the sources. data_stride, scale_stride: k's 3 then v's 3; source_stride: k_new's 4
-// then v_new's 4 (elements). sizes: batch, kv_heads, num_new, slots, head_dim. max_blocks: the
-// grid cap.
+// then v_new's 4 (elements). new_counts: null (every token) or the caller's counts, which the
+// kernel checks as the binding leaves them. sizes: batch, kv_heads, num_new, slots, head_dim.
+// max_blocks: the grid cap.
 static AppendKvQuantizedParams quantized_append_params(int format, int elem, void* k_data, void* k_scales, void* v_data,
                                                        void* v_scales, const int64_t* data_stride,
                                                        const int64_t* scale_stride, const void* k_new,
@@ -342,10 +343,12 @@ static int emulate_append_kv_quantized(const AppendKvQuantizedParams& p, int64_t
 int emu_append_kv_quantized(int format, int elem, void* k_data, void* k_scales, void* v_data, void* v_scales,
                             const int64_t* data_stride, const int64_t* scale_stride, const void* k_new,
                             const void* v_new, const int64_t* source_stride, const int64_t* lengths,
-                            int64_t lengths_stride, const int64_t* sizes, int64_t max_blocks) {
+                            int64_t lengths_stride, const int64_t* new_counts, int64_t new_counts_stride,
+                            const int64_t* sizes, int64_t max_blocks) {
   AppendKvQuantizedParams p = quantized_append_params(format, elem, k_data, k_scales, v_data, v_scales, data_stride,
                                                       scale_stride, k_new, v_new, source_stride);
   p.lengths = lengths, p.lengths_stride = lengths_stride;
+  p.counts = new_counts, p.counts_stride = new_counts_stride;
   p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3], p.head_dim = sizes[4];
   return emulate_append_kv_quantized(p, max_blocks);
 }
