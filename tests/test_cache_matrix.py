@@ -11,6 +11,7 @@ cache is not its own judge. The only refusals allowed are ValueErrors naming a l
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -170,3 +171,28 @@ def test_every_cell_equals_a_fresh_cache_of_its_history(kv_dtype, mode, operatio
         for layer in range(LAYERS):
             reference = float64_attention(q[layer], histories, layer, cache.window, cache.sink_tokens)
             torch.testing.assert_close(outs[layer].double(), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_constructor_shows_its_real_parameters():
+    parameters = inspect.signature(KVCache).parameters
+    assert list(parameters)[:4] == ["num_layers", "batch_size", "kv_heads", "head_dim"]
+    assert {"max_cache_len", "window", "chunk_size", "dtype", "device", "sink_tokens", "kv_dtype"} <= set(parameters)
+    assert type(KVCache(1, 1, 1, 32, max_cache_len=4, kv_dtype="int4")) is KVCache  # one class for every format
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS, ids=str)
+def test_a_refused_step_changes_nothing(kv_dtype):
+    cache = KVCache(LAYERS, BATCH, KV_HEADS, HEAD_DIM, window=6, chunk_size=4, sink_tokens=2, kv_dtype=kv_dtype)
+    histories = [[] for _ in range(BATCH)]
+    fill(cache, histories, torch.Generator().manual_seed(3), uneven=True)
+    before = {name: t.clone() for name, t in cache.named_buffers()}
+    cache.start_step(2)
+    q = torch.randn(BATCH, Q_HEADS, 2, HEAD_DIM)
+    k = torch.randn(BATCH, KV_HEADS, 2, HEAD_DIM)
+    for bad in (k.double(), k[:, :1], k[..., :16]):
+        with pytest.raises((ValueError, TypeError)):
+            cache.attend(0, q, bad, bad)
+    with pytest.raises(IndexError):
+        cache.attend(LAYERS, q, k, k)
+    for name, t in cache.named_buffers():
+        assert torch.equal(t, before[name]), name

@@ -456,14 +456,9 @@ class ReferenceQuantizedCache(KVCache):
         super().__init__(*args, **kwargs)
         self.fmt = fmt
 
-    def _append(self, layer, k, v, lengths, counts):  # store what the format stands for
-        super()._append(
-            layer,
-            dequantize(*quantize(k, self.fmt), self.fmt, torch.float32).to(k.dtype),
-            dequantize(*quantize(v, self.fmt), self.fmt, torch.float32).to(v.dtype),
-            lengths,
-            counts,
-        )
+    def attend(self, layer, q, k, v, scale=None):  # store what the format stands for
+        stands_for = (dequantize(*quantize(t, self.fmt), self.fmt, torch.float32).to(t.dtype) for t in (k, v))
+        return super().attend(layer, q, *stands_for, scale)
 
 
 def test_memory_of_quantized_caches_head_dim_128():
