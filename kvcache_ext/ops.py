@@ -1,5 +1,20 @@
 """Python entry points to the native ops, with input checks and fake (meta) implementations.
 
+Check once, run many. Every public op ``X`` (``append_kv``, ``decode_attention``, ``gather_rows``,
+``append_kv_quantized``, ``decode_attention_quantized``, ``paged_append_kv``, ``paged_decode_attention``,
+``paged_append_kv_quantized``, ``paged_decode_attention_quantized``) comes in three forms with one
+signature:
+
+* ``check_X(...)`` makes every check ``X`` makes of its arguments, in Python, and changes nothing:
+  it returns None or raises ``ValueError``/``TypeError`` saying what was expected and what came.
+* ``run_X(...)`` makes no check in Python: it goes straight to the native op, or to the
+  pure-PyTorch path where no kernel serves the device (decided once, at import). It is what a
+  cache calls once per layer per decode step, after one ``check_X`` per step; the caller promises
+  the arguments passed ``check_X``. Arguments that did not are the caller's bug, yet they cannot
+  crash the process or touch memory out of bounds: the native bindings refuse them (as
+  ``RuntimeError``, with the binding's message).
+* ``X(...)`` is ``check_X(...)`` then ``run_X(...)``.
+
 The contract, the same on every device (``csrc/ops.cpp`` has the schemas):
 
 * Shapes, dtypes, devices, strides, ``window`` and ``scale`` are checked here, before any memory
@@ -37,6 +52,26 @@ from .capabilities import MAX_LENGTH, PAGED_BLOCK_SIZES, SUPPORTED_DTYPES, Capab
 DEBUG_ENV = "KVCACHE_EXT_DEBUG"
 _INT64_MAX = 2**63 - 1
 _MAX_ABS_SCALE = torch.finfo(torch.float32).max / 2  # as the kernels check it (binding_common.h)
+
+# What the run_X forms dispatch on, decided once here so that a call looks nothing up: whether
+# native kernels serve CPU and CUDA tensors (capabilities().native), whether their paged kernels
+# take every block size (and format) the checks admit, and the op overloads themselves.
+_CPU_TABLE, _CUDA_TABLE = capabilities("cpu"), capabilities("cuda")
+_CPU_NATIVE, _CUDA_NATIVE = _CPU_TABLE.native, _CUDA_TABLE.native
+_CPU_PAGED = _CPU_NATIVE and _CPU_TABLE.paged_block_sizes == PAGED_BLOCK_SIZES
+_CUDA_PAGED = _CUDA_NATIVE and _CUDA_TABLE.paged_block_sizes == PAGED_BLOCK_SIZES
+_CPU_PAGED_QUANTIZED = _CPU_PAGED and set(_CPU_TABLE.paged_kv_formats) == set(quant.FORMATS)
+_CUDA_PAGED_QUANTIZED = _CUDA_PAGED and set(_CUDA_TABLE.paged_kv_formats) == set(quant.FORMATS)
+if _native.available:
+    _append_kv_op = torch.ops.kvcache_ext.append_kv.default
+    _decode_attention_op = torch.ops.kvcache_ext.decode_attention.default
+    _gather_rows_op = torch.ops.kvcache_ext.gather_rows.default
+    _append_kv_quantized_op = torch.ops.kvcache_ext.append_kv_quantized.default
+    _decode_attention_quantized_op = torch.ops.kvcache_ext.decode_attention_quantized.default
+    _paged_append_kv_op = torch.ops.kvcache_ext.paged_append_kv.default
+    _paged_decode_attention_op = torch.ops.kvcache_ext.paged_decode_attention.default
+    _paged_append_kv_quantized_op = torch.ops.kvcache_ext.paged_append_kv_quantized.default
+    _paged_decode_attention_quantized_op = torch.ops.kvcache_ext.paged_decode_attention_quantized.default
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -139,7 +174,8 @@ def check_new_count_values(new_counts, num_new: int) -> None:
 
 
 def check_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
-    """Everything ``append_kv`` needs of its arguments, values of ``lengths`` and ``new_counts`` excepted."""
+    """Every check of :func:`append_kv`'s arguments (values of ``lengths`` and ``new_counts`` as
+    :func:`check_length_values` checks them)."""
     check_cache_pair(k_cache, v_cache)
     B, H, S, D = k_cache.shape
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -157,10 +193,13 @@ def check_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) ->
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_cache.device)
     check_new_counts(new_counts, B, k_cache.device)
+    check_length_values(lengths, 0, "the tokens already in each row")
+    check_new_count_values(new_counts, k_new.shape[2])
 
 
 def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None) -> None:
-    """Everything ``decode_attention`` needs of its arguments, values of ``lengths`` excepted."""
+    """Every check of :func:`decode_attention`'s arguments (values of ``lengths`` as
+    :func:`check_length_values` checks them)."""
     check_cache_pair(k_cache, v_cache)
     dtype, device = k_cache.dtype, k_cache.device
     if q.dtype != dtype:
@@ -168,6 +207,7 @@ def check_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None
     B, H_kv, S, D = k_cache.shape
     check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks)
     check_lengths(lengths, B, device)
+    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
 
 
 def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> None:
@@ -201,17 +241,6 @@ def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> No
             raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
-def _attention_options(window, scale, softcap, sinks) -> tuple:
-    """The trailing arguments of every attention op's schema, in the types the schema names
-    (``float?`` for scale and softcap, a float32 ``sinks``): shared by the four attention wrappers."""
-    return (
-        window,
-        None if scale is None else float(scale),
-        None if softcap is None else float(softcap),
-        None if sinks is None else sinks.float(),
-    )
-
-
 def _attention_outputs_like(q) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty ``(out, lse)`` of an attention op for queries ``q`` (the fake implementations' result)."""
     B, H_q, T, _ = q.shape
@@ -225,16 +254,14 @@ def append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
     ``t < new_counts[b]`` of row ``b`` are written, the others are padding (a step that adds fewer
     tokens to some rows); their slots keep what they held. Values are checked like ``lengths``'."""
     check_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts)
-    check_length_values(lengths, 0, "the tokens already in each row")
-    check_new_count_values(new_counts, k_new.shape[2])
     run_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts)
 
 
 def run_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
-    """``append_kv`` on arguments the caller has checked (``check_append_kv``): the native op, or
-    the pure-PyTorch path where no kernel serves the device."""
-    if capabilities(k_cache.device).native:
-        torch.ops.kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts)
+    """:func:`append_kv` on arguments that passed :func:`check_append_kv`: the native op, or the
+    pure-PyTorch path where no kernel serves the device."""
+    if (k_cache.is_cpu and _CPU_NATIVE) or (k_cache.is_cuda and _CUDA_NATIVE):
+        _append_kv_op(k_cache, v_cache, k_new, v_new, lengths, new_counts)
     else:
         append_to_slots(k_cache, v_cache, k_new, v_new, lengths, new_counts)
 
@@ -247,24 +274,28 @@ def decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, soft
     softmax denominator ``(B, H_q, T)`` float32.
     """
     check_decode_attention(q, k_cache, v_cache, lengths, window, scale, softcap, sinks)
-    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
     return run_decode_attention(q, k_cache, v_cache, lengths, window, scale, softcap, sinks)
 
 
+# The attention ops' schemas take scale and softcap as float? and sinks as float32: each run_X
+# converts what check_X admits (an int scale, float16 sinks) inline.
 def run_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
-    """``decode_attention`` on arguments the caller has checked (``check_decode_attention``)."""
-    if not capabilities(k_cache.device).native:
-        out, lse = reference_attention(
-            q, k_cache, v_cache, lengths, window, scale, return_lse=True, softcap=softcap, sinks=sinks
+    """:func:`decode_attention` on arguments that passed :func:`check_decode_attention`."""
+    if (k_cache.is_cpu and _CPU_NATIVE) or (k_cache.is_cuda and _CUDA_NATIVE):
+        return _decode_attention_op(
+            q,
+            k_cache,
+            v_cache,
+            lengths,
+            window,
+            None if scale is None else float(scale),
+            None if softcap is None else float(softcap),
+            None if sinks is None else sinks.float(),
         )
-        return out, lse.float()
-    return torch.ops.kvcache_ext.decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        lengths,
-        *_attention_options(window, scale, softcap, sinks),
+    out, lse = reference_attention(
+        q, k_cache, v_cache, lengths, window, scale, return_lse=True, softcap=softcap, sinks=sinks
     )
+    return out, lse.float()
 
 
 def _check_one_device(*tensors) -> None:
@@ -276,7 +307,8 @@ def _check_one_device(*tensors) -> None:
 
 
 def check_gather_rows(k_cache, v_cache, src_rows) -> None:
-    """Everything ``gather_rows`` needs of its arguments, values of ``src_rows`` excepted."""
+    """Every check of :func:`gather_rows`'s arguments (the values of ``src_rows`` on the CPU; on CUDA
+    an asynchronous device-side assert with ``KVCACHE_EXT_DEBUG=1``, as for lengths)."""
     check_cache_pair(k_cache, v_cache)
     B = k_cache.shape[0]
     if src_rows.dtype != torch.long or src_rows.shape != (B,):
@@ -286,6 +318,13 @@ def check_gather_rows(k_cache, v_cache, src_rows) -> None:
         )
     if src_rows.device != k_cache.device:
         raise ValueError(f"src_rows must be on the cache's device {k_cache.device}, got {src_rows.device}")
+    if src_rows.device.type == "cpu":
+        bad = ((src_rows < 0) | (src_rows >= B)).nonzero()
+        if len(bad):
+            row = int(bad[0, 0])
+            raise ValueError(f"src_rows must be row indices in [0, {B}), got {int(src_rows[row])} for row {row}")
+    elif os.environ.get(DEBUG_ENV) == "1":
+        torch._assert_async(((src_rows >= 0) & (src_rows < B)).all(), f"kvcache_ext: src_rows must be in [0, {B})")
 
 
 def gather_rows(k_cache, v_cache, src_rows) -> None:
@@ -296,19 +335,16 @@ def gather_rows(k_cache, v_cache, src_rows) -> None:
     ``KVCACHE_EXT_DEBUG=1`` asserts on the device). Only changed rows are written.
     """
     check_gather_rows(k_cache, v_cache, src_rows)
-    B = k_cache.shape[0]
-    if src_rows.device.type == "cpu":
-        bad = ((src_rows < 0) | (src_rows >= B)).nonzero()
-        if len(bad):
-            row = int(bad[0, 0])
-            raise ValueError(f"src_rows must be row indices in [0, {B}), got {int(src_rows[row])} for row {row}")
-    elif os.environ.get(DEBUG_ENV) == "1":
-        torch._assert_async(((src_rows >= 0) & (src_rows < B)).all(), f"kvcache_ext: src_rows must be in [0, {B})")
-    if not capabilities(k_cache.device).native:
+    run_gather_rows(k_cache, v_cache, src_rows)
+
+
+def run_gather_rows(k_cache, v_cache, src_rows) -> None:
+    """:func:`gather_rows` on arguments that passed :func:`check_gather_rows`."""
+    if (k_cache.is_cpu and _CPU_NATIVE) or (k_cache.is_cuda and _CUDA_NATIVE):
+        _gather_rows_op(k_cache, v_cache, src_rows)
+    else:
         k_cache.copy_(k_cache.index_select(0, src_rows))
         v_cache.copy_(v_cache.index_select(0, src_rows))
-        return
-    torch.ops.kvcache_ext.gather_rows(k_cache, v_cache, src_rows)
 
 
 if _native.available:
@@ -386,8 +422,8 @@ def check_quantized_cache(k_data, k_scales, v_data, v_scales, dims="batch, kv_he
 
 
 def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
-    """Everything ``append_kv_quantized`` needs of its arguments, values of ``lengths`` and
-    ``new_counts`` excepted."""
+    """Every check of :func:`append_kv_quantized`'s arguments (values of ``lengths`` and
+    ``new_counts`` as :func:`check_length_values` checks them)."""
     _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
     B, H, S = k_data.shape[:3]
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -407,17 +443,21 @@ def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, 
         raise ValueError(f"cannot append {k_new.shape[2]} tokens at once to a cache of {S} slots")
     check_lengths(lengths, B, k_data.device)
     check_new_counts(new_counts, B, k_data.device)
+    check_length_values(lengths, 0, "the tokens already in each row")
+    check_new_count_values(new_counts, k_new.shape[2])
 
 
 def check_decode_attention_quantized(
     q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
 ) -> None:
-    """Everything ``decode_attention_quantized`` needs of its arguments, values of ``lengths`` excepted."""
+    """Every check of :func:`decode_attention_quantized`'s arguments (values of ``lengths`` as
+    :func:`check_length_values` checks them)."""
     _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
     check_queries(q, k_data.shape[0], k_data.shape[1], k_data.shape[2], D, k_data.device, window, scale, softcap, sinks)
     check_lengths(lengths, k_data.shape[0], k_data.device)
+    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
 
 
 def append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
@@ -426,14 +466,17 @@ def append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, length
     ``new_counts`` as for :func:`append_kv`: only tokens ``t < new_counts[b]`` of row ``b`` are
     quantized and written; the other slots keep their bytes."""
     check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
-    check_length_values(lengths, 0, "the tokens already in each row")
-    check_new_count_values(new_counts, k_new.shape[2])
-    if not capabilities(k_data.device).native:
+    run_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
+
+
+def run_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
+    """:func:`append_kv_quantized` on arguments that passed :func:`check_append_kv_quantized`."""
+    if (k_data.is_cpu and _CPU_NATIVE) or (k_data.is_cuda and _CUDA_NATIVE):
+        _append_kv_quantized_op(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
+    else:
         quant.append_quantized_to_slots(
             k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, kv_format_of(k_data), new_counts
         )
-        return
-    torch.ops.kvcache_ext.append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
 
 
 def decode_attention_quantized(
@@ -443,32 +486,41 @@ def decode_attention_quantized(
     ``python_ref.quantize.reference_quantized_attention``. Returns ``(out, lse)`` like
     ``decode_attention`` (``out`` in q's dtype)."""
     check_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window, scale, softcap, sinks)
-    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
-    if not capabilities(k_data.device).native:
-        out, lse = quant.reference_quantized_attention(
+    return run_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window, scale, softcap, sinks)
+
+
+def run_decode_attention_quantized(
+    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
+):
+    """:func:`decode_attention_quantized` on arguments that passed :func:`check_decode_attention_quantized`."""
+    if (k_data.is_cpu and _CPU_NATIVE) or (k_data.is_cuda and _CUDA_NATIVE):
+        return _decode_attention_quantized_op(
             q,
             k_data,
             k_scales,
             v_data,
             v_scales,
             lengths,
-            kv_format_of(k_data),
             window,
-            scale,
-            return_lse=True,
-            softcap=softcap,
-            sinks=sinks,
+            None if scale is None else float(scale),
+            None if softcap is None else float(softcap),
+            None if sinks is None else sinks.float(),
         )
-        return out, lse.float()
-    return torch.ops.kvcache_ext.decode_attention_quantized(
+    out, lse = quant.reference_quantized_attention(
         q,
         k_data,
         k_scales,
         v_data,
         v_scales,
         lengths,
-        *_attention_options(window, scale, softcap, sinks),
+        kv_format_of(k_data),
+        window,
+        scale,
+        return_lse=True,
+        softcap=softcap,
+        sinks=sinks,
     )
+    return out, lse.float()
 
 
 if _native.available:
@@ -512,8 +564,19 @@ def check_paged_pool(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
     )
 
 
-def _paged_native(k_pool: torch.Tensor) -> bool:
-    return k_pool.shape[2] in capabilities(k_pool.device).paged_block_sizes
+def check_paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None) -> None:
+    """Every check :func:`paged_append_kv` makes in Python (the values of ``lengths``,
+    ``new_counts`` and the table are run_paged_append_kv's: see above)."""
+    check_paged_pool(k_pool, v_pool)
+    paged.check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+
+
+def run_paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None) -> None:
+    """:func:`paged_append_kv` on arguments that passed :func:`check_paged_append_kv`."""
+    if (k_pool.is_cpu and _CPU_PAGED) or (k_pool.is_cuda and _CUDA_PAGED):
+        _paged_append_kv_op(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+    else:
+        paged.paged_append_reference(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
 
 
 def paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts=None) -> None:
@@ -523,20 +586,15 @@ def paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_cou
     ``python_ref.paged.paged_append_reference`` (a written entry must be a block id in ``[0,
     num_blocks)``; two written positions in one (block, offset) are refused: copy-on-write is the
     caller's job)."""
-    check_paged_pool(k_pool, v_pool)
-    paged.check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
-    if _paged_native(k_pool):
-        torch.ops.kvcache_ext.paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
-    else:
-        paged.paged_append_reference(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+    check_paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
+    run_paged_append_kv(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
 
 
-def paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None):
-    """``decode_attention`` over the positions the block tables hold: ``q`` ``(B, H_q, T, D)``,
-    ``lengths`` (B,) int64 counting each row's tokens, the ``T`` new ones included (``T <=
-    lengths[b] <= max_blocks_per_row * block_size``; no ring). Semantics:
-    ``python_ref.paged.paged_attention_reference``; only the blocks some query sees are read (and
-    must be valid ids). Returns ``(out, lse)`` like ``decode_attention``."""
+def check_paged_decode_attention(
+    q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+) -> None:
+    """Every check :func:`paged_decode_attention` makes in Python (the values of ``lengths`` and the
+    table are run_paged_decode_attention's)."""
     check_paged_pool(k_pool, v_pool)
     if q.dtype != k_pool.dtype:
         raise TypeError(f"q must have the pool's dtype {k_pool.dtype}, got {q.dtype}")
@@ -545,19 +603,38 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, window=None
     check_queries(
         q, q.shape[0], k_pool.shape[1], capacity, k_pool.shape[3], k_pool.device, window, scale, softcap, sinks
     )
-    if not _paged_native(k_pool):
-        out, lse = paged.paged_attention_reference(
-            q, k_pool, v_pool, block_tables, lengths, window, scale, return_lse=True, softcap=softcap, sinks=sinks
+
+
+def run_paged_decode_attention(
+    q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+):
+    """:func:`paged_decode_attention` on arguments that passed :func:`check_paged_decode_attention`."""
+    if (k_pool.is_cpu and _CPU_PAGED) or (k_pool.is_cuda and _CUDA_PAGED):
+        return _paged_decode_attention_op(
+            q,
+            k_pool,
+            v_pool,
+            block_tables,
+            lengths,
+            window,
+            None if scale is None else float(scale),
+            None if softcap is None else float(softcap),
+            None if sinks is None else sinks.float(),
         )
-        return out, lse.float()
-    return torch.ops.kvcache_ext.paged_decode_attention(
-        q,
-        k_pool,
-        v_pool,
-        block_tables,
-        lengths,
-        *_attention_options(window, scale, softcap, sinks),
+    out, lse = paged.paged_attention_reference(
+        q, k_pool, v_pool, block_tables, lengths, window, scale, return_lse=True, softcap=softcap, sinks=sinks
     )
+    return out, lse.float()
+
+
+def paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None):
+    """``decode_attention`` over the positions the block tables hold: ``q`` ``(B, H_q, T, D)``,
+    ``lengths`` (B,) int64 counting each row's tokens, the ``T`` new ones included (``T <=
+    lengths[b] <= max_blocks_per_row * block_size``; no ring). Semantics:
+    ``python_ref.paged.paged_attention_reference``; only the blocks some query sees are read (and
+    must be valid ids). Returns ``(out, lse)`` like ``decode_attention``."""
+    check_paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, window, scale, softcap, sinks)
+    return run_paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, window, scale, softcap, sinks)
 
 
 if _native.available:
@@ -593,9 +670,29 @@ def check_quantized_pool(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
     return fmt, head_dim
 
 
-def _paged_quantized_native(k_data: torch.Tensor, fmt: str) -> bool:
-    table = capabilities(k_data.device)
-    return fmt in table.paged_kv_formats and k_data.shape[2] in table.paged_block_sizes
+def check_paged_append_kv_quantized(
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+) -> None:
+    """Every check :func:`paged_append_kv_quantized` makes in Python (values: as for
+    :func:`check_paged_append_kv`)."""
+    check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    paged.check_paged_append_quantized_arguments(
+        k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+    )
+
+
+def run_paged_append_kv_quantized(
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+) -> None:
+    """:func:`paged_append_kv_quantized` on arguments that passed :func:`check_paged_append_kv_quantized`."""
+    if (k_data.is_cpu and _CPU_PAGED_QUANTIZED) or (k_data.is_cuda and _CUDA_PAGED_QUANTIZED):
+        _paged_append_kv_quantized_op(
+            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+        )
+    else:
+        paged.paged_append_quantized_reference(
+            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+        )
 
 
 def paged_append_kv_quantized(
@@ -605,27 +702,16 @@ def paged_append_kv_quantized(
     quantized into codes and scales at position ``lengths[b] + t`` through the block tables, exactly
     as :func:`append_kv_quantized` quantizes (``python_ref.quantize.quantize``). Same refusals as
     :func:`paged_append_kv`, before anything is written."""
-    fmt, _ = check_quantized_pool(k_data, k_scales, v_data, v_scales)
-    paged.check_paged_append_quantized_arguments(
-        k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
-    )
-    if _paged_quantized_native(k_data, fmt):
-        torch.ops.kvcache_ext.paged_append_kv_quantized(
-            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
-        )
-    else:
-        paged.paged_append_quantized_reference(
-            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
-        )
+    check_paged_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts)
+    run_paged_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts)
 
 
-def paged_decode_attention_quantized(
+def check_paged_decode_attention_quantized(
     q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
-):
-    """:func:`paged_decode_attention` over a quantized pool, dequantized in the kernel's registers:
-    ``python_ref.paged.paged_quantized_attention_reference``. ``q`` float32, bfloat16 or float16;
-    returns ``(out, lse)`` (``out`` in q's dtype)."""
-    fmt, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+) -> None:
+    """Every check :func:`paged_decode_attention_quantized` makes in Python (values: as for
+    :func:`check_paged_decode_attention`)."""
+    _, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
     if q.dim() != 4:
@@ -634,8 +720,15 @@ def paged_decode_attention_quantized(
     capacity = block_tables.shape[1] * k_data.shape[2]  # positions a table holds
     check_queries(q, q.shape[0], k_data.shape[1], capacity, D, k_data.device, window, scale, softcap, sinks)
     check_lengths(lengths, q.shape[0], k_data.device)
-    if not _paged_quantized_native(k_data, fmt):
-        out, lse = paged.paged_quantized_attention_reference(
+
+
+def run_paged_decode_attention_quantized(
+    q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+):
+    """:func:`paged_decode_attention_quantized` on arguments that passed
+    :func:`check_paged_decode_attention_quantized`."""
+    if (k_data.is_cpu and _CPU_PAGED_QUANTIZED) or (k_data.is_cuda and _CUDA_PAGED_QUANTIZED):
+        return _paged_decode_attention_quantized_op(
             q,
             k_data,
             k_scales,
@@ -644,13 +737,11 @@ def paged_decode_attention_quantized(
             block_tables,
             lengths,
             window,
-            scale,
-            return_lse=True,
-            softcap=softcap,
-            sinks=sinks,
+            None if scale is None else float(scale),
+            None if softcap is None else float(softcap),
+            None if sinks is None else sinks.float(),
         )
-        return out, lse.float()
-    return torch.ops.kvcache_ext.paged_decode_attention_quantized(
+    out, lse = paged.paged_quantized_attention_reference(
         q,
         k_data,
         k_scales,
@@ -658,7 +749,26 @@ def paged_decode_attention_quantized(
         v_scales,
         block_tables,
         lengths,
-        *_attention_options(window, scale, softcap, sinks),
+        window,
+        scale,
+        return_lse=True,
+        softcap=softcap,
+        sinks=sinks,
+    )
+    return out, lse.float()
+
+
+def paged_decode_attention_quantized(
+    q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+):
+    """:func:`paged_decode_attention` over a quantized pool, dequantized in the kernel's registers:
+    ``python_ref.paged.paged_quantized_attention_reference``. ``q`` float32, bfloat16 or float16;
+    returns ``(out, lse)`` (``out`` in q's dtype)."""
+    check_paged_decode_attention_quantized(
+        q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window, scale, softcap, sinks
+    )
+    return run_paged_decode_attention_quantized(
+        q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window, scale, softcap, sinks
     )
 
 

@@ -216,3 +216,109 @@ def test_an_empty_batch_gives_empty_outputs():
     q, k, v, lengths = make_problem(torch.float32, 0, 2, 2, 1, 64, 10, [], False)
     out, lse = kvcache_ext.decode_attention(q, k, v, lengths.long())
     assert out.shape == (0, 4, 1, 64) and lse.shape == (0, 4, 1)
+
+
+# ---- check once, run many: check_X / run_X / X for every op ---------------------------------------
+OPS = (
+    "append_kv",
+    "decode_attention",
+    "gather_rows",
+    "append_kv_quantized",
+    "decode_attention_quantized",
+    "paged_append_kv",
+    "paged_decode_attention",
+    "paged_append_kv_quantized",
+    "paged_decode_attention_quantized",
+)
+
+
+def valid_calls():
+    """One valid call of every op (B=2, H_kv=2, two query heads per KV head, T=2, D=64; int8 for the
+    quantized ops; 4 blocks of 4 for the paged ones), as op name -> arguments."""
+    from python_ref.quantize import quantize
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D, S = 2, 2, 2, 64, 8
+    k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
+    q, new = torch.randn(B, 2 * H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    quantized = [*quantize(k, "int8"), *quantize(v, "int8")]
+    k_pool, v_pool = torch.randn(4, H, 4, D, generator=g), torch.randn(4, H, 4, D, generator=g)
+    pools = [*quantize(k_pool, "int8"), *quantize(v_pool, "int8")]
+    table = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    counts = torch.tensor([2, 1])
+    return {
+        "append_kv": (k, v, new, new.clone(), torch.tensor([3, 7]), counts),
+        "decode_attention": (q, k, v, torch.tensor([3, 8]), 5, 0.3, 20.0, torch.randn(2 * H, generator=g)),
+        "gather_rows": (k, v, torch.tensor([1, 1])),
+        "append_kv_quantized": (*quantized, new, new.clone(), torch.tensor([3, 7]), counts),
+        "decode_attention_quantized": (q, *quantized, torch.tensor([3, 8]), None, 0.2),
+        "paged_append_kv": (k_pool, v_pool, new, new.clone(), table, torch.tensor([1, 5]), counts),
+        "paged_decode_attention": (q, k_pool, v_pool, table, torch.tensor([3, 8]), 4),
+        "paged_append_kv_quantized": (*pools, new, new.clone(), table, torch.tensor([1, 5]), counts),
+        "paged_decode_attention_quantized": (q, *pools, table, torch.tensor([3, 8]), None, None, 5.0),
+    }
+
+
+def cloned(args):
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def same_tensors(a, b):
+    return all(
+        not isinstance(x, torch.Tensor) or torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_every_op_has_check_run_and_checked_forms_with_one_signature(name):
+    import inspect
+
+    from kvcache_ext import ops
+
+    forms = [getattr(ops, f"check_{name}"), getattr(ops, f"run_{name}"), getattr(ops, name)]
+    assert getattr(kvcache_ext, name) is forms[2]
+    signatures = {str(inspect.signature(f)).split(" -> ")[0] for f in forms}
+    assert len(signatures) == 1, signatures
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_check_changes_nothing_and_run_equals_the_checked_op(name):
+    from kvcache_ext import ops
+
+    args = valid_calls()[name]
+    before = cloned(args)
+    assert getattr(ops, f"check_{name}")(*args) is None
+    assert same_tensors(args, before)
+    checked_args, run_args, raw_args = cloned(args), cloned(args), cloned(args)
+    checked = getattr(ops, name)(*checked_args)
+    run = getattr(ops, f"run_{name}")(*run_args)
+    raw = getattr(torch.ops.kvcache_ext, name)(*raw_args)
+    if checked is None:  # an append or a gather: the buffers it wrote
+        assert run is None and raw is None
+        assert same_tensors(checked_args, run_args) and same_tensors(checked_args, raw_args)
+        assert not same_tensors(checked_args, before)
+    else:
+        assert same_tensors(checked, run) and same_tensors(checked, raw)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_check_refuses_and_run_leaves_the_checks_to_the_binding(name):
+    # A refused call: check_X raises a ValueError/TypeError and changes nothing; run_X makes no
+    # Python check, so what refuses it is the binding (RuntimeError), again changing nothing.
+    from kvcache_ext import ops
+
+    args = list(valid_calls()[name])
+    if "decode" in name:
+        args[0] = args[0].double()  # q of a dtype no kernel takes
+    else:
+        new_at = 2 if name in ("append_kv", "gather_rows", "paged_append_kv") else 4
+        if name == "gather_rows":
+            args[2] = args[2].int()
+        else:
+            args[new_at + 1] = args[new_at + 1][..., :32]  # v_new of another head_dim
+    before = cloned(args)
+    with pytest.raises((ValueError, TypeError)):
+        getattr(ops, f"check_{name}")(*args)
+    with pytest.raises(RuntimeError):
+        getattr(ops, f"run_{name}")(*args)
+    assert same_tensors(args, before)
