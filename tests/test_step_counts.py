@@ -110,7 +110,7 @@ def test_append_kv_refuses_bad_new_counts_and_writes_nothing(case):
 
 # ---- caches: each row attends to exactly its own tokens ------------------------------------------
 
-CACHE_KINDS = ["python_ref", "KVCache", "paged"]
+CACHE_KINDS = ["python_ref", "KVCache", "KVCache int8", "paged"]
 # (max_cache_len, window, chunk_size, sink_tokens): plain, a ring that wraps and takes long steps in
 # pieces, a ring with sink tokens.
 LAYOUTS = {"plain": (40, None, 128, 0), "ring": (None, 5, 3, 0), "sinks": (None, 4, 4, 2)}
@@ -121,6 +121,7 @@ def new_cache(kind, batch, layout, kv_heads, head_dim, num_layers=2):
     if kind == "paged":
         return PagedKVCache(num_layers, kv_heads, head_dim, num_blocks=64, block_size=4, window=window)
     cls = PreallocatedCache if kind == "python_ref" else KVCache
+    quantized = {"kv_dtype": "int8"} if kind == "KVCache int8" else {}
     return cls(
         num_layers,
         batch,
@@ -130,6 +131,7 @@ def new_cache(kind, batch, layout, kv_heads, head_dim, num_layers=2):
         window=window,
         chunk_size=chunk_size,
         sink_tokens=sink_tokens,
+        **quantized,
     )
 
 
