@@ -10,10 +10,11 @@ from python_ref import saved_state
 from python_ref.caches import check_step_tensors, merge_attention, sink_token_attention, store_sink_tokens
 from python_ref.row_state import RowOperations, RowState
 
+from .storage.layout import StorageAttributes
 from .storage import check_kv_format, contiguous_layout, kv_format
 
 
-class KVCache(RowOperations, nn.Module):
+class KVCache(RowOperations, StorageAttributes, nn.Module):
     """Preallocated per-layer key/value buffers written in place by the native append op and read
     by the fused decode-attention op, behind the cache protocol of ``python_ref/caches.py``.
 
@@ -72,14 +73,6 @@ class KVCache(RowOperations, nn.Module):
         # During a step, once its first layer is checked: the arguments' shapes, dtypes and scale, and
         # the pieces it is stored and attended in, (slice, lengths before, counts, lengths after).
         self._step_shapes = self._step_plan = None
-
-    dtype = property(lambda self: self.storage.dtype)
-    kv_dtype = property(lambda self: self.storage.kv_dtype)
-    # The buffers: keys/values (codes when quantized) and their scales (None unless quantized).
-    k = property(lambda self: self.storage.k)
-    v = property(lambda self: self.storage.v)
-    k_scale = property(lambda self: getattr(self.storage, "k_scale", None))
-    v_scale = property(lambda self: getattr(self.storage, "v_scale", None))
 
     # -- protocol -------------------------------------------------------------------------
     def reset(self) -> None:

@@ -172,6 +172,8 @@ class NativeCacheLayer(CacheLayerMixin):
         """transformers reads a layer's ``keys``/``values``: the storage's (codes when quantized); the
         key buffer also carries the layer to the attention function."""
         self.keys, self.values = self.storage.k[0], self.storage.v[0]
+        if self.kv_dtype is not None:
+            self.key_scales, self.value_scales = self.storage.k_scale[0], self.storage.v_scale[0]
         self.keys._kvcache_ext_layer = self
 
     def update(self, key_states, value_states, *args, **kwargs):

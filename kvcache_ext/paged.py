@@ -17,13 +17,14 @@ import torch
 from python_ref.caches import check_step_tensors, checked_step_counts
 
 from .block_pool import BlockPool, PoolExhaustedError, checked_token_ids
+from .storage.layout import StorageAttributes
 from .storage import check_kv_format, kv_format, paged_layout
 from .storage.paged import check_block_size
 
 __all__ = ["BlockPool", "PagedKVCache", "PoolExhaustedError"]
 
 
-class PagedKVCache:
+class PagedKVCache(StorageAttributes):
     """Keys/values of many sequences in per-layer pools of blocks, ``k[layer]`` and ``v[layer]`` of shape
     ``(num_blocks, kv_heads, block_size, head_dim)``, managed by a :class:`BlockPool` (``.pool``).
 
@@ -85,14 +86,6 @@ class PagedKVCache:
         self._step_counts: list[int] | None = None
         self._lengths_after = None  # during a step: each row's tokens with the step's included
         self._step_shapes = None  # during a step, once its first layer is checked: its arguments' shapes
-
-    # The storage's buffers and formats, under the names the constructor uses.
-    dtype = property(lambda self: self.storage.dtype)
-    kv_dtype = property(lambda self: self.storage.kv_dtype)
-    k = property(lambda self: self.storage.k)
-    v = property(lambda self: self.storage.v)
-    k_scale = property(lambda self: getattr(self.storage, "k_scale", None))
-    v_scale = property(lambda self: getattr(self.storage, "v_scale", None))
 
     # -- sequences ------------------------------------------------------------------------------
     def add_sequence(self, seq_id, prompt: Sequence[int] | None = None) -> int:

@@ -80,13 +80,13 @@ def test_generate_matches_transformers(model, batch, monkeypatch):
     expected = _generate(model, ids, mask, "sdpa")  # transformers' defaults: DynamicCache, SDPA
     assert len(set(expected[-1, PROMPT_LEN:].tolist())) > 3, "random weights should give varied tokens"
 
-    kernel_calls, decode_attention = [], ops.decode_attention
+    kernel_calls, decode_attention = [], ops.run_decode_attention
 
     def counting_decode_attention(*args, **kwargs):
         kernel_calls.append(args[0].shape)
         return decode_attention(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "decode_attention", counting_decode_attention)
+    monkeypatch.setattr(ops, "run_decode_attention", counting_decode_attention)
     cache = khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + NEW_TOKENS)
     out = _generate(model, ids, mask, khf.ATTN_IMPLEMENTATION, cache)
 
@@ -195,8 +195,8 @@ def test_generate_modes_match_transformers(model, mode, batch, kwargs, monkeypat
 
     expected = run("sdpa")  # transformers' defaults: DynamicCache, SDPA
 
-    calls = {"decode_attention": 0, "gather_rows": 0, "crop": 0}
-    for name in ("decode_attention", "gather_rows"):
+    calls = {"run_decode_attention": 0, "gather_rows": 0, "crop": 0}
+    for name in ("run_decode_attention", "gather_rows"):
         original = getattr(ops, name)
         monkeypatch.setattr(
             ops, name, lambda *a, _f=original, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _f(*a))[1]
@@ -212,7 +212,7 @@ def test_generate_modes_match_transformers(model, mode, batch, kwargs, monkeypat
     out = run(khf.ATTN_IMPLEMENTATION, cache=khf.NativeCache(model.config, max_cache_len=room))
 
     assert torch.equal(out, expected)
-    assert calls["decode_attention"] > 0  # decode steps ran the native kernel
+    assert calls["run_decode_attention"] > 0  # decode steps ran the native kernel
     if "num_beams" in kwargs:
         assert calls["gather_rows"] > 0  # beams were reordered natively
     if mode in ("prompt lookup", "assisted decoding"):

@@ -193,7 +193,7 @@ def test_refuses_too_small_max_cache_len_and_other_files(saved, tmp_path):
         khf.NativeCache.load(path, config, fingerprint=FINGERPRINT, max_cache_len=PROMPT_LEN - 1)
     other = tmp_path / "other.safetensors"
     save_file({"k": torch.zeros(1)}, other)
-    with pytest.raises(ValueError, match="not a saved cache of this kind"):
+    with pytest.raises(ValueError, match="not a saved NativeCache"):
         khf.NativeCache.load(other, config, fingerprint=FINGERPRINT)
     with pytest.raises(ValueError, match="not a readable saved cache"):
         khf.NativeCache.load(tmp_path / "missing.safetensors", config, fingerprint=FINGERPRINT)

@@ -100,13 +100,13 @@ def test_generate_matches_transformers(model, batch, monkeypatch):
     assert len(set(expected[-1, PROMPT_LEN:].tolist())) > 3, "random weights should give varied tokens"
 
     kernel_kwargs = []
-    decode_attention = ops.decode_attention
+    decode_attention = ops.run_decode_attention
 
     def recording_decode_attention(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
         kernel_kwargs.append((window, softcap, sinks is not None))
         return decode_attention(q, k_cache, v_cache, lengths, window, scale, softcap, sinks)
 
-    monkeypatch.setattr(ops, "decode_attention", recording_decode_attention)
+    monkeypatch.setattr(ops, "run_decode_attention", recording_decode_attention)
     model.set_attn_implementation(khf.ATTN_IMPLEMENTATION)
     cache = khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + NEW_TOKENS, chunk_size=CHUNK)
     out = model.generate(ids, cache=cache, **common)

@@ -68,3 +68,17 @@ class Layout(nn.Module):
         values, scales included."""
         first = getattr(self, self.op_order[0])
         return self.bytes_allocated() // (first.shape[1] * first.shape[3])
+
+
+class StorageAttributes:
+    """A cache's storage format and buffers under the names its constructor uses, read from its
+    layout (``storage``): ``dtype`` (queries, new keys/values, outputs), ``kv_dtype`` (the quantized
+    format, or None), ``k``/``v`` (values, or codes when quantized) and ``k_scale``/``v_scale``
+    (the scales of quantized codes; None otherwise)."""
+
+    dtype = property(lambda self: self.storage.dtype)
+    kv_dtype = property(lambda self: self.storage.kv_dtype)
+    k = property(lambda self: self.storage.k)
+    v = property(lambda self: self.storage.v)
+    k_scale = property(lambda self: getattr(self.storage, "k_scale", None))
+    v_scale = property(lambda self: getattr(self.storage, "v_scale", None))
