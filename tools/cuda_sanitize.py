@@ -4,7 +4,7 @@ the CUDA context of every later test in the same process). Needs torch and an in
 kvcache_ext with its CUDA kernels; nothing else (the float64 reference is python_ref/attention.py,
 loaded by path).
 
-    python bench/cuda_sanitize.py [--json cases.json] [--quick]
+    python tools/cuda_sanitize.py [--json cases.json] [--quick]
 
 Covers append_kv (16-byte and element paths, transposed and strided sources, ring wrap-around,
 rows far past the ring, every dtype) and decode_attention (every dtype and head_dim, GQA groups
