@@ -19,6 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_hf_models import TINY_DECODER, TINY_GPT2
 from torch import distributed as dist
 
 from kvcache_ext import KVCache
@@ -141,22 +142,11 @@ def checkpoint_files(tmp_path_factory) -> dict:
 
     folder = tmp_path_factory.mktemp("checkpoints")
     torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_head=4, n_layer=2, initializer_range=0.3)
-    )
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY_GPT2, initializer_range=0.3))
     save_file(
         {k: v.contiguous() for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}, folder / "gpt2.safetensors"
     )
-    llama_config = transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-    )
+    llama_config = transformers.LlamaConfig(**TINY_DECODER, initializer_range=0.3)
     llama = transformers.LlamaForCausalLM(llama_config)
     save_file({k: v.contiguous() for k, v in llama.state_dict().items()}, folder / "llama.safetensors")
     (folder / "config.json").write_text(json.dumps(llama_config.to_dict()))
