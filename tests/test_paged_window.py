@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_cases import pool_state
 
 from attention_oracle import attention_float64, attention_plain
 from kvcache_ext import BlockPool, Engine, KVCache, PagedKVCache, PoolExhaustedError
@@ -27,16 +28,6 @@ MODELS = {
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def pool_state(pool):
-    """Everything a refused call must leave as it was."""
-    return (
-        {seq: (pool.block_table(seq), pool.length(seq)) for seq in pool.sequences},
-        [pool.ref_count(b) for b in range(pool.num_blocks)],
-        [pool.is_cached(b) for b in range(pool.num_blocks)],
-        pool.num_free_blocks,
-    )
 
 
 def first_seen_block(length, window, block_size):
