@@ -20,21 +20,19 @@ import torch
 import kvcache_ext
 from python_ref.caches import append_to_slots
 
-from .common import DTYPES, HEAD_SHAPES, HeadShape, cases_by_mode
+from .common import DTYPES, HEAD_SHAPES, BenchCase, HeadShape, cases_by_mode
 
 IMPLEMENTATIONS = ("native", "concat", "prealloc")
 BATCH = 1
 
 
 @dataclass(frozen=True)
-class AppendCase:
+class AppendCase(BenchCase):
+    ID = "{case.shape.name}-{case.dtype}-L{case.context}"
+
     shape: HeadShape
     dtype: str
     context: int
-
-    @property
-    def id(self) -> str:
-        return f"{self.shape.name}-{self.dtype}-L{self.context}"
 
 
 def append_cases(full: bool) -> list[AppendCase]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -38,6 +39,17 @@ HEAD_SHAPES = {
     # Llama-3-8B: grouped-query attention, 4 query heads per KV head
     "llama8b": HeadShape("llama8b", q_heads=32, kv_heads=8, head_dim=128),
 }
+
+
+class BenchCase:
+    """The sizes of one benchmark case, a frozen dataclass; its ``id`` (pytest's, and the
+    benchmark group's) is the class's ``ID`` template formatted with the case as ``case``."""
+
+    ID: ClassVar[str]
+
+    @property
+    def id(self) -> str:
+        return self.ID.format(case=self)
 
 
 def cases_by_mode(make_cases):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import kvcache_ext
 from python_ref import reference_attention
 
-from .common import DTYPES, HEAD_SHAPES, HeadShape, cases_by_mode, median_seconds
+from .common import DTYPES, HEAD_SHAPES, BenchCase, HeadShape, cases_by_mode, median_seconds
 
 
 def _native(q, k, v, lengths):
@@ -43,15 +43,13 @@ TOLERANCE = {"float32": (1e-5, 1e-4), "bfloat16": (2e-3, 1.6e-2), "float16": (2e
 
 
 @dataclass(frozen=True)
-class DecodeCase:
+class DecodeCase(BenchCase):
+    ID = "{case.shape.name}-{case.dtype}-B{case.batch}-L{case.context}"
+
     shape: HeadShape
     dtype: str
     batch: int
     context: int
-
-    @property
-    def id(self) -> str:
-        return f"{self.shape.name}-{self.dtype}-B{self.batch}-L{self.context}"
 
 
 def decode_cases(full: bool) -> list[DecodeCase]:

@@ -26,7 +26,7 @@ import torch
 from python_ref import build_gpt2, generate
 
 from ..demo import make_cache
-from .common import DTYPES, cases_by_mode, median_seconds
+from .common import DTYPES, BenchCase, cases_by_mode, median_seconds
 
 ARTICLE_PROMPT = (15496, 11, 314, 716)  # "Hello, I am" in GPT-2's tokenizer
 ALL_CACHES = ("none", "concat", "prealloc", "native")
@@ -53,13 +53,11 @@ class GenerationSetting:
 
 
 @dataclass(frozen=True)
-class GenerationCase:
+class GenerationCase(BenchCase):
+    ID = "{case.setting.id}-{case.cache}"
+
     setting: GenerationSetting
     cache: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.setting.id}-{self.cache}"
 
 
 def generation_cases(full: bool) -> list[GenerationCase]:

@@ -18,20 +18,18 @@ import torch
 import kvcache_ext
 from python_ref.quantize import quantize, reference_quantized_attention
 
-from .common import HEAD_SHAPES, HeadShape, cases_by_mode, median_seconds
+from .common import HEAD_SHAPES, BenchCase, HeadShape, cases_by_mode, median_seconds
 
 FORMATS = ("bfloat16", "int8", "fp8_e4m3", "int4")
 
 
 @dataclass(frozen=True)
-class QuantizedCase:
+class QuantizedCase(BenchCase):
+    ID = "{case.shape.name}-B{case.batch}-L{case.context}"
+
     shape: HeadShape
     batch: int
     context: int
-
-    @property
-    def id(self) -> str:
-        return f"{self.shape.name}-B{self.batch}-L{self.context}"
 
 
 def quantized_cases(full: bool) -> list[QuantizedCase]:
