@@ -1,10 +1,10 @@
-"""What the tests of paged storage share: block tables drawn at random, contiguous tokens copied
-into pools through them, the positions an append writes, the refusals every paged op must make,
-hypothesis strategies of corrupted tables with the contract's verdict on them, and the state of a
-BlockPool that a refused call must leave as it was.
+"""What the tests of paged storage share besides case_builders' block tables and pool copies: the
+slots an append writes, a valid append and the refusals every paged op must make, hypothesis
+strategies of corrupted tables with the contract's verdict on them, and the state of a BlockPool
+that a refused call must leave as it was.
 
-Both the plain pools (k_pool, v_pool) and the quantized ones (k_data, k_scales, v_data, v_scales)
-are built from these; which tensors a pool holds is the caller's.
+The plain pools (k_pool, v_pool) and the quantized ones (k_data, k_scales, v_data, v_scales) both
+take these; which tensors a pool holds is the caller's.
 """
 
 import pytest
@@ -16,37 +16,6 @@ REFUSALS = (ValueError, TypeError, IndexError)  # python_ref's, and the wrappers
 # checks them before writing (RuntimeError), as it does for the contiguous ops' lengths.
 WRAPPER_REFUSALS = (*REFUSALS, RuntimeError)
 EXTREME_IDS = [-(2**63), -(2**31), -1, 2**31 - 1, 2**31, 2**63 - 1]
-
-
-def byte_view(t):
-    """float8 codes as bytes (indexing float8 is not implemented everywhere); other tensors unchanged."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def random_block_table(lengths, block_size, spare_blocks=3, table_dtype=torch.int32, spare_entries=1):
-    """A table for rows of ``lengths`` tokens, each row's blocks drawn in random order among
-    ``spare_blocks`` more than the rows need, the entries past a row's need -1; and the pool's
-    number of blocks."""
-    needed = [-(-int(n) // block_size) for n in lengths]
-    num_blocks = sum(needed) + spare_blocks
-    ids = torch.randperm(num_blocks)
-    table = torch.full((len(needed), max(needed) + spare_entries), -1, dtype=table_dtype)
-    used = 0
-    for b, count in enumerate(needed):
-        table[b, :count] = ids[used : used + count].to(table_dtype)
-        used += count
-    return table, num_blocks
-
-
-def copy_into_blocks(pools, sources, table, lengths):
-    """Positions [0, lengths[b]) of each contiguous source (B, H, S, ...) written into its pool
-    (num_blocks, H, block_size, ...) through ``table``, byte for byte; the rest of the pools untouched."""
-    block_size = pools[0].shape[2]
-    for b, n in enumerate(int(n) for n in lengths):
-        for j in range(-(-n // block_size)):
-            block, count = int(table[b, j]), min(block_size, n - j * block_size)
-            for pool, source in zip(pools, sources):
-                byte_view(pool)[block, :, :count] = byte_view(source)[b, :, j * block_size : j * block_size + count]
 
 
 def appended_slots(table, lengths, counts, block_size):

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 import kvcache_ext
 from kvcache_ext.capabilities import kernel_table, python_fallback_table
+import case_builders as cases
 import paged_cases as paged
 from attention_oracle import attention_float64, attention_plain
 from python_ref import paged_append_reference, paged_attention_reference
@@ -24,10 +25,10 @@ def paged_layout(k, v, lengths, block_size, spare_blocks=3, table_dtype=torch.in
     """The logical tokens of contiguous k/v (B, H, S, D) copied into pools through a block table with
     the blocks in random order among spare ones. Every pool element no row holds is NaN (and every
     table entry past a row's need is -1), so reading anything outside the rows shows in the result."""
-    table, num_blocks = paged.random_block_table(lengths, block_size, spare_blocks, table_dtype, spare_entries)
+    table, num_blocks = cases.random_block_table(lengths, block_size, spare_blocks, table_dtype, spare_entries)
     k_pool = torch.full((num_blocks, k.shape[1], block_size, k.shape[3]), float("nan"), dtype=k.dtype)
     v_pool = k_pool.clone()
-    paged.copy_into_blocks((k_pool, v_pool), (k, v), table, lengths)
+    cases.copy_into_blocks((k_pool, v_pool), (k, v), table, lengths)
     return k_pool, v_pool, table
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext.capabilities import kernel_table
+import case_builders as cases
 import paged_cases as paged
 from attention_oracle import attention_float64, attention_plain
 from python_ref import (
@@ -42,9 +43,9 @@ def paged_layout(fmt, contiguous, lengths, block_size, spare_blocks=3, table_dty
     everything else in the pools is garbage, table entries past a row's need are -1."""
     H, row = contiguous[0].shape[1], contiguous[0].shape[3]
     D = 2 * row if fmt == "int4" else row
-    table, num_blocks = paged.random_block_table(lengths, block_size, spare_blocks, table_dtype)
+    table, num_blocks = cases.random_block_table(lengths, block_size, spare_blocks, table_dtype)
     pools = [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
-    paged.copy_into_blocks(pools, contiguous, table, lengths)
+    cases.copy_into_blocks(pools, contiguous, table, lengths)
     return pools, table
 
 
@@ -139,7 +140,7 @@ def expected_append(pools, k_new, v_new, table, lengths, counts, fmt):
     for b, t, block, offset in paged.appended_slots(table, lengths, counts, pools[0].shape[2]):
         for side, new in ((0, k_new), (2, v_new)):
             codes, scales = quantize(new[b, :, t], fmt)
-            paged.byte_view(pools[side])[block, :, offset] = paged.byte_view(codes)
+            cases.byte_view(pools[side])[block, :, offset] = cases.byte_view(codes)
             pools[side + 1][block, :, offset] = scales
     return pools
 
