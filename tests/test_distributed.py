@@ -19,7 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tiny_hf_models import TINY_DECODER, TINY_GPT2
+from tiny_models import TINY_DECODER, TINY_GPT2
 from torch import distributed as dist
 
 from kvcache_ext import KVCache

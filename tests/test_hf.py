@@ -4,7 +4,7 @@ from functools import partial
 
 import pytest
 import torch
-from tiny_hf_models import TINY_DECODER, TINY_DRAFT, TINY_GPT2, left_padded_batch, randomize
+from tiny_models import TINY_DECODER, TINY_DRAFT, TINY_GPT2, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")

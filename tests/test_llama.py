@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_hf_models import TINY_DECODER
+from tiny_models import TINY_DECODER
 
 from kvcache_ext import KVCache
 from python_ref import ConcatCache, NoCache, PreallocatedCache, generate

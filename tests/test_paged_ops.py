@@ -33,13 +33,10 @@ def paged_layout(k, v, lengths, block_size, spare_blocks=3, table_dtype=torch.in
 
 
 def make_tokens(dtype, batch, kv_heads, group, num_new, head_dim, lengths, non_contiguous):
-    slots = max(lengths)
-    q = torch.randn(batch, kv_heads * group, num_new, head_dim, dtype=dtype)
-    if non_contiguous:  # (B, T, H, D) storage viewed as (B, H, T, D): what a model's transpose gives
-        q = torch.randn(batch, num_new, kv_heads * group, head_dim, dtype=dtype).transpose(1, 2)
-    k = torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype)
-    v = torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype)
-    return q, k, v, torch.tensor(lengths)
+    """q and a cache of max(lengths) slots (case_builders.random_decode_problem); ``non_contiguous``:
+    q is (B, T, H, D) storage viewed as (B, H, T, D), what a model's transpose gives."""
+    H_q, slots = kv_heads * group, max(lengths)
+    return cases.random_decode_problem(batch, H_q, kv_heads, num_new, head_dim, slots, lengths, dtype, non_contiguous)
 
 
 def check_paged_attention(q, k, v, lengths, block_size, window=None, table_dtype=torch.int32):

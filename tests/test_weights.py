@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_hf_models import TINY_GPT2
+from tiny_models import TINY_GPT2
 
 from python_ref import generate
 from python_ref.caches import PreallocatedCache

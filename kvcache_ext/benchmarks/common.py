@@ -1,7 +1,9 @@
-"""What the suites share: run settings, head shapes, dtypes, and parametrisation by mode."""
+"""What the benchmarks share (the suites here and the scripts in the repository's bench/): run
+settings, head shapes, dtypes, the article's prompt, the CPU's name, and parametrisation by mode."""
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -9,6 +11,7 @@ import torch
 
 MODE_ENV = "KVCACHE_EXT_BENCH"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARTICLE_PROMPT = (15496, 11, 314, 716)  # "Hello, I am" in GPT-2's tokenizer
 
 
 @dataclass(frozen=True)
@@ -69,3 +72,13 @@ def cases_by_mode(make_cases):
 def median_seconds(benchmark) -> float | None:
     """The median round time, or None when pytest-benchmark is disabled (``--benchmark-disable``)."""
     return benchmark.stats.stats.median if benchmark.stats else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name and logical CPU count, as lscpu reports them, for a benchmark's printout."""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (lscpu failed)"
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"

@@ -1,7 +1,18 @@
-"""The tiny Hugging Face models the tests build (offline, random weights): their configs, the
-weights that make their greedy text vary, and a batch of left-padded prompts."""
+"""The tiny models the tests build (offline, random weights): python_ref's GPT-2 and Llama with a
+small vocabulary; transformers' configs, the weights that make their greedy text vary, and a batch
+of left-padded prompts.
+"""
 
 import torch
+
+from python_ref import build_gpt2, build_llama
+
+# A small vocabulary: the output head is most of a tiny model's work.
+TINY_VOCAB = 512
+TINY_MODELS = {
+    "gpt2": lambda: build_gpt2("tiny", seed=0, vocab_size=TINY_VOCAB),
+    "llama": lambda: build_llama("llama-tiny", seed=0, vocab_size=TINY_VOCAB),
+}
 
 # A Llama-family decoder: LlamaConfig, MistralConfig, Qwen3Config and the sliding families take these.
 TINY_DECODER = dict(
