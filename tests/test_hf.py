@@ -4,7 +4,7 @@ from functools import partial
 
 import pytest
 import torch
-from tiny_models import TINY_DECODER, TINY_DRAFT, TINY_GPT2, left_padded_batch, randomize
+from tiny_models import TINY_DECODER, TINY_DRAFT, TINY_GPT2, greedy, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -37,10 +37,7 @@ def model(request):
 
 def _generate(model, ids, mask, attn_implementation, cache=None):
     model.set_attn_implementation(attn_implementation)
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD)
-    if cache is not None:
-        kwargs["cache"] = cache
-    return model.generate(ids, attention_mask=mask, **kwargs)
+    return greedy(model, ids, mask, NEW_TOKENS, cache, PAD)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

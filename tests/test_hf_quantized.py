@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 import torch
-from tiny_models import TINY_DECODER, left_padded_batch, randomize
+from tiny_models import TINY_DECODER, greedy, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -40,8 +40,7 @@ def _cache(model, kv_dtype=None, new_tokens=NEW_TOKENS):
 
 
 def _generate(model, ids, mask, cache, new_tokens=NEW_TOKENS, **kwargs):
-    kwargs = dict(dict(do_sample=False, pad_token_id=PAD), **kwargs)
-    return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens, **kwargs)
+    return greedy(model, ids, mask, new_tokens, cache, PAD, **kwargs)
 
 
 def _bytes(t):

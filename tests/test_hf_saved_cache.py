@@ -10,7 +10,7 @@ from functools import partial
 
 import pytest
 import torch
-from tiny_models import TINY_DECODER, left_padded_batch, randomize
+from tiny_models import TINY_DECODER, greedy, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -43,10 +43,7 @@ def _cache(model, **kwargs):
 
 
 def _generate(model, ids, mask, max_new_tokens, cache=None):
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD)
-    if cache is not None:
-        kwargs["cache"] = cache
-    return model.generate(ids, attention_mask=mask, **kwargs)
+    return greedy(model, ids, mask, max_new_tokens, cache, PAD)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

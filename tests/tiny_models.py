@@ -62,3 +62,13 @@ def left_padded_batch(size, prompt_len, pad, padding=(3, 1)):
     mask[2, : padding[1]] = 0
     ids = ids.masked_fill(mask == 0, pad)
     return ids[:size], mask[:size]
+
+
+def greedy(model, ids, mask, max_new_tokens, cache=None, pad=0, **kwargs):
+    """transformers' greedy continuation of the left-padded ``ids`` (on ``cache`` when one is given;
+    ``kwargs`` to generate, e.g. an assistant model)."""
+    if cache is not None:
+        kwargs["cache"] = cache
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **kwargs
+    )
