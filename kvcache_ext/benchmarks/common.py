@@ -55,6 +55,30 @@ class BenchCase:
         return self.ID.format(case=self)
 
 
+@dataclass(frozen=True)
+class KernelCase(BenchCase):
+    """One kernel problem: a head shape, the dtype of the queries (and of the cache, unquantized),
+    rows, and tokens per row."""
+
+    ID = "{case.shape.name}-{case.dtype}-B{case.batch}-L{case.context}"
+
+    shape: HeadShape
+    dtype: str
+    batch: int
+    context: int
+
+
+def kernel_cases(dtypes, batches, contexts) -> list[KernelCase]:
+    """Every head shape with every dtype, batch and context."""
+    return [
+        KernelCase(shape, dtype, batch, context)
+        for shape in HEAD_SHAPES.values()
+        for dtype in dtypes
+        for batch in batches
+        for context in contexts
+    ]
+
+
 def cases_by_mode(make_cases):
     """Parametrise a benchmark by ``case`` from ``make_cases(full)``.
 
