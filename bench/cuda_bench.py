@@ -63,6 +63,14 @@ def require_cuda():
     return torch, kvcache_ext
 
 
+def load_case_builders():
+    """tests/case_builders.py (torch only), by path: the inputs the tests and this harness share."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import case_builders
+
+    return case_builders
+
+
 def load_reference():
     """python_ref's reference_attention, loaded by path (no other module of python_ref needed)."""
     spec = importlib.util.spec_from_file_location("_kvcache_reference_attention", REPO / "python_ref" / "attention.py")
@@ -99,7 +107,7 @@ def environment() -> dict:
 # ---- checks (pytest-free subset of tests/test_cuda.py) -------------------------------------------------
 def run_checks() -> dict:
     torch, kvcache_ext = require_cuda()
-    reference_attention = load_reference()
+    builders, reference_attention = load_case_builders(), load_reference()
     results = []
 
     def check(name, fn):
@@ -121,19 +129,17 @@ def run_checks() -> dict:
             traceback.print_exc()
 
     def parity(dtype, D, group, T, window):
-        g = torch.Generator().manual_seed(D + group + T)
         B, H_kv = 3, 2
         S = 1000 if window is None else 300
-        lengths = torch.tensor([max(T, 1), 7, 1000] if window is None else [7, 300, 1000])
-        q = torch.randn(B, T, H_kv * group, D, generator=g).to(dtype).transpose(1, 2)
-        k = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
-        v = torch.randn(B, H_kv, S, D, generator=g).to(dtype)
+        lengths = [max(T, 1), 7, 1000] if window is None else [7, 300, 1000]
+        q, k, v, lengths = builders.random_decode_problem(
+            B, H_kv * group, H_kv, T, D, S, lengths, dtype, True, D + group + T
+        )
         out, lse = kvcache_ext.decode_attention(q.cuda(), k.cuda(), v.cuda(), lengths.cuda(), window)
         exact, exact_lse = reference_attention(q.double(), k.double(), v.double(), lengths, window, return_lse=True)
         plain = reference_attention(q.cuda(), k.cuda(), v.cuda(), lengths.cuda(), window).cpu()
-        error = (out.cpu().double() - exact).abs().max().item()
-        bound = 2 * (plain.double() - exact).abs().max().item() + 1e-5
-        lse_error = (lse.cpu().double() - exact_lse).abs().max().item()
+        error, lse_error = builders.max_error(out.cpu(), exact), builders.max_error(lse.cpu(), exact_lse)
+        bound = 2 * builders.max_error(plain, exact) + 1e-5
         assert error <= bound and lse_error <= 1e-3, (
             f"error {error:.3g} > bound {bound:.3g} or lse error {lse_error:.3g}"
         )
@@ -160,43 +166,8 @@ def run_checks() -> dict:
     check("append_kv CUDA == CPU", append_equals_cpu)
 
     def graph_equals_eager():
-        B, H_q, H_kv, D, S = 2, 8, 2, 64, 4096
-        k0 = torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16)
-        v0 = torch.randn_like(k0)
-        lengths0 = torch.tensor([10, 3000], device="cuda")
-        steps = [
-            tuple(torch.randn(B, h, 1, D, device="cuda", dtype=torch.bfloat16) for h in (H_q, H_kv, H_kv))
-            for _ in range(3)
-        ]
-        k_cache, v_cache, lengths = k0.clone(), v0.clone(), lengths0.clone()
-        q, k_new, v_new = (t.clone() for t in steps[0])
-
-        def step():
-            kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
-            lengths.add_(1)
-            return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)[0]
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step()
-        outputs = {}
-        for mode in ("eager", "graph"):
-            k_cache.copy_(k0), v_cache.copy_(v0), lengths.copy_(lengths0)
-            outputs[mode] = []
-            for values in steps:
-                for static, value in zip((q, k_new, v_new), values):
-                    static.copy_(value)
-                if mode == "eager":
-                    outputs[mode].append(step().clone())
-                else:
-                    graph.replay()
-                    outputs[mode].append(static_out.clone())
-        assert all(torch.equal(a, b) for a, b in zip(outputs["eager"], outputs["graph"])), "replay != eager"
+        (eager, _), (replayed, _) = builders.eager_and_replayed_decode_steps(kvcache_ext, torch.bfloat16, steps=3)
+        assert all(torch.equal(a, b) for a, b in zip(eager, replayed)), "replay != eager"
 
     check("CUDA graph replay == eager", graph_equals_eager)
 
@@ -286,6 +257,8 @@ def run_bench(json_path: str | None = None) -> dict:
     torch, kvcache_ext = require_cuda()
     import torch.nn.functional as F
 
+    builders = load_case_builders()
+
     timer = Timer(torch)
     props = torch.cuda.get_device_properties(0)
     result = {
@@ -356,14 +329,11 @@ def run_bench(json_path: str | None = None) -> dict:
         read = 2 * b * hkv * visible * d * element
         working_set = 2 * b * hkv * length * d * element
         sets = decode_inputs(b, hq, hkv, length, d, dt, timer.copies(working_set))
-        env = {"KVCACHE_EXT_CUDA_MAX_ROWS": max_rows, "KVCACHE_EXT_CUDA_SPLITS": splits}
-        old = {name: os.environ.get(name) for name in env}
-        for name, value in env.items():  # read by the op's planner at each call (and at capture)
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = str(value)
-        try:
+        # Read by the op's planner at each call (and at capture).
+        with (
+            builders.with_env("KVCACHE_EXT_CUDA_MAX_ROWS", max_rows),
+            builders.with_env("KVCACHE_EXT_CUDA_SPLITS", splits),
+        ):
             ours = [lambda s=s: kvcache_ext.decode_attention(s[0], s[1], s[2], s[3], window) for s in sets]
             row = {
                 "batch": b,
@@ -380,12 +350,6 @@ def run_bench(json_path: str | None = None) -> dict:
                 "us": round(timer.eager_us(ours), 1),
                 "graph_us": round(timer.graph_us(ours), 1),
             }
-        finally:
-            for name, value in old.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         row["gb_per_s"] = round(read / (row["graph_us"] * 1e-6) / 1e9, 1)
         row["fraction_of_copy"] = fraction(row["gb_per_s"])
         if with_sdpa:

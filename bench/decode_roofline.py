@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
 import torch._dynamo
 
 import kvcache_ext
+from kvcache_ext.benchmarks.common import ARTICLE_PROMPT, cpu_model
 from kvcache_ext.demo import make_cache
 from python_ref import build_gpt2
 
-ARTICLE_PROMPT = (15496, 11, 314, 716)  # "Hello, I am" in GPT-2's tokenizer
 SETTINGS = {"article": (1, ARTICLE_PROMPT, torch.float32), "batched": (8, 512, torch.bfloat16)}
 
 
@@ -107,13 +106,6 @@ def run_setting(name, model, batch, prompt, dtype, steps, compile_step, bandwidt
             (name, cache_name, batch, str(dtype).removeprefix("torch."), batch / median, 1 / median / roofline_steps)
         )
     return rows
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main() -> None:

@@ -15,16 +15,16 @@
 #
 # Install, into a private folder on PYTHONPATH ($WORK/site; the Python environment is not changed):
 #   - the newest kvcache_ext-*.whl under dist/ (GPU_CHECK_WHEEL names another), built beforehand by
-#     `bash bench/cuda_wheel_check.sh` (dist/cuda/: abi3 + stable ABI, loads under any torch >= 2.10
+#     `bash tools/cuda_wheel_check.sh` (dist/cuda/: abi3 + stable ABI, loads under any torch >= 2.10
 #     and Python >= 3.10), then imported at once: it must load its CUDA kernels;
 #   - else, or when that import fails, a build from this tree: KVCACHE_EXT_CUDA=1,
 #     TORCH_CUDA_ARCH_LIST = the GPU's own arch unless set, MAX_JOBS = cores, CUDA_HOME found even
-#     when the nvcc on PATH is a wrapper (bench/find_cuda_home.sh).
+#     when the nvcc on PATH is a wrapper (tools/find_cuda_home.sh).
 # Missing helpers (pytest, ninja, setuptools, wheel) are installed from GPU_CHECK_WHEELHOUSE
 # (default dist/cuda/wheelhouse) when it holds them; without pytest the self-contained checks
 # (bench/cuda_bench.py checks) replace tests/test_cuda.py.
 #
-# Steps: environment, toolkit, helpers, install, import, kernels (bench/cuda_sanitize.py plainly),
+# Steps: environment, toolkit, helpers, install, import, kernels (tools/cuda_sanitize.py plainly),
 # sanitize_memcheck, sanitize_racecheck, sanitize_synccheck (compute-sanitizer; skipped when
 # absent), tests, bench. Without a GPU the steps that need one are reported as skipped.
 #
@@ -146,7 +146,7 @@ export TORCH_CUDA_MAJOR
 ((GPU)) || progress "torch sees no CUDA device: the steps that need one are skipped"
 
 # ---- 2. toolkit: CUDA_HOME (the nvcc on PATH may be a wrapper) and compute-sanitizer -------------------
-. "$REPO/bench/find_cuda_home.sh"
+. "$REPO/tools/find_cuda_home.sh"
 toolkit() {
   local home sanitizer nvcc=""
   home="$(find_cuda_home "$PYTHON")" || home=""
@@ -261,7 +261,7 @@ cd "$WORK"
 
 # ---- 5. every kernel on small cases: plainly, then under compute-sanitizer ------------------------------
 if ((GPU)); then
-  run_step kernels 60 240 "$PYTHON" "$REPO/bench/cuda_sanitize.py" --json "$LOGS/kernels.json"
+  run_step kernels 60 240 "$PYTHON" "$REPO/tools/cuda_sanitize.py" --json "$LOGS/kernels.json"
   if [[ "${GPU_CHECK_SKIP_SANITIZER:-0}" == 1 ]]; then
     skip sanitize "GPU_CHECK_SKIP_SANITIZER=1"
   elif [[ "$SANITIZER" == "-" ]]; then
@@ -276,7 +276,7 @@ if ((GPU)); then
       quick=(); [[ $tool == memcheck ]] || quick=(--quick)
       cap=$([[ $tool == memcheck ]] && echo 100 || echo 80)
       run_step "sanitize_$tool" "$cap" 220 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool "$tool" \
-        --error-exitcode 3 --print-limit 30 "${FILTER[@]}" "$PYTHON" "$REPO/bench/cuda_sanitize.py" "${quick[@]}" \
+        --error-exitcode 3 --print-limit 30 "${FILTER[@]}" "$PYTHON" "$REPO/tools/cuda_sanitize.py" "${quick[@]}" \
         --json "$LOGS/sanitize_$tool.json"
     done
   fi

@@ -16,9 +16,8 @@ import time
 import torch
 
 import kvcache_ext
+from kvcache_ext.benchmarks.common import HEAD_SHAPES
 from python_ref.quantize import quantize
-
-SHAPES = {"gpt2": (12, 12, 64), "llama8b": (32, 8, 128)}  # query heads, KV heads, head_dim
 
 
 def median_times(fn, rounds=7):
@@ -48,7 +47,8 @@ def main(L=16384, B=8):
         f"copy (1 thread, read + write): {copy_bytes / wall / 1e9:.1f} GB/s wall, "
         f"{copy_bytes / cpu / 1e9:.1f} GB/s CPU time"
     )
-    for name, (H_q, H_kv, D) in SHAPES.items():
+    for name, shape in HEAD_SHAPES.items():
+        H_q, H_kv, D = shape.q_heads, shape.kv_heads, shape.head_dim
         q = torch.randn(B, H_q, 1, D, dtype=torch.bfloat16)
         k = torch.randn(B, H_kv, L, D, dtype=torch.bfloat16)
         v = torch.randn_like(k)

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 import time
 from collections import deque
@@ -56,6 +55,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvcache_ext import Engine, KVCache, PagedKVCache
+from kvcache_ext.benchmarks.common import cpu_model
 from python_ref.generate import choose_next_token
 from python_ref.gpt2 import GPT2_CONFIGS
 from python_ref.llama import LLAMA_CONFIGS
@@ -335,15 +335,6 @@ def run_hf(hf, workload: list[Request], sizes: Sizes, bytes_per_token: int) -> R
 
 
 # -- report ---------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (lscpu failed)"
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
-
-
 def matching(run: Run, reference: Run) -> str:
     same = sum(run.outputs[i] == reference.outputs[i] for i in reference.outputs)
     return f"{same}/{len(reference.outputs)}"

@@ -14,7 +14,6 @@ the time other jobs take from it is left out, which steadies the ratios on a loa
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
@@ -22,9 +21,7 @@ import torch.nn.functional as F
 
 import kvcache_ext
 import kvcache_ext.ops
-
-SHAPES = {"gpt2": (12, 12, 64), "llama8b": (32, 8, 128)}  # query heads, KV heads, head_dim
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kvcache_ext.benchmarks.common import DTYPES, HEAD_SHAPES, cpu_model
 
 
 def per_call_seconds(fn, calls, clock=time.perf_counter):
@@ -46,20 +43,13 @@ def alternating_times(fns, rounds, calls, clock=time.perf_counter):
 
 
 def inputs(shape, dtype, batch, context):
-    q_heads, kv_heads, head_dim = SHAPES[shape]
+    sizes = HEAD_SHAPES[shape]
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, q_heads, 1, head_dim, generator=g).to(DTYPES[dtype])
-    k = torch.randn(batch, kv_heads, context, head_dim, generator=g).to(DTYPES[dtype])
-    v = torch.randn(batch, kv_heads, context, head_dim, generator=g).to(DTYPES[dtype])
+    q = torch.randn(batch, sizes.q_heads, 1, sizes.head_dim, generator=g).to(DTYPES[dtype])
+    k = torch.randn(batch, sizes.kv_heads, context, sizes.head_dim, generator=g).to(DTYPES[dtype])
+    v = torch.randn(batch, sizes.kv_heads, context, sizes.head_dim, generator=g).to(DTYPES[dtype])
     lengths = torch.full((batch,), context, dtype=torch.long)
     return q, k, v, lengths
-
-
-def cpu_model():
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main():
@@ -81,7 +71,7 @@ def main():
     print(
         f"{'point':34s} {'native us':>10s} {'sdpa us':>10s} {'ratio':>6s} {'best native':>12s} {'best sdpa':>10s} {'ratio':>6s}"
     )
-    for shape in SHAPES:
+    for shape in HEAD_SHAPES:
         for dtype in DTYPES:
             for context in (256, 1024):
                 q, k, v, lengths = inputs(shape, dtype, 1, context)

@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 
 import kvcache_ext
-
-SHAPES = {"gpt2": (12, 12, 64), "llama8b": (32, 8, 128)}  # query heads, KV heads, head_dim
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kvcache_ext.benchmarks.common import DTYPES, HEAD_SHAPES, cpu_model
 
 
 def times(fn, repeats):
@@ -35,13 +32,6 @@ def times(fn, repeats):
         fn()
         seconds.append(time.perf_counter() - start)
     return min(seconds), statistics.median(seconds)
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main() -> None:
@@ -64,7 +54,8 @@ def main() -> None:
         best, median = times(lambda: target.copy_(source), args.repeats)
         copy_row.append(f"{2 * source.numel() / best / 1e9:.1f} ({2 * source.numel() / median / 1e9:.1f})")
     print("| copy | | " + " | ".join(copy_row) + " |", flush=True)
-    for shape, (q_heads, kv_heads, head_dim) in SHAPES.items():
+    for shape, sizes in HEAD_SHAPES.items():
+        q_heads, kv_heads, head_dim = sizes.q_heads, sizes.kv_heads, sizes.head_dim
         for dtype_name, dtype in DTYPES.items():
             g = torch.Generator().manual_seed(0)
             q = torch.randn(args.batch, q_heads, 1, head_dim, generator=g).to(dtype)

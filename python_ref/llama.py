@@ -107,35 +107,21 @@ LLAMA_CONFIGS = {
         tie_embeddings=True,
         qk_norm=True,
     ),
-    # Test sizes. GPT-2's vocabulary, so the GPT-2 tokenizer's ids are valid inputs; a short
-    # original context so that Llama 3 scaling changes some frequencies.
-    "llama-tiny": LlamaConfig(
-        vocab_size=50_257,
-        context_length=256,
-        emb_dim=64,
-        n_heads=4,
-        n_kv_heads=2,
-        n_layers=2,
-        hidden_dim=128,
-        head_dim=16,
-        rope_base=500_000.0,
-        rope_scaling=Llama3RopeScaling(factor=8.0, original_context_length=64),
-    ),
-    "qwen3-tiny": LlamaConfig(
-        vocab_size=50_257,
-        context_length=256,
-        emb_dim=64,
-        n_heads=4,
-        n_kv_heads=2,
-        n_layers=2,
-        hidden_dim=128,
-        head_dim=32,
-        rope_base=1_000_000.0,
-        norm_eps=1e-6,
-        tie_embeddings=True,
-        qk_norm=True,
-    ),
 }
+# Test sizes of the two families: GPT-2's vocabulary, so the GPT-2 tokenizer's ids are valid inputs;
+# Llama's with a short original context, so that Llama 3 scaling changes some frequencies, and its
+# output head untied.
+_TEST_SIZES = dict(
+    vocab_size=50_257, context_length=256, emb_dim=64, n_heads=4, n_kv_heads=2, n_layers=2, hidden_dim=128
+)
+LLAMA_CONFIGS["llama-tiny"] = replace(
+    LLAMA_CONFIGS["llama-3.2-1b"],
+    **_TEST_SIZES,
+    head_dim=16,
+    rope_scaling=Llama3RopeScaling(factor=8.0, original_context_length=64),
+    tie_embeddings=False,
+)
+LLAMA_CONFIGS["qwen3-tiny"] = replace(LLAMA_CONFIGS["qwen3-0.6b"], **_TEST_SIZES, head_dim=32)
 
 
 def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:

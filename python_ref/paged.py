@@ -100,6 +100,15 @@ def check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, len
         _check_lengths(new_counts, B, k_pool.device, "new_counts")
 
 
+def _written_slots(pool, k_new, block_tables, lengths, counts):
+    """(row, token, block, offset) of every token an append writes, as four index tensors: token t
+    < counts[b] of row b goes to position lengths[b] + t, in block_tables' block for it."""
+    block_size, T = pool.shape[2], k_new.shape[2]
+    rows, t = (torch.arange(T, device=pool.device).view(1, -1) < counts.view(-1, 1)).nonzero(as_tuple=True)
+    positions = lengths[rows] + t
+    return rows, t, block_tables[rows, positions // block_size].long(), positions % block_size
+
+
 def _check_append_values(k_pool, k_new, block_tables, lengths, new_counts) -> torch.Tensor:
     """The values of an append's lengths, counts and written table entries (the arguments checked
     already); returns the number of tokens each row writes, (B,) int64."""
@@ -163,12 +172,7 @@ def paged_append_reference(k_pool, v_pool, k_new, v_new, block_tables, lengths, 
     """
     check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, lengths, new_counts)
     counts = _check_append_values(k_pool, k_new, block_tables, lengths, new_counts)
-    block_size = k_pool.shape[2]
-    T = k_new.shape[2]
-    rows, t = (torch.arange(T, device=k_pool.device).view(1, -1) < counts.view(-1, 1)).nonzero(as_tuple=True)
-    positions = lengths[rows] + t
-    blocks = block_tables[rows, positions // block_size].long()
-    offsets = positions % block_size
+    rows, t, blocks, offsets = _written_slots(k_pool, k_new, block_tables, lengths, counts)
     k_pool[blocks, :, offsets] = k_new[rows, :, t]
     v_pool[blocks, :, offsets] = v_new[rows, :, t]
 
@@ -347,12 +351,7 @@ def paged_append_quantized_reference(
     )
     fmt, _ = check_quantized_pool(k_data, k_scales, v_data, v_scales)
     counts = _check_append_values(k_data, k_new, block_tables, lengths, new_counts)
-    block_size = k_data.shape[2]
-    T = k_new.shape[2]
-    rows, t = (torch.arange(T, device=k_data.device).view(1, -1) < counts.view(-1, 1)).nonzero(as_tuple=True)
-    positions = lengths[rows] + t
-    blocks = block_tables[rows, positions // block_size].long()
-    offsets = positions % block_size
+    rows, t, blocks, offsets = _written_slots(k_data, k_new, block_tables, lengths, counts)
     for data, scales, new in ((k_data, k_scales, k_new), (v_data, v_scales, v_new)):
         codes, new_scales = quantize.quantize(new[rows, :, t], fmt)  # (tokens, H_kv, ...)
         _bytes(data)[blocks, :, offsets] = _bytes(codes)

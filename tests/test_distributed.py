@@ -19,6 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_models import TINY_DECODER, TINY_GPT2
 from torch import distributed as dist
 
 from kvcache_ext import KVCache
@@ -109,15 +110,15 @@ def rank_main(rank: int, size: int, store: str, files: dict, out_dir: str) -> No
 
 def run_ranks(size: int, files: dict, tmp_dir) -> list[dict]:
     """Start ``size`` ranks, wait for them at most RUN_TIMEOUT_S, return each rank's results."""
-    context = mp.start_processes(
-        rank_main,
-        args=(size, str(tmp_dir / "store"), files, str(tmp_dir)),
-        nprocs=size,
-        join=False,
-        start_method="spawn",
-    )
-    _wait(context, size)
+    spawn_ranks(rank_main, size, tmp_dir, files)
     return [torch.load(tmp_dir / f"rank{rank}.pt") for rank in range(size)]
+
+
+def spawn_ranks(main, size: int, tmp_dir, *payload) -> None:
+    """``main(rank, size, store, *payload, out_dir)`` in ``size`` spawned processes, their file store
+    and out_dir in ``tmp_dir``; returns when all have ended, at most RUN_TIMEOUT_S later."""
+    args = (size, str(tmp_dir / "store"), *payload, str(tmp_dir))
+    _wait(mp.start_processes(main, args=args, nprocs=size, join=False, start_method="spawn"), size)
 
 
 def _wait(context, size: int) -> None:
@@ -141,22 +142,11 @@ def checkpoint_files(tmp_path_factory) -> dict:
 
     folder = tmp_path_factory.mktemp("checkpoints")
     torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_head=4, n_layer=2, initializer_range=0.3)
-    )
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY_GPT2, initializer_range=0.3))
     save_file(
         {k: v.contiguous() for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}, folder / "gpt2.safetensors"
     )
-    llama_config = transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-    )
+    llama_config = transformers.LlamaConfig(**TINY_DECODER, initializer_range=0.3)
     llama = transformers.LlamaForCausalLM(llama_config)
     save_file({k: v.contiguous() for k, v in llama.state_dict().items()}, folder / "llama.safetensors")
     (folder / "config.json").write_text(json.dumps(llama_config.to_dict()))
@@ -310,10 +300,7 @@ def teardown_rank_main(rank: int, size: int, store: str, out_dir: str) -> None:
 def test_leaving_the_group_stops_its_threads(tmp_path):
     """After destroy_process_group() a rank runs no gloo thread: threads left running while the
     interpreter exits can abort a rank that has finished its work."""
-    context = mp.start_processes(
-        teardown_rank_main, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    _wait(context, 2)
+    spawn_ranks(teardown_rank_main, 2, tmp_path)
     for rank in range(2):
         threads = torch.load(tmp_path / f"teardown{rank}.pt")
         assert threads["while_joined"], "gloo names its threads (pt_gloo_runloop); without them this proves nothing"
@@ -332,14 +319,7 @@ def test_transformers_tp_plan_runs_on_native_cache(checkpoint_files, tmp_path):
     idx = prompt(single.config.vocab_size)
     expected = single.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=NEW_TOKENS, do_sample=False)
     size = 2
-    context = mp.start_processes(
-        hf_rank_main,
-        args=(size, str(tmp_path / "store"), model_dir, str(tmp_path)),
-        nprocs=size,
-        join=False,
-        start_method="spawn",
-    )
-    _wait(context, size)
+    spawn_ranks(hf_rank_main, size, tmp_path, model_dir)
     for rank in range(size):
         got = torch.load(tmp_path / f"hf-rank{rank}.pt")
         assert torch.equal(got["tokens"], expected), f"rank {rank}"

@@ -4,22 +4,16 @@ import random
 
 import pytest
 import torch
+from tiny_models import TINY_MODELS, TINY_VOCAB
 
 import kvcache_ext
 from kvcache_ext import Engine, PagedKVCache
-from python_ref import build_gpt2, build_llama, generate
-
-# A small vocabulary: the output head is most of a tiny model's work.
-VOCAB = 512
-MODELS = {
-    "gpt2": lambda: build_gpt2("tiny", seed=0, vocab_size=VOCAB),
-    "llama": lambda: build_llama("llama-tiny", seed=0, vocab_size=VOCAB),
-}
+from python_ref import generate
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
 def model(request):
-    return MODELS[request.param]()
+    return TINY_MODELS[request.param]()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,10 +35,10 @@ def workload(count, seed):
     """Prompts of 1-40 tokens, half of them after a shared 24-token system prompt, and 1-10 new tokens
     (40 for every eighth request: long outputs that outgrow a small pool)."""
     rng = random.Random(seed)
-    system = [rng.randrange(VOCAB) for _ in range(24)]
+    system = [rng.randrange(TINY_VOCAB) for _ in range(24)]
     prompts = []
     for i in range(count):
-        own = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 17))]
+        own = [rng.randrange(TINY_VOCAB) for _ in range(rng.randrange(1, 17))]
         prompts.append(system + own if i % 2 else own + own)
     return prompts, [40 if i % 8 == 0 else rng.randrange(1, 11) for i in range(count)]
 
@@ -60,7 +54,7 @@ def test_every_request_gets_the_tokens_it_gets_alone(model):
 
 
 def test_streamed_tokens_and_requests_that_join_between_steps():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     prompts, max_new = workload(6, seed=1)
     engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=16)
     streamed = {}
@@ -74,7 +68,7 @@ def test_streamed_tokens_and_requests_that_join_between_steps():
 
 
 def test_sampled_requests_draw_from_their_own_generators():
-    model = MODELS["llama"]()
+    model = TINY_MODELS["llama"]()
     prompts, max_new = workload(8, seed=2)
 
     def generators():
@@ -91,7 +85,7 @@ def test_sampled_requests_draw_from_their_own_generators():
 
 
 def test_a_request_stops_at_eos():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     prompt = [5, 6, 7]
     expected = alone(model, prompt, 8)
     eos = expected[3]
@@ -100,11 +94,11 @@ def test_a_request_stops_at_eos():
 
 
 def test_bad_requests_are_refused_and_queue_nothing():
-    model = MODELS["gpt2"]()  # 128 positions
+    model = TINY_MODELS["gpt2"]()  # 128 positions
     engine = Engine(model, paged_cache(model, num_blocks=8))  # 32 tokens
     for prompt, max_new, message in [
         ([], 1, "non-empty"),
-        ([1, VOCAB], 1, rf"\[0, {VOCAB}\)"),
+        ([1, TINY_VOCAB], 1, rf"\[0, {TINY_VOCAB}\)"),
         ([1.0], 1, "int token ids"),
         ([1], -1, "max_new_tokens"),
         ([1] * 120, 10, "128 positions"),
@@ -136,7 +130,7 @@ def test_bad_requests_are_refused_and_queue_nothing():
 
 
 def test_at_most_max_batch_size_requests_run_at_once():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     prompts, max_new = workload(6, seed=3)
     engine = Engine(model, paged_cache(model, num_blocks=64), max_batch_size=2)
     for prompt, count in zip(prompts, max_new):
@@ -151,7 +145,7 @@ def test_at_most_max_batch_size_requests_run_at_once():
 
 
 def test_requests_arriving_together_compute_a_shared_prefix_once():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     system = list(range(10, 22))  # 3 blocks of 4
     prompts = [system + [100 + i, 7, 8] for i in range(8)]
     engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=4)
@@ -161,7 +155,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once():
 
 
 def test_a_long_prompt_is_read_in_chunks_while_others_decode():
-    model = MODELS["llama"]()
+    model = TINY_MODELS["llama"]()
     engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=8)
     short = engine.add_request([1, 2, 3], 20)
     engine.step()
@@ -178,7 +172,7 @@ def test_a_long_prompt_is_read_in_chunks_while_others_decode():
 
 
 def test_the_newest_request_is_preempted_when_the_pool_runs_out():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     # 6 blocks of 4 tokens; each request grows to 4 + 11 = 15 tokens (4 blocks): both start, not both fit.
     engine = Engine(model, paged_cache(model, num_blocks=6), chunk_size=8)
     for prompt in ([1, 2, 3, 4], [5, 6, 7, 8]):
@@ -196,7 +190,7 @@ def test_the_newest_request_is_preempted_when_the_pool_runs_out():
 
 
 def test_pop_finished_hands_over_finished_requests_and_forgets_them():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     prompts, max_new = workload(5, seed=4)
     max_new[0] = 1  # finishes at its first step, while the others still run
     engine = Engine(model, paged_cache(model, num_blocks=64), chunk_size=64)
@@ -220,7 +214,7 @@ def test_pop_finished_hands_over_finished_requests_and_forgets_them():
 
 
 def test_without_prefix_caching_every_prompt_is_computed_in_full():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     system = list(range(10, 22))
     prompts = [system + [100 + i, 7, 8] for i in range(4)]
     cached = Engine(model, paged_cache(model, num_blocks=64), chunk_size=4)

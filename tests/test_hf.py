@@ -1,8 +1,10 @@
 """transformers' generate() on the native cache gives exactly transformers' own tokens."""
 
+from functools import partial
+
 import pytest
 import torch
-from tiny_hf_configs import TINY_DECODER
+from tiny_models import TINY_DECODER, TINY_DRAFT, TINY_GPT2, greedy, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -10,23 +12,11 @@ khf = pytest.importorskip("kvcache_ext.hf")
 from kvcache_ext import ops  # noqa: E402
 
 NEW_TOKENS, PROMPT_LEN, PAD = 12, 7, 0
-
-
-def _randomize(model):
-    # transformers initialises with std 0.02, which makes tiny random models repeat one token;
-    # projections that keep their input's size give varied text, a stricter comparison.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(std=0.02 if ("wte" in name or "wpe" in name or "embed" in name) else 64**-0.5)
-    return model.eval()
+_batch = partial(left_padded_batch, prompt_len=PROMPT_LEN, pad=PAD)
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(
-        vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY_GPT2, bos_token_id=1, eos_token_id=2))
 
 
 def _llama():
@@ -35,42 +25,19 @@ def _llama():
 
 
 def _qwen3():
-    cfg = transformers.Qwen3Config(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = transformers.Qwen3Config(**TINY_DECODER | dict(head_dim=32))
     return transformers.Qwen3ForCausalLM(cfg)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "qwen3"])
 def model(request):
     torch.manual_seed(0)
-    return _randomize({"gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3}[request.param]())
-
-
-def _batch(size):
-    ids = torch.randint(3, 1000, (3, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding of different lengths
-    mask[2, :1] = 0
-    ids = ids.masked_fill(mask == 0, PAD)
-    return ids[:size], mask[:size]
+    return randomize({"gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3}[request.param]())
 
 
 def _generate(model, ids, mask, attn_implementation, cache=None):
     model.set_attn_implementation(attn_implementation)
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD)
-    if cache is not None:
-        kwargs["cache"] = cache
-    return model.generate(ids, attention_mask=mask, **kwargs)
+    return greedy(model, ids, mask, NEW_TOKENS, cache, PAD)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -134,30 +101,15 @@ def _assistant(name):
     torch.manual_seed(1)
     if name == "gpt2":
         small = transformers.GPT2LMHeadModel(
-            transformers.GPT2Config(
-                vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=1, eos_token_id=2
-            )
+            transformers.GPT2Config(**TINY_GPT2 | dict(n_embd=32, n_layer=1, n_head=2), bos_token_id=1, eos_token_id=2)
         )
     else:
         config_class, model_class = {
             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         }[name]
-        small = model_class(
-            config_class(
-                vocab_size=1000,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=16,
-                max_position_embeddings=64,
-                bos_token_id=1,
-                eos_token_id=2,
-            )
-        )
-    return _randomize(small)
+        small = model_class(config_class(**TINY_DRAFT))
+    return randomize(small)
 
 
 # generate() modes beyond greedy decoding, as (name, batch sizes, generate() arguments).

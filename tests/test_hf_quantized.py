@@ -5,9 +5,11 @@ computes (the padded prompt included); a saved quantized cache resumes exactly; 
 scales with codes. Tiny models built from configs (no downloads).
 """
 
+from functools import partial
+
 import pytest
 import torch
-from tiny_hf_configs import TINY_DECODER
+from tiny_models import TINY_DECODER, greedy, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -16,17 +18,9 @@ from python_ref import quantize as quant  # noqa: E402
 
 FORMATS = ["int8", "fp8_e4m3", "int4"]
 NEW_TOKENS, PROMPT_LEN, PAD = 8, 9, 0
+_batch = partial(left_padded_batch, prompt_len=PROMPT_LEN, pad=PAD)
 # head_dim 32: int4 keeps one scale per 32 values
 COMMON = dict(TINY_DECODER, head_dim=32, pad_token_id=PAD)
-
-
-def _randomize(model):
-    # As in test_hf.py: projections that keep their input's size give varied text.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(std=0.02 if "embed" in name else 64**-0.5)
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
@@ -36,18 +30,9 @@ def model(request):
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
     else:  # every layer sliding, window 4: with chunk_size 2 the ring (5 slots) wraps in the prompt
         hf = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=4))
-    hf = _randomize(hf)
+    hf = randomize(hf)
     hf.set_attn_implementation(khf.ATTN_IMPLEMENTATION)
     return hf
-
-
-def _batch(size):
-    ids = torch.randint(3, 1000, (3, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding of different lengths
-    mask[2, :1] = 0
-    ids = ids.masked_fill(mask == 0, PAD)
-    return ids[:size], mask[:size]
 
 
 def _cache(model, kv_dtype=None, new_tokens=NEW_TOKENS):
@@ -55,8 +40,7 @@ def _cache(model, kv_dtype=None, new_tokens=NEW_TOKENS):
 
 
 def _generate(model, ids, mask, cache, new_tokens=NEW_TOKENS, **kwargs):
-    kwargs = dict(dict(do_sample=False, pad_token_id=PAD), **kwargs)
-    return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens, **kwargs)
+    return greedy(model, ids, mask, new_tokens, cache, PAD, **kwargs)
 
 
 def _bytes(t):

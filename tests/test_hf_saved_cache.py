@@ -6,10 +6,11 @@ Tiny models built from configs (no downloads).
 
 import json
 import os
+from functools import partial
 
 import pytest
 import torch
-from tiny_hf_configs import TINY_DECODER
+from tiny_models import TINY_DECODER, greedy, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -18,17 +19,9 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 NEW_TOKENS, PROMPT_LEN, PAD = 10, 9, 0
+_batch = partial(left_padded_batch, prompt_len=PROMPT_LEN, pad=PAD)
 COMMON = dict(TINY_DECODER, pad_token_id=PAD)
 FINGERPRINT = "tiny-llama@test"
-
-
-def _randomize(model):
-    # As in test_hf.py: projections that keep their input's size give varied text.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(std=0.02 if "embed" in name else 64**-0.5)
-    return model.eval()
 
 
 def _llama(**overrides):
@@ -42,16 +35,7 @@ def _mistral():  # every layer sliding, window 4: with chunk_size 2 the ring (5 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
 def model(request):
     torch.manual_seed(0)
-    return _randomize({"llama": _llama, "mistral": _mistral}[request.param]())
-
-
-def _batch(size):
-    ids = torch.randint(3, 1000, (3, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding of different lengths
-    mask[2, :1] = 0
-    ids = ids.masked_fill(mask == 0, PAD)
-    return ids[:size], mask[:size]
+    return randomize({"llama": _llama, "mistral": _mistral}[request.param]())
 
 
 def _cache(model, **kwargs):
@@ -59,10 +43,7 @@ def _cache(model, **kwargs):
 
 
 def _generate(model, ids, mask, max_new_tokens, cache=None):
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD)
-    if cache is not None:
-        kwargs["cache"] = cache
-    return model.generate(ids, attention_mask=mask, **kwargs)
+    return greedy(model, ids, mask, max_new_tokens, cache, PAD)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -103,7 +84,7 @@ def test_prefill_save_load_continue(model, batch, tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     torch.manual_seed(0)
-    llama = _randomize(_llama())
+    llama = randomize(_llama())
     llama.set_attn_implementation(khf.ATTN_IMPLEMENTATION)
     ids, mask = _batch(3)
     cache = _cache(llama)

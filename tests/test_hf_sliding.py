@@ -4,9 +4,11 @@ Tiny models built from configs (no downloads) with a window shorter than the pro
 buffer shorter than the prompt, so that prompt packing, ring slots and the window all matter.
 """
 
+from functools import partial
+
 import pytest
 import torch
-from tiny_hf_configs import TINY_DECODER
+from tiny_models import TINY_DECODER, TINY_DRAFT, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -16,6 +18,8 @@ from kvcache_ext import ops  # noqa: E402
 NEW_TOKENS, PROMPT_LEN, PAD = 12, 9, 0
 WINDOW, CHUNK = 4, 2  # ring slots: WINDOW + CHUNK - 1 = 5, fewer than the prompt's tokens
 COMMON = dict(TINY_DECODER, pad_token_id=PAD, sliding_window=WINDOW)
+# left padding: rows of 9, 4 and 8 real tokens (the ring holds 5)
+_batch = partial(left_padded_batch, prompt_len=PROMPT_LEN, pad=PAD, padding=(5, 1))
 
 
 def _mistral():  # every layer sliding (no layer_types in the config)
@@ -55,40 +59,22 @@ def _gpt_oss():  # alternating sliding/full, learned per-head sink logits
 BUILDERS = {"mistral": _mistral, "qwen2": _qwen2, "gemma2": _gemma2, "gemma3": _gemma3, "gpt_oss": _gpt_oss}
 
 
-def _randomize(model):
-    # As in test_hf.py: projections that keep their input's size give varied text.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(std=0.02 if "embed" in name else 64**-0.5)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def mistral():
     """A sliding-only model for the row operations (one model is enough for those)."""
     torch.manual_seed(0)
-    return _randomize(_mistral())
+    return randomize(_mistral())
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
 def model(request):
     torch.manual_seed(0)
-    return _randomize(BUILDERS[request.param]())
+    return randomize(BUILDERS[request.param]())
 
 
 def _reference_implementation(model):
     # Gemma 2 and GPT-OSS have no SDPA path in transformers (soft-capping, sinks): eager there.
     return "sdpa" if type(model)._supports_sdpa else "eager"
-
-
-def _batch(size):
-    ids = torch.randint(3, 1000, (3, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # left padding: rows of 9, 4 and 8 real tokens (the ring holds 5)
-    mask[2, :1] = 0
-    ids = ids.masked_fill(mask == 0, PAD)
-    return ids[:size], mask[:size]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -139,18 +125,9 @@ def test_beam_search_matches_transformers(mistral):
 
 def test_assisted_decoding_matches_transformers(mistral):
     torch.manual_seed(1)
-    assistant = _randomize(
+    assistant = randomize(
         transformers.MistralForCausalLM(
-            transformers.MistralConfig(
-                **{
-                    **COMMON,
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_hidden_layers": 1,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 1,
-                }
-            )
+            transformers.MistralConfig(**TINY_DRAFT, pad_token_id=PAD, sliding_window=WINDOW)
         )
     )
     ids, mask = _batch(1)

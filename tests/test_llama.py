@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_models import TINY_DECODER
 
 from kvcache_ext import KVCache
 from python_ref import ConcatCache, NoCache, PreallocatedCache, generate
@@ -163,36 +164,23 @@ def test_half_precision_keeps_rope_in_float32():
 def _hf_models():
     transformers = pytest.importorskip("transformers")
     llama = transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_theta=500_000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        **TINY_DECODER
+        | dict(
+            max_position_embeddings=512,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_theta=500_000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     )
     qwen3 = transformers.Qwen3Config(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
+        **TINY_DECODER | dict(head_dim=32, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=True)
     )
     return {"llama": (transformers.LlamaForCausalLM, llama), "qwen3": (transformers.Qwen3ForCausalLM, qwen3)}
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from paged_cases import pool_state
 
 import kvcache_ext
 from kvcache_ext import BlockPool, Engine, KVCache, PagedKVCache, PoolExhaustedError
@@ -14,16 +15,6 @@ from python_ref.quantize import FORMATS, data_shape, scale_dtype, scale_shape, s
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def pool_state(pool):
-    """Everything a refused call must leave as it was."""
-    return (
-        {seq: (pool.block_table(seq), pool.length(seq)) for seq in pool.sequences},
-        [pool.ref_count(b) for b in range(pool.num_blocks)],
-        [pool.is_cached(b) for b in range(pool.num_blocks)],
-        pool.num_free_blocks,
-    )
 
 
 def filled(pool, seq, tokens, prompt=None):

@@ -3,15 +3,15 @@ the contiguous decode_attention on the same logical tokens, and the float64 orac
 change no byte; a fuzz of block tables."""
 
 import itertools
-import math
 
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext.capabilities import kernel_table, python_fallback_table
+import case_builders as cases
+import paged_cases as paged
 from attention_oracle import attention_float64, attention_plain
 from python_ref import paged_append_reference, paged_attention_reference
 
@@ -19,43 +19,24 @@ pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="nati
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SAME_DTYPE_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
-REFUSALS = (ValueError, TypeError, IndexError)  # python_ref's, and the wrappers' checks of shapes
-# The wrappers leave the values of lengths, counts and table entries to the native binding, which
-# checks them before writing (RuntimeError), as it does for the contiguous ops' lengths.
-WRAPPER_REFUSALS = (*REFUSALS, RuntimeError)
 
 
 def paged_layout(k, v, lengths, block_size, spare_blocks=3, table_dtype=torch.int32, spare_entries=1):
     """The logical tokens of contiguous k/v (B, H, S, D) copied into pools through a block table with
     the blocks in random order among spare ones. Every pool element no row holds is NaN (and every
     table entry past a row's need is -1), so reading anything outside the rows shows in the result."""
-    B, H, _, D = k.shape
-    needed = [-(-int(n) // block_size) for n in lengths]
-    num_blocks = sum(needed) + spare_blocks
-    ids = torch.randperm(num_blocks)
-    table = torch.full((B, max(needed) + spare_entries), -1, dtype=table_dtype)
-    k_pool = torch.full((num_blocks, H, block_size, D), float("nan"), dtype=k.dtype)
+    table, num_blocks = cases.random_block_table(lengths, block_size, spare_blocks, table_dtype, spare_entries)
+    k_pool = torch.full((num_blocks, k.shape[1], block_size, k.shape[3]), float("nan"), dtype=k.dtype)
     v_pool = k_pool.clone()
-    used = 0
-    for b in range(B):
-        for j in range(needed[b]):
-            block = int(ids[used])
-            used += 1
-            table[b, j] = block
-            count = min(block_size, int(lengths[b]) - j * block_size)
-            k_pool[block, :, :count] = k[b, :, j * block_size : j * block_size + count]
-            v_pool[block, :, :count] = v[b, :, j * block_size : j * block_size + count]
+    cases.copy_into_blocks((k_pool, v_pool), (k, v), table, lengths)
     return k_pool, v_pool, table
 
 
 def make_tokens(dtype, batch, kv_heads, group, num_new, head_dim, lengths, non_contiguous):
-    slots = max(lengths)
-    q = torch.randn(batch, kv_heads * group, num_new, head_dim, dtype=dtype)
-    if non_contiguous:  # (B, T, H, D) storage viewed as (B, H, T, D): what a model's transpose gives
-        q = torch.randn(batch, num_new, kv_heads * group, head_dim, dtype=dtype).transpose(1, 2)
-    k = torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype)
-    v = torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype)
-    return q, k, v, torch.tensor(lengths)
+    """q and a cache of max(lengths) slots (case_builders.random_decode_problem); ``non_contiguous``:
+    q is (B, T, H, D) storage viewed as (B, H, T, D), what a model's transpose gives."""
+    H_q, slots = kv_heads * group, max(lengths)
+    return cases.random_decode_problem(batch, H_q, kv_heads, num_new, head_dim, slots, lengths, dtype, non_contiguous)
 
 
 def check_paged_attention(q, k, v, lengths, block_size, window=None, table_dtype=torch.int32):
@@ -173,13 +154,9 @@ def test_block_tables_may_be_strided_views():
 def expected_append(k_pool, v_pool, k_new, v_new, table, lengths, counts):
     """The pools after an append, token by token from the definition."""
     k_pool, v_pool = k_pool.clone(), v_pool.clone()
-    block_size = k_pool.shape[2]
-    for b in range(k_new.shape[0]):
-        for t in range(int(counts[b])):
-            position = int(lengths[b]) + t
-            block, offset = int(table[b, position // block_size]), position % block_size
-            k_pool[block, :, offset] = k_new[b, :, t]
-            v_pool[block, :, offset] = v_new[b, :, t]
+    for b, t, block, offset in paged.appended_slots(table, lengths, counts, k_pool.shape[2]):
+        k_pool[block, :, offset] = k_new[b, :, t]
+        v_pool[block, :, offset] = v_new[b, :, t]
     return k_pool, v_pool
 
 
@@ -189,11 +166,7 @@ def expected_append(k_pool, v_pool, k_new, v_new, table, lengths, counts):
 )
 def test_paged_append_parity(dtype, block_size, non_contiguous, with_counts):
     B, H, T, D = 3, 2, 5, 40
-    lengths = torch.tensor([0, 7, 13])
-    counts = torch.tensor([5, 0, 3]) if with_counts else torch.full((B,), T)
-    max_blocks = -(-(13 + T) // block_size)
-    num_blocks = B * max_blocks + 2
-    table = torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    lengths, counts, table, num_blocks = paged.append_rows(block_size, with_counts, T)
     k_pool = torch.randn(num_blocks, H, block_size, D, dtype=dtype)
     v_pool = torch.randn(num_blocks, H, block_size, D, dtype=dtype)
     if non_contiguous:
@@ -235,46 +208,14 @@ def test_append_then_attend_equals_the_contiguous_cache():
 
 
 def append_case(**changes):
-    B, H, T, D, block_size = 2, 2, 3, 16, 4
-    case = dict(
-        k_pool=torch.randn(8, H, block_size, D),
-        v_pool=torch.randn(8, H, block_size, D),
-        k_new=torch.randn(B, H, T, D),
-        v_new=torch.randn(B, H, T, D),
-        block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
-        lengths=torch.tensor([2, 5]),
-        new_counts=None,
-    )
-    case.update(changes)
-    return case
+    return paged.append_case(dict(k_pool=torch.randn(8, 2, 4, 16), v_pool=torch.randn(8, 2, 4, 16)), 16, **changes)
 
 
-BAD_APPENDS = {
-    "negative id": dict(block_tables=torch.tensor([[0, -1, 2], [3, 4, 5]], dtype=torch.int32)),
-    "id past the pool": dict(block_tables=torch.tensor([[0, 8, 2], [3, 4, 5]], dtype=torch.int32)),
-    "int64 id past int32": dict(block_tables=torch.tensor([[0, 2**40, 2], [3, 4, 5]])),
-    "block written by two rows": dict(
-        block_tables=torch.tensor([[0, 4, 2], [3, 4, 5]], dtype=torch.int32), lengths=torch.tensor([2, 4])
-    ),
-    "block written twice by one row": dict(
-        k_new=torch.randn(2, 2, 6, 16),
-        v_new=torch.randn(2, 2, 6, 16),
-        block_tables=torch.tensor([[0, 0, 2], [3, 4, 5]], dtype=torch.int32),
-        lengths=torch.tensor([0, 0]),
-    ),
+BAD_APPENDS = paged.bad_append_changes(head_dim=16) | {
     "table too short": dict(lengths=torch.tensor([2, 10])),
-    "negative length": dict(lengths=torch.tensor([-1, 5])),
-    "length past the table": dict(lengths=torch.tensor([2, 13])),
-    "huge length": dict(lengths=torch.tensor([2, 2**62])),
-    "count above T": dict(new_counts=torch.tensor([4, 0])),
-    "negative count": dict(new_counts=torch.tensor([-1, 0])),
-    "int32 lengths": dict(lengths=torch.tensor([2, 5], dtype=torch.int32)),
-    "float table": dict(block_tables=torch.zeros(2, 3)),
-    "table of wrong batch": dict(block_tables=torch.zeros(3, 3, dtype=torch.int32)),
     "block size not a power of two": dict(k_pool=torch.randn(8, 2, 3, 16), v_pool=torch.randn(8, 2, 3, 16)),
     "block size too large": dict(k_pool=torch.randn(1, 2, 512, 16), v_pool=torch.randn(1, 2, 512, 16)),
     "k_new of another dtype": dict(k_new=torch.randn(2, 2, 3, 16, dtype=torch.float16)),
-    "head_dim mismatch": dict(k_new=torch.randn(2, 2, 3, 8), v_new=torch.randn(2, 2, 3, 8)),
 }
 
 
@@ -285,11 +226,11 @@ KERNEL_LIMITS = {"block size not a power of two", "block size too large"}
 def append_callers(name):
     """Every entry point with the exceptions it refuses with."""
     callers = [
-        (lambda c: kvcache_ext.paged_append_kv(**c), WRAPPER_REFUSALS),
+        (lambda c: kvcache_ext.paged_append_kv(**c), paged.WRAPPER_REFUSALS),
         (lambda c: torch.ops.kvcache_ext.paged_append_kv(*c.values()), RuntimeError),
     ]
     if name not in KERNEL_LIMITS:
-        callers.append((lambda c: paged_append_reference(**c), REFUSALS))
+        callers.append((lambda c: paged_append_reference(**c), paged.REFUSALS))
     return callers
 
 
@@ -309,17 +250,9 @@ def test_shared_block_read_by_one_row_written_by_none_is_fine():
     kvcache_ext.paged_append_kv(**case)  # row 0 writes block 0 and 1, row 1 writes 4 and 5
 
 
-BAD_ATTENTIONS = {
-    "negative id": dict(block_tables=torch.tensor([[-1, 1], [3, 4]], dtype=torch.int32)),
-    "id past the pool": dict(block_tables=torch.tensor([[0, 1], [8, 4]], dtype=torch.int32)),
-    "length below T": dict(lengths=torch.tensor([1, 5])),
-    "length past the table": dict(lengths=torch.tensor([2, 9])),
+BAD_ATTENTIONS = paged.bad_attention_changes(head_dim=16) | {
     "table too short": dict(block_tables=torch.tensor([[0], [3]], dtype=torch.int32)),
-    "q heads not a multiple": dict(q=torch.randn(2, 3, 2, 16)),
     "q of another dtype": dict(q=torch.randn(2, 4, 2, 16, dtype=torch.bfloat16)),
-    "window zero": dict(window=0),
-    "non-finite scale": dict(scale=math.inf),
-    "int16 table": dict(block_tables=torch.tensor([[0, 1], [3, 4]], dtype=torch.int16)),
 }
 
 
@@ -335,13 +268,13 @@ def test_refused_attention(name):
         scale=None,
     )
     case.update(BAD_ATTENTIONS[name])
-    with pytest.raises(WRAPPER_REFUSALS):
+    with pytest.raises(paged.WRAPPER_REFUSALS):
         kvcache_ext.paged_decode_attention(**case)
     with pytest.raises(RuntimeError):
         torch.ops.kvcache_ext.paged_decode_attention(*case.values())
     # Like reference_attention, the reference computes with any scale and mixed dtypes.
     if name not in ("non-finite scale", "q of another dtype"):
-        with pytest.raises(REFUSALS):
+        with pytest.raises(paged.REFUSALS):
             paged_attention_reference(**case)
 
 
@@ -376,53 +309,9 @@ def test_capabilities_state_the_block_sizes():
 
 # ---- fuzz of block tables ----------------------------------------------------------------------------
 
-EXTREME_IDS = [-(2**63), -(2**31), -1, 2**31 - 1, 2**31, 2**63 - 1]
-
-
-@st.composite
-def append_calls(draw):
-    B = draw(st.integers(1, 3))
-    T = draw(st.integers(0, 4))
-    block_size = draw(st.sampled_from([1, 2, 4]))
-    max_blocks = draw(st.integers(0, 5))
-    wide = draw(st.booleans())
-    # Distinct ids (a pool too small for them leaves some out of range), then a few entries
-    # corrupted: an extreme value, or a copy of another entry (a block shared between writers).
-    num_blocks = draw(st.integers(0, B * max_blocks + 2))
-    ids = draw(st.permutations(range(max(num_blocks, B * max_blocks))))
-    table = [list(ids[b * max_blocks : (b + 1) * max_blocks]) for b in range(B)]
-    extremes = [i for i in EXTREME_IDS if wide or -(2**31) <= i < 2**31] + [num_blocks]
-    for _ in range(draw(st.integers(0, 2)) if max_blocks else 0):
-        b, j = draw(st.integers(0, B - 1)), draw(st.integers(0, max_blocks - 1))
-        copy_of = table[draw(st.integers(0, B - 1))][draw(st.integers(0, max_blocks - 1))]
-        table[b][j] = draw(st.sampled_from(extremes + [copy_of]))
-    capacity = max_blocks * block_size
-    bad_lengths = st.sampled_from([-1, capacity + 1, 2**62, -(2**63), 2**63 - 1])
-    room_for_all = st.integers(0, max(capacity - T, 0))
-    lengths = draw(st.lists(room_for_all | st.integers(0, capacity) | bad_lengths, min_size=B, max_size=B))
-    counts = st.integers(0, T) | st.integers(0, T) | st.sampled_from([-1, T + 1, 2**63 - 1])
-    counts = draw(st.none() | st.lists(counts, min_size=B, max_size=B))
-    return B, T, block_size, num_blocks, table, wide, lengths, counts
-
-
-def valid_append(table, block_size, num_blocks, lengths, counts, T):
-    """Whether the contract accepts the call, from the definition: positions within the table, written
-    entries valid ids, no (block, offset) written twice."""
-    written = set()
-    for b, row in enumerate(table):
-        n, c = lengths[b], T if counts is None else counts[b]
-        if n < 0 or not 0 <= c <= T or n + c > len(row) * block_size:
-            return False
-        for position in range(n, n + c):
-            block = row[position // block_size]
-            if not 0 <= block < num_blocks or (block, position % block_size) in written:
-                return False
-            written.add((block, position % block_size))
-    return True
-
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(append_calls())
+@given(paged.append_calls())
 def test_fuzz_append_block_tables(call):
     B, T, block_size, num_blocks, table, wide, lengths, counts = call
     H, D = 1, 8
@@ -432,13 +321,13 @@ def test_fuzz_append_block_tables(call):
     block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32).reshape(B, len(table[0]))
     lengths_t = torch.tensor(lengths)
     counts_t = None if counts is None else torch.tensor(counts)
-    accepted = valid_append(table, block_size, num_blocks, lengths, counts, T)
+    accepted = paged.valid_append(table, block_size, num_blocks, lengths, counts, T)
     event("append accepted" if accepted else "append refused")
     before = k_pool.clone(), v_pool.clone()
     for call_op, errors in (
-        (kvcache_ext.paged_append_kv, WRAPPER_REFUSALS),
+        (kvcache_ext.paged_append_kv, paged.WRAPPER_REFUSALS),
         (torch.ops.kvcache_ext.paged_append_kv, RuntimeError),
-        (paged_append_reference, REFUSALS),
+        (paged_append_reference, paged.REFUSALS),
     ):
         pools = k_pool.clone(), v_pool.clone()
         if accepted:
@@ -451,32 +340,8 @@ def test_fuzz_append_block_tables(call):
             assert torch.equal(pools[0], before[0]) and torch.equal(pools[1], before[1])
 
 
-@st.composite
-def attention_calls(draw):
-    """Valid tables (random block orders, shared blocks allowed) with a few entries corrupted."""
-    B = draw(st.integers(1, 3))
-    T = draw(st.integers(1, 3))
-    block_size = draw(st.sampled_from([1, 2, 8]))
-    max_blocks = draw(st.integers(1, 4))
-    num_blocks = draw(st.integers(1, 8))
-    wide = draw(st.booleans())
-    table = draw(
-        st.lists(
-            st.lists(st.integers(0, num_blocks - 1), min_size=max_blocks, max_size=max_blocks), min_size=B, max_size=B
-        )
-    )
-    extremes = [i for i in EXTREME_IDS if wide or -(2**31) <= i < 2**31] + [num_blocks]
-    for _ in range(draw(st.integers(0, 2))):
-        table[draw(st.integers(0, B - 1))][draw(st.integers(0, max_blocks - 1))] = draw(st.sampled_from(extremes))
-    capacity = max_blocks * block_size
-    bad_lengths = st.sampled_from([0, T - 1, capacity + 1, 2**62, -(2**63)])
-    lengths = draw(st.lists(st.integers(min(T, capacity), capacity) | bad_lengths, min_size=B, max_size=B))
-    window = draw(st.none() | st.integers(1, capacity + 2))
-    return T, block_size, num_blocks, table, wide, lengths, window
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(attention_calls())
+@given(paged.attention_calls())
 def test_fuzz_attention_block_tables(call):
     """Refused exactly when a row's length is out of range or a position some query sees has no
     valid block; otherwise the reference's result."""
@@ -485,25 +350,16 @@ def test_fuzz_attention_block_tables(call):
     k_pool, v_pool = torch.randn(num_blocks, 1, block_size, D), torch.randn(num_blocks, 1, block_size, D)
     block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32)
     q = torch.randn(B, 2, T, D)
-    seen_from = [0 if window is None else max(0, n - T - window + 1) for n in lengths]
-    readable = all(
-        T <= n <= len(row) * block_size and all(0 <= row[p // block_size] < num_blocks for p in range(first, n))
-        for n, first, row in zip(lengths, seen_from, table)
-    )
+    readable = paged.readable_attention(T, block_size, num_blocks, table, lengths, window)
     event("attention accepted" if readable else "attention refused")
     args = (q, k_pool, v_pool, block_tables, torch.tensor(lengths), window)
-    if readable:
-        out, lse = kvcache_ext.paged_decode_attention(*args)
-        reference, reference_lse = paged_attention_reference(*args, return_lse=True)
-        torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(lse, reference_lse, atol=2e-5, rtol=1e-5)
-    else:
-        with pytest.raises(WRAPPER_REFUSALS):
-            kvcache_ext.paged_decode_attention(*args)
-        with pytest.raises(RuntimeError):
-            torch.ops.kvcache_ext.paged_decode_attention(*args)
-        with pytest.raises(REFUSALS):
-            paged_attention_reference(*args)
+    paged.check_attention_verdict(
+        readable,
+        args,
+        kvcache_ext.paged_decode_attention,
+        torch.ops.kvcache_ext.paged_decode_attention,
+        paged_attention_reference,
+    )
 
 
 def test_a_paged_step_compiles_without_graph_breaks():

@@ -3,8 +3,6 @@ contiguous quantized ops on the same tokens (bit for bit), python_ref's quantize
 reference, and the float64 oracle; refused inputs change no byte; a fuzz of block tables.
 PagedKVCache(kv_dtype=...) is tested in test_paged_cache.py."""
 
-import math
-
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -12,6 +10,8 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext.capabilities import kernel_table
+import case_builders as cases
+import paged_cases as paged
 from attention_oracle import attention_float64, attention_plain
 from python_ref import (
     paged_append_quantized_reference,
@@ -22,13 +22,6 @@ from python_ref.quantize import FORMATS, data_shape, dequantize, quantize, scale
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-REFUSALS = (ValueError, TypeError, IndexError)
-WRAPPER_REFUSALS = (*REFUSALS, RuntimeError)  # the binding checks the values of lengths and tables
-
-
-def byte_view(t):
-    """float8 codes as bytes (indexing float8 is not implemented everywhere); other tensors unchanged."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def same_bits(a, b):
@@ -48,23 +41,11 @@ def paged_layout(fmt, contiguous, lengths, block_size, spare_blocks=3, table_dty
     """The codes and scales of a contiguous quantized cache (k_data, k_scales, v_data, v_scales), (B, H, S,
     ...), copied into pools through block tables with the blocks in random order among spare ones;
     everything else in the pools is garbage, table entries past a row's need are -1."""
-    k_data = contiguous[0]
-    B, H = k_data.shape[:2]
-    D = 2 * k_data.shape[3] if fmt == "int4" else k_data.shape[3]
-    needed = [-(-int(n) // block_size) for n in lengths]
-    num_blocks = sum(needed) + spare_blocks
-    ids = torch.randperm(num_blocks)
-    table = torch.full((B, max(needed) + 1), -1, dtype=table_dtype)
+    H, row = contiguous[0].shape[1], contiguous[0].shape[3]
+    D = 2 * row if fmt == "int4" else row
+    table, num_blocks = cases.random_block_table(lengths, block_size, spare_blocks, table_dtype)
     pools = [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
-    used = 0
-    for b in range(B):
-        for j in range(needed[b]):
-            block = int(ids[used])
-            used += 1
-            table[b, j] = block
-            count = min(block_size, int(lengths[b]) - j * block_size)
-            for pool, source in zip(pools, contiguous):
-                byte_view(pool)[block, :, :count] = byte_view(source)[b, :, j * block_size : j * block_size + count]
+    cases.copy_into_blocks(pools, contiguous, table, lengths)
     return pools, table
 
 
@@ -156,15 +137,11 @@ def test_split_k_softcap_sinks_and_scale(fmt):
 def expected_append(pools, k_new, v_new, table, lengths, counts, fmt):
     """The pools after an append, token by token from the definition, with python_ref's quantizer."""
     pools = [t.clone() for t in pools]
-    block_size = pools[0].shape[2]
-    for b in range(k_new.shape[0]):
-        for t in range(int(counts[b])):
-            position = int(lengths[b]) + t
-            block, offset = int(table[b, position // block_size]), position % block_size
-            for side, new in ((0, k_new), (2, v_new)):
-                codes, scales = quantize(new[b, :, t], fmt)
-                byte_view(pools[side])[block, :, offset] = byte_view(codes)
-                pools[side + 1][block, :, offset] = scales
+    for b, t, block, offset in paged.appended_slots(table, lengths, counts, pools[0].shape[2]):
+        for side, new in ((0, k_new), (2, v_new)):
+            codes, scales = quantize(new[b, :, t], fmt)
+            cases.byte_view(pools[side])[block, :, offset] = cases.byte_view(codes)
+            pools[side + 1][block, :, offset] = scales
     return pools
 
 
@@ -175,11 +152,7 @@ def expected_append(pools, k_new, v_new, table, lengths, counts, fmt):
 )
 def test_paged_append_codes_are_python_refs(fmt, dtype, block_size, non_contiguous, with_counts):
     B, H, T, D = 3, 2, 5, 64
-    lengths = torch.tensor([0, 7, 13])
-    counts = torch.tensor([5, 0, 3]) if with_counts else torch.full((B,), T)
-    max_blocks = -(-(13 + T) // block_size)
-    num_blocks = B * max_blocks + 2
-    table = torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    lengths, counts, table, num_blocks = paged.append_rows(block_size, with_counts, T)
     pools = [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
     scale = torch.tensor(10.0) ** torch.empty(B, H, T, 1).uniform_(-4, 4)  # magnitudes far apart
     if non_contiguous:
@@ -227,49 +200,14 @@ def pools_of(fmt, num_blocks=8, block_size=4, D=32, H=2):
 
 
 def append_case(fmt="int8", **changes):
-    B, H, T, D = 2, 2, 3, 32
-    k_data, k_scales, v_data, v_scales = pools_of(fmt)
-    case = dict(
-        k_data=k_data,
-        k_scales=k_scales,
-        v_data=v_data,
-        v_scales=v_scales,
-        k_new=torch.randn(B, H, T, D),
-        v_new=torch.randn(B, H, T, D),
-        block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
-        lengths=torch.tensor([2, 5]),
-        new_counts=None,
-    )
-    case.update(changes)
-    return case
+    return paged.append_case(dict(zip(("k_data", "k_scales", "v_data", "v_scales"), pools_of(fmt))), 32, **changes)
 
 
-BAD_APPENDS = {
-    "negative id": dict(block_tables=torch.tensor([[0, -1, 2], [3, 4, 5]], dtype=torch.int32)),
-    "id past the pool": dict(block_tables=torch.tensor([[0, 8, 2], [3, 4, 5]], dtype=torch.int32)),
-    "int64 id past int32": dict(block_tables=torch.tensor([[0, 2**40, 2], [3, 4, 5]])),
-    "block written by two rows": dict(
-        block_tables=torch.tensor([[0, 4, 2], [3, 4, 5]], dtype=torch.int32), lengths=torch.tensor([2, 4])
-    ),
-    "block written twice by one row": dict(
-        k_new=torch.randn(2, 2, 6, 32),
-        v_new=torch.randn(2, 2, 6, 32),
-        block_tables=torch.tensor([[0, 0, 2], [3, 4, 5]], dtype=torch.int32),
-        lengths=torch.tensor([0, 0]),
-    ),
-    "length past the table": dict(lengths=torch.tensor([2, 13])),
-    "negative length": dict(lengths=torch.tensor([-1, 5])),
-    "huge length": dict(lengths=torch.tensor([2, 2**62])),
-    "count above T": dict(new_counts=torch.tensor([4, 0])),
-    "negative count": dict(new_counts=torch.tensor([-1, 0])),
-    "int32 lengths": dict(lengths=torch.tensor([2, 5], dtype=torch.int32)),
-    "float table": dict(block_tables=torch.zeros(2, 3)),
-    "table of wrong batch": dict(block_tables=torch.zeros(3, 3, dtype=torch.int32)),
+BAD_APPENDS = paged.bad_append_changes(head_dim=32) | {
     "int8 new tokens": dict(
         k_new=torch.zeros(2, 2, 3, 32, dtype=torch.int8), v_new=torch.zeros(2, 2, 3, 32, dtype=torch.int8)
     ),
     "k_new and v_new of two dtypes": dict(k_new=torch.randn(2, 2, 3, 32, dtype=torch.float16)),
-    "head_dim mismatch": dict(k_new=torch.randn(2, 2, 3, 16), v_new=torch.randn(2, 2, 3, 16)),
     "scales of the wrong dtype": dict(k_scales=torch.zeros(8, 2, 4, dtype=torch.float16)),
     "scales of the wrong shape": dict(v_scales=torch.zeros(8, 2, 2)),
     "float32 codes": dict(k_data=torch.zeros(8, 2, 4, 32), v_data=torch.zeros(8, 2, 4, 32)),
@@ -287,28 +225,20 @@ def test_refused_append_changes_no_byte(name):
     pools = ("k_data", "k_scales", "v_data", "v_scales")
     before = [case[p].clone() for p in pools]
     callers = [
-        (lambda c: kvcache_ext.paged_append_kv_quantized(**c), WRAPPER_REFUSALS),
+        (lambda c: kvcache_ext.paged_append_kv_quantized(**c), paged.WRAPPER_REFUSALS),
         (lambda c: torch.ops.kvcache_ext.paged_append_kv_quantized(*c.values()), RuntimeError),
     ]
     if name not in KERNEL_LIMITS:
-        callers.append((lambda c: paged_append_quantized_reference(**c), REFUSALS))
+        callers.append((lambda c: paged_append_quantized_reference(**c), paged.REFUSALS))
     for call, errors in callers:
         with pytest.raises(errors):
             call(case)
         assert all(same_bits(case[p], b) for p, b in zip(pools, before))
 
 
-BAD_ATTENTIONS = {
-    "negative id": dict(block_tables=torch.tensor([[-1, 1], [3, 4]], dtype=torch.int32)),
-    "id past the pool": dict(block_tables=torch.tensor([[0, 1], [8, 4]], dtype=torch.int32)),
-    "length below T": dict(lengths=torch.tensor([1, 5])),
-    "length past the table": dict(lengths=torch.tensor([2, 9])),
-    "q heads not a multiple": dict(q=torch.randn(2, 3, 2, 32)),
+BAD_ATTENTIONS = paged.bad_attention_changes(head_dim=32) | {
     "int8 q": dict(q=torch.zeros(2, 4, 2, 32, dtype=torch.int8)),
     "q of another head_dim": dict(q=torch.randn(2, 4, 2, 16)),
-    "window zero": dict(window=0),
-    "non-finite scale": dict(scale=math.inf),
-    "int16 table": dict(block_tables=torch.tensor([[0, 1], [3, 4]], dtype=torch.int16)),
     "int4 scales of float32": dict(fmt="int4", k_scales=torch.zeros(8, 2, 4, 1)),
 }
 
@@ -329,12 +259,12 @@ def test_refused_attention(name):
         scale=None,
     )
     case.update(changes)
-    with pytest.raises(WRAPPER_REFUSALS):
+    with pytest.raises(paged.WRAPPER_REFUSALS):
         kvcache_ext.paged_decode_attention_quantized(**case)
     with pytest.raises(RuntimeError):
         torch.ops.kvcache_ext.paged_decode_attention_quantized(*case.values())
     if name not in ("non-finite scale", "int8 q"):  # like reference_attention, the reference computes with them
-        with pytest.raises(REFUSALS):
+        with pytest.raises(paged.REFUSALS):
             paged_quantized_attention_reference(**case)
 
 
@@ -409,62 +339,22 @@ def test_a_quantized_paged_step_compiles_without_graph_breaks():
 
 # ---- fuzz of block tables --------------------------------------------------------------------------
 
-EXTREME_IDS = [-(2**63), -(2**31), -1, 2**31 - 1, 2**31, 2**63 - 1]
-
-
-@st.composite
-def append_calls(draw):
-    B = draw(st.integers(1, 3))
-    T = draw(st.integers(0, 3))
-    block_size = draw(st.sampled_from([1, 2, 4]))
-    max_blocks = draw(st.integers(0, 4))
-    wide = draw(st.booleans())
-    num_blocks = draw(st.integers(0, B * max_blocks + 2))
-    ids = draw(st.permutations(range(max(num_blocks, B * max_blocks))))
-    table = [list(ids[b * max_blocks : (b + 1) * max_blocks]) for b in range(B)]
-    extremes = [i for i in EXTREME_IDS if wide or -(2**31) <= i < 2**31] + [num_blocks]
-    for _ in range(draw(st.integers(0, 2)) if max_blocks else 0):
-        b, j = draw(st.integers(0, B - 1)), draw(st.integers(0, max_blocks - 1))
-        copy_of = table[draw(st.integers(0, B - 1))][draw(st.integers(0, max_blocks - 1))]
-        table[b][j] = draw(st.sampled_from(extremes + [copy_of]))
-    capacity = max_blocks * block_size
-    bad_lengths = st.sampled_from([-1, capacity + 1, 2**62, -(2**63), 2**63 - 1])
-    lengths = draw(st.lists(st.integers(0, max(capacity - T, 0)) | bad_lengths, min_size=B, max_size=B))
-    counts = st.integers(0, T) | st.sampled_from([-1, T + 1, 2**63 - 1])
-    counts = draw(st.none() | st.lists(counts, min_size=B, max_size=B))
-    return B, T, block_size, num_blocks, table, wide, lengths, counts, draw(st.sampled_from(FORMATS))
-
-
-def valid_append(table, block_size, num_blocks, lengths, counts, T):
-    """Whether the contract accepts the call, from the definition."""
-    written = set()
-    for b, row in enumerate(table):
-        n, c = lengths[b], T if counts is None else counts[b]
-        if n < 0 or not 0 <= c <= T or n + c > len(row) * block_size:
-            return False
-        for position in range(n, n + c):
-            block = row[position // block_size]
-            if not 0 <= block < num_blocks or (block, position % block_size) in written:
-                return False
-            written.add((block, position % block_size))
-    return True
-
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(append_calls())
-def test_fuzz_append_block_tables(call):
-    B, T, block_size, num_blocks, table, wide, lengths, counts, fmt = call
+@given(paged.append_calls(), st.sampled_from(FORMATS))
+def test_fuzz_append_block_tables(call, fmt):
+    B, T, block_size, num_blocks, table, wide, lengths, counts = call
     H, D = 1, 32
     pools = [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
     k_new, v_new = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
     block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32).reshape(B, len(table[0]))
     lengths_t, counts_t = torch.tensor(lengths), None if counts is None else torch.tensor(counts)
-    accepted = valid_append(table, block_size, num_blocks, lengths, counts, T)
+    accepted = paged.valid_append(table, block_size, num_blocks, lengths, counts, T)
     event("append accepted" if accepted else "append refused")
     for call_op, errors in (
-        (kvcache_ext.paged_append_kv_quantized, WRAPPER_REFUSALS),
+        (kvcache_ext.paged_append_kv_quantized, paged.WRAPPER_REFUSALS),
         (torch.ops.kvcache_ext.paged_append_kv_quantized, RuntimeError),
-        (paged_append_quantized_reference, REFUSALS),
+        (paged_append_quantized_reference, paged.REFUSALS),
     ):
         got = [t.clone() for t in pools]
         if accepted:
@@ -477,54 +367,24 @@ def test_fuzz_append_block_tables(call):
         assert all(same_bits(a, b) for a, b in zip(got, expected))
 
 
-@st.composite
-def attention_calls(draw):
-    """Valid tables (random block orders, shared blocks allowed) with a few entries corrupted."""
-    B = draw(st.integers(1, 3))
-    T = draw(st.integers(1, 3))
-    block_size = draw(st.sampled_from([1, 2, 8]))
-    max_blocks = draw(st.integers(1, 4))
-    num_blocks = draw(st.integers(1, 8))
-    wide = draw(st.booleans())
-    row = st.lists(st.integers(0, num_blocks - 1), min_size=max_blocks, max_size=max_blocks)
-    table = draw(st.lists(row, min_size=B, max_size=B))
-    extremes = [i for i in EXTREME_IDS if wide or -(2**31) <= i < 2**31] + [num_blocks]
-    for _ in range(draw(st.integers(0, 2))):
-        table[draw(st.integers(0, B - 1))][draw(st.integers(0, max_blocks - 1))] = draw(st.sampled_from(extremes))
-    capacity = max_blocks * block_size
-    bad_lengths = st.sampled_from([0, T - 1, capacity + 1, 2**62, -(2**63)])
-    lengths = draw(st.lists(st.integers(min(T, capacity), capacity) | bad_lengths, min_size=B, max_size=B))
-    window = draw(st.none() | st.integers(1, capacity + 2))
-    return T, block_size, num_blocks, table, wide, lengths, window, draw(st.sampled_from(FORMATS))
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(attention_calls())
-def test_fuzz_attention_block_tables(call):
+@given(paged.attention_calls(), st.sampled_from(FORMATS))
+def test_fuzz_attention_block_tables(call, fmt):
     """Refused exactly when a row's length is out of range or a position some query sees has no valid
     block; otherwise the reference's result."""
-    T, block_size, num_blocks, table, wide, lengths, window, fmt = call
+    T, block_size, num_blocks, table, wide, lengths, window = call
     B, D = len(table), 32
     k_data, k_scales = quantize(torch.randn(num_blocks, 1, block_size, D), fmt)
     v_data, v_scales = quantize(torch.randn(num_blocks, 1, block_size, D), fmt)
     block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32)
     q = torch.randn(B, 2, T, D)
-    seen_from = [0 if window is None else max(0, n - T - window + 1) for n in lengths]
-    readable = all(
-        T <= n <= len(row) * block_size and all(0 <= row[p // block_size] < num_blocks for p in range(first, n))
-        for n, first, row in zip(lengths, seen_from, table)
-    )
+    readable = paged.readable_attention(T, block_size, num_blocks, table, lengths, window)
     event("attention accepted" if readable else "attention refused")
     args = (q, k_data, k_scales, v_data, v_scales, block_tables, torch.tensor(lengths), window)
-    if readable:
-        out, lse = kvcache_ext.paged_decode_attention_quantized(*args)
-        reference, reference_lse = paged_quantized_attention_reference(*args, return_lse=True)
-        torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(lse, reference_lse, atol=2e-5, rtol=1e-5)
-    else:
-        with pytest.raises(WRAPPER_REFUSALS):
-            kvcache_ext.paged_decode_attention_quantized(*args)
-        with pytest.raises(RuntimeError):
-            torch.ops.kvcache_ext.paged_decode_attention_quantized(*args)
-        with pytest.raises(REFUSALS):
-            paged_quantized_attention_reference(*args)
+    paged.check_attention_verdict(
+        readable,
+        args,
+        kvcache_ext.paged_decode_attention_quantized,
+        torch.ops.kvcache_ext.paged_decode_attention_quantized,
+        paged_quantized_attention_reference,
+    )

@@ -9,34 +9,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_cases import pool_state
+from tiny_models import TINY_MODELS, TINY_VOCAB
 
 from attention_oracle import attention_float64, attention_plain
 from kvcache_ext import BlockPool, Engine, KVCache, PagedKVCache, PoolExhaustedError
 from kvcache_ext.block_pool import RELEASED
-from python_ref import build_gpt2, build_llama, generate, reference_attention
+from python_ref import build_llama, generate, reference_attention
 from python_ref.quantize import FORMATS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SAME_DTYPE_TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
-# A small vocabulary: the output head is most of a tiny model's work.
-VOCAB = 512
-MODELS = {
-    "gpt2": lambda: build_gpt2("tiny", seed=0, vocab_size=VOCAB),
-    "llama": lambda: build_llama("llama-tiny", seed=0, vocab_size=VOCAB),
-}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def pool_state(pool):
-    """Everything a refused call must leave as it was."""
-    return (
-        {seq: (pool.block_table(seq), pool.length(seq)) for seq in pool.sequences},
-        [pool.ref_count(b) for b in range(pool.num_blocks)],
-        [pool.is_cached(b) for b in range(pool.num_blocks)],
-        pool.num_free_blocks,
-    )
 
 
 def first_seen_block(length, window, block_size):
@@ -335,9 +321,9 @@ def test_bad_windows_are_refused(window):
 
 
 def test_a_window_longer_than_every_sequence_changes_nothing():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     kv = model.kv_shape
-    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, TINY_VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
     unbounded = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 8, 4)
     longest = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 8, 4, window=2**63 - 1)
     assert torch.equal(generate(model, prompt, 10, cache=longest), generate(model, prompt, 10, cache=unbounded))
@@ -406,11 +392,11 @@ def test_engine_with_a_window_gives_each_request_its_tokens_alone(model_name, wi
     cache: a small pool that they outgrow together (preempted, recomputed) and a larger one that
     keeps the system prompt's released blocks cached for the next request: each request gets the
     tokens it gets alone."""
-    model = MODELS[model_name]()
+    model = TINY_MODELS[model_name]()
     rng = random.Random(window)
-    system = [rng.randrange(VOCAB) for _ in range(24)]
+    system = [rng.randrange(TINY_VOCAB) for _ in range(24)]
     prompts = [
-        (system if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))] for i in range(12)
+        (system if i % 2 else []) + [rng.randrange(TINY_VOCAB) for _ in range(rng.randrange(1, 30))] for i in range(12)
     ]
     max_new = [rng.randrange(20, 60) if i % 3 == 0 else rng.randrange(1, 10) for i in range(12)]
     expected = [alone_with_a_window(model, p, n, window) for p, n in zip(prompts, max_new)]
@@ -426,7 +412,7 @@ def test_engine_with_a_window_gives_each_request_its_tokens_alone(model_name, wi
 
 
 def test_engine_needs_room_for_a_window_and_a_chunk_only():
-    model = MODELS["gpt2"]()
+    model = TINY_MODELS["gpt2"]()
     kv = model.kv_shape
 
     def engine(num_blocks):
@@ -438,15 +424,15 @@ def test_engine_needs_room_for_a_window_and_a_chunk_only():
     with pytest.raises(ValueError, match=r"5 blocks at once with a window of 9 and chunks of 8; the whole pool"):
         small.add_request([1] * 30, 40)
     assert not small.has_unfinished
-    prompt = random.Random(0).choices(range(VOCAB), k=30)
+    prompt = random.Random(0).choices(range(TINY_VOCAB), k=30)
     assert engine(5).generate([prompt], 40) == [alone_with_a_window(model, prompt, 40, 9)]  # 70 tokens in 20
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_pool_with_a_window_gives_the_tokens_of_the_quantized_ring_buffer(fmt):
-    model = build_llama("llama-tiny", seed=0, head_dim=32, vocab_size=VOCAB)  # int4 takes groups of 32
+    model = build_llama("llama-tiny", seed=0, head_dim=32, vocab_size=TINY_VOCAB)  # int4 takes groups of 32
     kv = model.kv_shape
-    prompt = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, TINY_VOCAB, (3, 9), generator=torch.Generator().manual_seed(0))
     ring = KVCache(**kv, batch_size=3, window=11, chunk_size=16, kv_dtype=fmt)
     cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 18, 4, kv_dtype=fmt, window=11)
     assert torch.equal(generate(model, prompt, 30, cache=cache), generate(model, prompt, 30, cache=ring))

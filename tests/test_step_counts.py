@@ -9,10 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import TINY_MODELS, TINY_VOCAB
 
 import kvcache_ext
 from kvcache_ext import Engine, KVCache, PagedKVCache
-from python_ref import build_gpt2, build_llama, generate
+from python_ref import generate
 from python_ref.caches import ConcatCache, PreallocatedCache, append_to_slots
 
 pytestmark = [
@@ -21,16 +22,11 @@ pytestmark = [
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-VOCAB = 512
-MODELS = {
-    "gpt2": lambda: build_gpt2("tiny", seed=0, vocab_size=VOCAB),
-    "llama": lambda: build_llama("llama-tiny", seed=0, vocab_size=VOCAB),
-}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
 def model(request):
-    return MODELS[request.param]()
+    return TINY_MODELS[request.param]()
 
 
 # ---- append_kv's new_counts ----------------------------------------------------------------------
@@ -259,7 +255,7 @@ def test_caches_that_cannot_take_counts_say_so():
 
 def prompts_of_mixed_lengths(count, seed, longest=23):
     rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, longest + 1))] for _ in range(count)]
+    return [[rng.randrange(TINY_VOCAB) for _ in range(rng.randrange(1, longest + 1))] for _ in range(count)]
 
 
 def right_padded(prompts, pad=7):
@@ -300,12 +296,12 @@ def test_generate_refuses_bad_prompt_lengths(model):
 
 
 def test_logits_at_computes_only_the_asked_positions(model):
-    idx = torch.randint(0, VOCAB, (3, 9))
+    idx = torch.randint(0, TINY_VOCAB, (3, 9))
     every = model(idx)
     at = torch.tensor([[8, 0], [3, 3], [5, 1]])
     torch.testing.assert_close(model(idx, logits_at=at), every[torch.arange(3).unsqueeze(1), at], atol=1e-5, rtol=1e-5)
     last = model(idx, logits_at=torch.tensor([8, 2, 4]))
-    assert last.shape == (3, 1, VOCAB)
+    assert last.shape == (3, 1, TINY_VOCAB)
     torch.testing.assert_close(last[:, 0], every[[0, 1, 2], [8, 2, 4]], atol=1e-5, rtol=1e-5)
 
 
@@ -403,8 +399,8 @@ def test_engine_splits_a_pass_that_would_run_past_the_models_positions(model):
     has, so they go in two passes; every request still gets the tokens it gets alone."""
     context = model.cfg.context_length
     chunk = context * 3 // 8
-    deep = [random.Random(5).randrange(VOCAB) for _ in range(2 * chunk + 4)]  # chunks: chunk, chunk, 4
-    late = [random.Random(6).randrange(VOCAB) for _ in range(chunk - 8)]
+    deep = [random.Random(5).randrange(TINY_VOCAB) for _ in range(2 * chunk + 4)]  # chunks: chunk, chunk, 4
+    late = [random.Random(6).randrange(TINY_VOCAB) for _ in range(chunk - 8)]
     counting = CountingModel(model)
     kv = model.kv_shape
     cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks=128, block_size=4)

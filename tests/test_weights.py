@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_models import TINY_GPT2
 
 from python_ref import generate
 from python_ref.caches import PreallocatedCache
@@ -12,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 def hf_gpt2(**config):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_head=4, n_layer=2, **config)
+    cfg = transformers.GPT2Config(**TINY_GPT2, **config)
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 

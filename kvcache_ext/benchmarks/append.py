@@ -12,7 +12,6 @@ Every round writes the same slot (or concatenates onto the same L tokens), so L 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,31 +19,13 @@ import torch
 import kvcache_ext
 from python_ref.caches import append_to_slots
 
-from .common import DTYPES, HEAD_SHAPES, HeadShape, cases_by_mode
+from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases
 
 IMPLEMENTATIONS = ("native", "concat", "prealloc")
-BATCH = 1
 
 
-@dataclass(frozen=True)
-class AppendCase:
-    shape: HeadShape
-    dtype: str
-    context: int
-
-    @property
-    def id(self) -> str:
-        return f"{self.shape.name}-{self.dtype}-L{self.context}"
-
-
-def append_cases(full: bool) -> list[AppendCase]:
-    contexts = (128, 1024, 4096, 16384) if full else (64,)
-    return [
-        AppendCase(shape, dtype, context)
-        for shape in HEAD_SHAPES.values()
-        for dtype in ("float32", "bfloat16")
-        for context in contexts
-    ]
+def append_cases(full: bool) -> list[KernelCase]:
+    return kernel_cases(("float32", "bfloat16"), (1,), (128, 1024, 4096, 16384) if full else (64,))
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -56,7 +37,7 @@ def test_append(benchmark, measure, bench_settings, case, impl):
 
     def random(tokens):
         return torch.randn(
-            BATCH, shape.kv_heads, tokens, shape.head_dim, generator=generator, device=device, dtype=dtype
+            case.batch, shape.kv_heads, tokens, shape.head_dim, generator=generator, device=device, dtype=dtype
         )
 
     new_k, new_v = random(1), random(1)
@@ -68,7 +49,7 @@ def test_append(benchmark, measure, bench_settings, case, impl):
         # One layer's buffers as the caches allocate them; the storage step alone (attend() would
         # add attention to the timing).
         k_cache, v_cache = random(context + 1), random(context + 1)
-        lengths = torch.full((BATCH,), context, dtype=torch.long, device=device)
+        lengths = torch.full((case.batch,), context, dtype=torch.long, device=device)
         append = kvcache_ext.append_kv if impl == "native" else append_to_slots
         measure(lambda: append(k_cache, v_cache, new_k, new_v, lengths))
         stored = k_cache[:, :, context]
@@ -80,6 +61,6 @@ def test_append(benchmark, measure, bench_settings, case, impl):
         shape=shape.name,
         shape_label=shape.describe(),
         dtype=case.dtype,
-        batch=BATCH,
+        batch=case.batch,
         context=context,
     )

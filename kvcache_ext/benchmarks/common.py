@@ -1,13 +1,17 @@
-"""What the suites share: run settings, head shapes, dtypes, and parametrisation by mode."""
+"""What the benchmarks share (the suites here and the scripts in the repository's bench/): run
+settings, head shapes, dtypes, the article's prompt, the CPU's name, and parametrisation by mode."""
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 MODE_ENV = "KVCACHE_EXT_BENCH"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARTICLE_PROMPT = (15496, 11, 314, 716)  # "Hello, I am" in GPT-2's tokenizer
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,41 @@ HEAD_SHAPES = {
 }
 
 
+class BenchCase:
+    """The sizes of one benchmark case, a frozen dataclass; its ``id`` (pytest's, and the
+    benchmark group's) is the class's ``ID`` template formatted with the case as ``case``."""
+
+    ID: ClassVar[str]
+
+    @property
+    def id(self) -> str:
+        return self.ID.format(case=self)
+
+
+@dataclass(frozen=True)
+class KernelCase(BenchCase):
+    """One kernel problem: a head shape, the dtype of the queries (and of the cache, unquantized),
+    rows, and tokens per row."""
+
+    ID = "{case.shape.name}-{case.dtype}-B{case.batch}-L{case.context}"
+
+    shape: HeadShape
+    dtype: str
+    batch: int
+    context: int
+
+
+def kernel_cases(dtypes, batches, contexts) -> list[KernelCase]:
+    """Every head shape with every dtype, batch and context."""
+    return [
+        KernelCase(shape, dtype, batch, context)
+        for shape in HEAD_SHAPES.values()
+        for dtype in dtypes
+        for batch in batches
+        for context in contexts
+    ]
+
+
 def cases_by_mode(make_cases):
     """Parametrise a benchmark by ``case`` from ``make_cases(full)``.
 
@@ -57,3 +96,13 @@ def cases_by_mode(make_cases):
 def median_seconds(benchmark) -> float | None:
     """The median round time, or None when pytest-benchmark is disabled (``--benchmark-disable``)."""
     return benchmark.stats.stats.median if benchmark.stats else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name and logical CPU count, as lscpu reports them, for a benchmark's printout."""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (lscpu failed)"
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"

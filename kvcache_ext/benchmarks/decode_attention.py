@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import kvcache_ext
 from python_ref import reference_attention
 
-from .common import DTYPES, HEAD_SHAPES, HeadShape, cases_by_mode, median_seconds
+from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases, median_seconds
 
 
 def _native(q, k, v, lengths):
@@ -42,27 +42,9 @@ IMPLEMENTATIONS = {"native": _native, "reference": _reference, "sdpa": _sdpa}
 TOLERANCE = {"float32": (1e-5, 1e-4), "bfloat16": (2e-3, 1.6e-2), "float16": (2e-4, 2e-3)}
 
 
-@dataclass(frozen=True)
-class DecodeCase:
-    shape: HeadShape
-    dtype: str
-    batch: int
-    context: int
-
-    @property
-    def id(self) -> str:
-        return f"{self.shape.name}-{self.dtype}-B{self.batch}-L{self.context}"
-
-
-def decode_cases(full: bool) -> list[DecodeCase]:
+def decode_cases(full: bool) -> list[KernelCase]:
     batches, contexts = ((1, 8), (256, 1024, 4096, 16384)) if full else ((1, 2), (64,))
-    return [
-        DecodeCase(shape, dtype, batch, context)
-        for shape in HEAD_SHAPES.values()
-        for dtype in DTYPES
-        for batch in batches
-        for context in contexts
-    ]
+    return kernel_cases(DTYPES, batches, contexts)
 
 
 @dataclass

@@ -26,9 +26,8 @@ import torch
 from python_ref import build_gpt2, generate
 
 from ..demo import make_cache
-from .common import DTYPES, cases_by_mode, median_seconds
+from .common import ARTICLE_PROMPT, DTYPES, BenchCase, cases_by_mode, median_seconds
 
-ARTICLE_PROMPT = (15496, 11, 314, 716)  # "Hello, I am" in GPT-2's tokenizer
 ALL_CACHES = ("none", "concat", "prealloc", "native")
 ROUNDS = {True: 3, False: 2}  # by full mode; runs take seconds, so no calibration
 
@@ -53,13 +52,11 @@ class GenerationSetting:
 
 
 @dataclass(frozen=True)
-class GenerationCase:
+class GenerationCase(BenchCase):
+    ID = "{case.setting.id}-{case.cache}"
+
     setting: GenerationSetting
     cache: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.setting.id}-{self.cache}"
 
 
 def generation_cases(full: bool) -> list[GenerationCase]:

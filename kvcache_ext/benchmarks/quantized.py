@@ -18,31 +18,16 @@ import torch
 import kvcache_ext
 from python_ref.quantize import quantize, reference_quantized_attention
 
-from .common import HEAD_SHAPES, HeadShape, cases_by_mode, median_seconds
+from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases, median_seconds
 
 FORMATS = ("bfloat16", "int8", "fp8_e4m3", "int4")
 
 
-@dataclass(frozen=True)
-class QuantizedCase:
-    shape: HeadShape
-    batch: int
-    context: int
-
-    @property
-    def id(self) -> str:
-        return f"{self.shape.name}-B{self.batch}-L{self.context}"
-
-
-def quantized_cases(full: bool) -> list[QuantizedCase]:
-    # three contexts (two in quick mode) make the report's time-vs-context plot
+def quantized_cases(full: bool) -> list[KernelCase]:
+    # bfloat16 queries over caches of every format (FORMATS: the test's parameter); three contexts
+    # (two in quick mode) make the report's time-vs-context plot
     batches, contexts = ((8,), (1024, 4096, 16384)) if full else ((2,), (64, 128))
-    return [
-        QuantizedCase(shape, batch, context)
-        for shape in HEAD_SHAPES.values()
-        for batch in batches
-        for context in contexts
-    ]
+    return kernel_cases(("bfloat16",), batches, contexts)
 
 
 @dataclass
@@ -61,7 +46,7 @@ def quantized_inputs(case, bench_settings) -> QuantizedInputs:
     generator = torch.Generator(device).manual_seed(0)
 
     def random(*size):
-        return torch.randn(size, generator=generator, device=device, dtype=torch.bfloat16)
+        return torch.randn(size, generator=generator, device=device, dtype=DTYPES[case.dtype])
 
     q = random(case.batch, shape.q_heads, 1, shape.head_dim)
     k = random(case.batch, shape.kv_heads, case.context, shape.head_dim)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .common import DTYPES, HEAD_SHAPES
 
@@ -43,6 +44,12 @@ LABELS = {
 FORMAT_ORDER = ("bfloat16", "int8", "fp8_e4m3", "int4")
 
 
+@dataclass(frozen=True)
+class SuiteReport:
+    section: Callable  # results -> Markdown lines
+    plot: Callable  # (results, run, path) -> None
+
+
 @dataclass
 class Result:
     suite: str
@@ -69,17 +76,10 @@ def write_report(json_path: Path, out_dir: Path, command: str, failed: bool = Fa
     out_dir = Path(out_dir)
     written = [out_dir / "summary.md"]
     written[0].write_text(summary_markdown(results, run, command, failed))
-    for suite, plot in (
-        ("decode", plot_decode_attention),
-        ("append", plot_append),
-        ("generation", plot_generation),
-        ("quantized", plot_quantized),
-    ):
-        selected = [r for r in results if r.suite == suite]
-        if selected:
-            path = out_dir / f"{suite}.png"
-            plot(selected, run, path)
-            written.append(path)
+    for suite, selected in _by_suite(results):
+        path = out_dir / f"{suite}.png"
+        REPORTED_SUITES[suite].plot(selected, run, path)
+        written.append(path)
     return written
 
 
@@ -112,15 +112,8 @@ def summary_markdown(results: list[Result], run: dict, command: str, failed: boo
         lines += ["", "**Quick mode: tiny sizes and a few rounds; these numbers say nothing about speed.**"]
     if failed:
         lines += ["", "**Some benchmarks failed (see the console); their rows may be missing or wrong.**"]
-    for suite, section in (
-        ("decode", _decode_section),
-        ("append", _append_section),
-        ("generation", _generation_section),
-        ("quantized", _quantized_section),
-    ):
-        selected = [r for r in results if r.suite == suite]
-        if selected:
-            lines += ["", *section(selected)]
+    for suite, selected in _by_suite(results):
+        lines += ["", *REPORTED_SUITES[suite].section(selected)]
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +211,14 @@ def _generation_section(results):
                 f"{info['decode_tokens_per_s']:.1f} | {_time(info['prefill_s'])} | {speedup} |"
             )
     return lines
+
+
+def _by_suite(results):
+    """(suite, its results) for each of REPORTED_SUITES that has results, in that order."""
+    for suite in REPORTED_SUITES:
+        selected = [r for r in results if r.suite == suite]
+        if selected:
+            yield suite, selected
 
 
 def _grouped(results, keys):
@@ -394,3 +395,13 @@ def plot_generation(results, run, path):
         ax.set_ylabel("generated tokens/s (all rows)")
         ax.grid(True, axis="y", alpha=0.3)
     _finish(fig, axes, "End-to-end greedy generation (solid: overall, hatched: decode steps only)", path)
+
+
+# The suites the report has a section and a plot for, in its order (rows and tensor_parallel: the
+# JSON only).
+REPORTED_SUITES = {
+    "decode": SuiteReport(_decode_section, plot_decode_attention),
+    "append": SuiteReport(_append_section, plot_append),
+    "generation": SuiteReport(_generation_section, plot_generation),
+    "quantized": SuiteReport(_quantized_section, plot_quantized),
+}

@@ -27,21 +27,19 @@ import torch
 from python_ref import PreallocatedCache
 
 from ..cache import KVCache
-from .common import cases_by_mode, median_seconds
+from .common import BenchCase, cases_by_mode, median_seconds
 
 BEAM_SRC_ROWS = (0, 0, 1, 2)
 GENERATE_ROUNDS = {True: 2, False: 1}  # by full mode: runs take seconds, so no calibration
 
 
 @dataclass(frozen=True)
-class ReorderCase:
+class ReorderCase(BenchCase):
+    ID = "reorder-L{case.layers}-S{case.slots}-{case.impl}"
+
     layers: int
     slots: int
     impl: str
-
-    @property
-    def id(self) -> str:
-        return f"reorder-L{self.layers}-S{self.slots}-{self.impl}"
 
 
 def reorder_cases(full: bool) -> list[ReorderCase]:
@@ -68,14 +66,12 @@ def test_reorder(benchmark, measure, bench_settings, case):
 
 
 @dataclass(frozen=True)
-class GenerateCase:
+class GenerateCase(BenchCase):
+    ID = "{case.mode}-N{case.new_tokens}-{case.impl}"
+
     mode: str  # "beam" or "assisted"
     new_tokens: int
     impl: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.mode}-N{self.new_tokens}-{self.impl}"
 
 
 def generate_cases(full: bool) -> list[GenerateCase]:

@@ -33,9 +33,8 @@ from python_ref.tensor_parallel import TensorParallel
 
 from ..cache import KVCache
 from ..distributed import BACKENDS
-from .common import cases_by_mode
+from .common import ARTICLE_PROMPT, cases_by_mode
 
-ARTICLE_PROMPT = (15496, 11, 314, 716)  # "Hello, I am" in GPT-2's tokenizer
 TIMEOUT_S = 600
 
 

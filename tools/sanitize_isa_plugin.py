@@ -1,8 +1,8 @@
-"""pytest plugin for bench/sanitize_check.sh: runs every test on the CPU kernel copy named by
+"""pytest plugin for tools/sanitize_check.sh: runs every test on the CPU kernel copy named by
 KVCACHE_EXT_TEST_ISA (a name in kvcache_ext.CPU_ISAS) instead of the best one, so that each copy meets
 the whole test suite under the sanitizers, not only the tests that select copies themselves.
 
-Load with ``-p sanitize_isa_plugin`` and bench/ on PYTHONPATH.
+Load with ``-p sanitize_isa_plugin`` and tools/ on PYTHONPATH.
 """
 
 import os

@@ -3,7 +3,7 @@
 The extension is taken from setup.py itself (sources, defines, flags, libraries) and built by the
 same torch BuildExtension, so the sanitized library differs from the packaged one only in the
 flags added here. Output goes to OUT_DIR (default build/sanitize) and the path of the library is
-printed last; the installed package is never touched. Used by bench/sanitize_check.sh.
+printed last; the installed package is never touched. Used by tools/sanitize_check.sh.
 """
 
 import os

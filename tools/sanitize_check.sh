@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the CPU library again with AddressSanitizer + UndefinedBehaviorSanitizer (into
-# build/sanitize, see bench/sanitize_build.py) and runs the native-op tests against it, once per
+# build/sanitize, see tools/sanitize_build.py) and runs the native-op tests against it, once per
 # CPU kernel copy this machine can run. Any sanitizer report fails the check.
 #
-#   bash bench/sanitize_check.sh [OUT_DIR]      (default build/sanitize; run inside the venv)
+#   bash tools/sanitize_check.sh [OUT_DIR]      (default build/sanitize; run inside the venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="$(realpath -m "${1:-build/sanitize}")"
@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 python -c "import setuptools, ninja" 2>/dev/null || pip install -q setuptools ninja
 
 echo "-- building the sanitized library (log: $OUT/build.log)"
-if ! python bench/sanitize_build.py "$OUT" >"$OUT/build.log" 2>&1; then
+if ! python tools/sanitize_build.py "$OUT" >"$OUT/build.log" 2>&1; then
     tail -n 60 "$OUT/build.log"
     exit 1
 fi
@@ -43,7 +43,7 @@ run_sanitized() {
     LD_PRELOAD="$ASAN_RUNTIME $CXX_RUNTIME" \
     ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_stack_use_after_return=1:log_path=$SANITIZER_LOG" \
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$SANITIZER_LOG" \
-    KVCACHE_EXT_LIBRARY="$LIBRARY" KVCACHE_EXT_REQUIRE_NATIVE=1 PYTHONPATH="$PWD/bench${PYTHONPATH:+:$PYTHONPATH}" \
+    KVCACHE_EXT_LIBRARY="$LIBRARY" KVCACHE_EXT_REQUIRE_NATIVE=1 PYTHONPATH="$PWD/tools${PYTHONPATH:+:$PYTHONPATH}" \
     "$@"
 }
 

@@ -5,7 +5,7 @@
 # into a shared library and checks that every torch/c10 symbol it needs is exported by that
 # release's own libraries. Headers and symbol tables only: no GPU, no torch install.
 #
-# Usage: bash bench/abi_compile_check.sh
+# Usage: bash tools/abi_compile_check.sh
 #   ABI_TORCH_VERSIONS  releases to check (default "2.10.0 2.11.0": the oldest we claim and the
 #                       GPU machine's)
 #   ABI_CUDA_ARCHS      compute capabilities for nvcc (default "90")
@@ -56,7 +56,7 @@ done
 CUDA_SOURCES=(csrc/cuda/*.cu)
 
 # ---- the toolkit --------------------------------------------------------------------------------
-. bench/find_cuda_home.sh  # find_cuda_home: nvcc on PATH may be a wrapper
+. tools/find_cuda_home.sh  # find_cuda_home: nvcc on PATH may be a wrapper
 if [[ "${ABI_SKIP_CUDA:-0}" != 1 ]]; then
   CUDA_HOME="$(find_cuda_home "$PYTHON")" || die "no CUDA toolkit found (set CUDA_HOME, or ABI_SKIP_CUDA=1)"
   NVCC="$CUDA_HOME/bin/nvcc"

@@ -10,7 +10,7 @@
 # check; spills elsewhere are listed. Output ptxas no longer prints in the expected form fails
 # too, rather than passing unchecked.
 #
-# Usage: bash bench/cuda_compile_check.sh
+# Usage: bash tools/cuda_compile_check.sh
 #   PYTHON     interpreter whose torch provides the headers (default: .venv/bin/python if
 #              present, else python3)
 #   CUDA_HOME  toolkit (default: the folder of the nvcc on PATH, else /usr/local/cuda-13.0)

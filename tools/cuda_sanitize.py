@@ -1,10 +1,10 @@
 """Small cases of every CUDA kernel of kvcache_ext, for compute-sanitizer (bench/gpu_check.sh runs
 this under memcheck, racecheck and synccheck before pytest, because one illegal access poisons
 the CUDA context of every later test in the same process). Needs torch and an installed
-kvcache_ext with its CUDA kernels; nothing else (the float64 reference is python_ref/attention.py,
-loaded by path).
+kvcache_ext with its CUDA kernels; nothing else (the float64 reference is python_ref/attention.py
+and the inputs are tests/case_builders.py's, both loaded by path).
 
-    python bench/cuda_sanitize.py [--json cases.json] [--quick]
+    python tools/cuda_sanitize.py [--json cases.json] [--quick]
 
 Covers append_kv (16-byte and element paths, transposed and strided sources, ring wrap-around,
 rows far past the ring, every dtype) and decode_attention (every dtype and head_dim, GQA groups
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 import time
 import traceback
@@ -39,11 +38,24 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+import case_builders as builders  # noqa: E402
+from case_builders import DTYPES, QUANTIZED_DATA, dequantized, max_error, with_env  # noqa: E402
+
+import kvcache_ext  # noqa: E402
+
 DEVICE = "cuda"  # (a test of this script on the CPU kernels sets "cpu")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Max abs error against float64 allowed per dtype (inputs ~N(0, 1)): a smoke test for gross bugs;
 # the exact bounds are tests/test_cuda.py's.
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 4e-2, torch.float16: 6e-3}
+
+
+def checked_error(out, lse, exact, exact_lse, dtype) -> str:
+    """The errors of out and lse against float64, raised as a failure beyond TOLERANCE / 1e-3."""
+    error, lse_error = max_error(out.cpu(), exact), max_error(lse.cpu(), exact_lse)
+    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
+        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
+    return f"error {error:.1e}, lse error {lse_error:.1e}"
 
 
 def log(message: str) -> None:
@@ -57,6 +69,9 @@ def load_reference():
     return module.reference_attention
 
 
+reference_attention = load_reference()
+
+
 class ContextLost(RuntimeError):
     pass
 
@@ -68,40 +83,13 @@ def synchronize() -> None:
         raise ContextLost(f"{type(error).__name__}: {error}") from error
 
 
-def with_env(name: str, value):
-    class Env:
-        def __enter__(self):
-            self.old = os.environ.get(name)
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = str(value)
-
-        def __exit__(self, *exc):
-            if self.old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = self.old
-
-    return Env()
-
-
 # ---- append_kv -----------------------------------------------------------------------------------
-def append_case(dtype, layout, head_dim, kvcache_ext, raw=False, lengths=(0, 14, 83)):
+def append_case(dtype, layout, head_dim, raw=False, lengths=(0, 14, 83)):
     B, H, S, T = 3, 2, 16, 5
     g = torch.Generator().manual_seed(head_dim + T)
     # The same view of the same values on both devices (the layout is what the kernel sees).
-    view = {
-        "contiguous": lambda t: t,
-        "transposed": lambda t: t.transpose(1, 2),  # (B, T, H, D) storage, as a model's projections give
-        "strided": lambda t: t[..., ::2],
-    }[layout]  # head_dim not contiguous: the element path
-    base_shape = {
-        "contiguous": (B, H, T, head_dim),
-        "transposed": (B, T, H, head_dim),
-        "strided": (B, H, T, 2 * head_dim),
-    }[layout]
-    bases = [torch.randn(base_shape, generator=g).to(dtype) for _ in range(2)]
+    (k_base, view), (v_base, _) = (builders.new_token_storage(layout, B, H, T, head_dim, dtype, g) for _ in range(2))
+    bases = [k_base, v_base]
     k_new, v_new = (view(b) for b in bases)
     k_new_gpu, v_new_gpu = (view(b.to(DEVICE)) for b in bases)
     k_cpu, v_cpu = (torch.randn(B, H, S, head_dim, generator=g).to(dtype) for _ in range(2))
@@ -130,8 +118,6 @@ def decode_case(
     num_new,
     window,
     splits,
-    kvcache_ext,
-    reference,
     max_rows=None,
     q_layout="contiguous",
     cache_layout="contiguous",
@@ -144,14 +130,18 @@ def decode_case(
     slots = 40 if window is None else window + num_new - 1 + 3
     if lengths is None:
         lengths = [num_new, 9, 3 * slots + 5]  # the shortest row, a partial one, one past the ring's wrap
-    g = torch.Generator().manual_seed(head_dim * 7 + group * 3 + num_new)
-    if q_layout == "transposed":
-        q = torch.randn(B, num_new, H_q, head_dim, generator=g).to(dtype).transpose(1, 2)
-    else:
-        q = torch.randn(B, H_q, num_new, head_dim, generator=g).to(dtype)
-    k = torch.randn(B, H_kv, slots, head_dim, generator=g).to(dtype)
-    v = torch.randn(B, H_kv, slots, head_dim, generator=g).to(dtype)
-    lengths_cpu = torch.tensor(lengths, dtype=torch.long)
+    q, k, v, lengths_cpu = builders.random_decode_problem(
+        B,
+        H_q,
+        H_kv,
+        num_new,
+        head_dim,
+        slots,
+        lengths,
+        dtype,
+        q_layout == "transposed",
+        head_dim * 7 + group * 3 + num_new,
+    )
     q_gpu = q.transpose(1, 2).contiguous().to(DEVICE).transpose(1, 2) if q_layout == "transposed" else q.to(DEVICE)
     if cache_layout == "slice":  # the cache is the first `slots` of a larger ring: strides of the larger one
         k_big = torch.zeros(B, H_kv, slots + 8, head_dim, dtype=dtype, device=DEVICE)
@@ -179,28 +169,14 @@ def decode_case(
     ref_kwargs = {
         key: (value.cpu().double() if torch.is_tensor(value) else value) for key, value in (extra or {}).items()
     }
-    exact, exact_lse = reference(q.double(), k.double(), v.double(), lengths_cpu, window, return_lse=True, **ref_kwargs)
-    error = (out.double() - exact).abs().max().item()
-    lse_error = (lse.double() - exact_lse).abs().max().item()
-    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
-        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
-    return f"error {error:.1e}, lse error {lse_error:.1e}"
+    exact, exact_lse = reference_attention(
+        q.double(), k.double(), v.double(), lengths_cpu, window, return_lse=True, **ref_kwargs
+    )
+    return checked_error(out, lse, exact, exact_lse, dtype)
 
 
 # ---- quantized caches ----------------------------------------------------------------------------
-QUANTIZED_DATA = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}
-
-
-def dequantized(data, scales, fmt):
-    """The float64 values of a quantized cache (python_ref/quantize.py's formats)."""
-    if fmt == "int4":  # byte i of a group of 32: value i (low nibble) and i + 16 (high)
-        groups = data.unflatten(-1, (-1, 16)).long()
-        nibbles = torch.cat([groups & 15, groups >> 4], dim=-1).double() - 8
-        return (nibbles * scales.double().unsqueeze(-1)).flatten(-2)
-    return data.double() * scales.double().unsqueeze(-1)
-
-
-def quantized_case(fmt, dtype, head_dim, group, num_new, window, splits, kvcache_ext, reference, offset=False):
+def quantized_case(fmt, dtype, head_dim, group, num_new, window, splits, offset=False):
     B, H_kv, slots = 2, 2, 40
     g = torch.Generator().manual_seed(head_dim + group + num_new)
     row = head_dim // 2 if fmt == "int4" else head_dim
@@ -229,36 +205,18 @@ def quantized_case(fmt, dtype, head_dim, group, num_new, window, splits, kvcache
         out, lse = kvcache_ext.decode_attention_quantized(q.to(DEVICE), *gpu, lengths.to(DEVICE), window)
         synchronize()
     k64, v64 = dequantized(cpu[0], cpu[1], fmt), dequantized(cpu[2], cpu[3], fmt)
-    exact, exact_lse = reference(q.double(), k64, v64, lengths, window, return_lse=True)
-    error = (out.cpu().double() - exact).abs().max().item()
-    lse_error = (lse.cpu().double() - exact_lse).abs().max().item()
-    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
-        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
-    return f"error {error:.1e}, lse error {lse_error:.1e}"
+    exact, exact_lse = reference_attention(q.double(), k64, v64, lengths, window, return_lse=True)
+    return checked_error(out, lse, exact, exact_lse, dtype)
 
 
 # ---- paged pools ---------------------------------------------------------------------------------
-def paged_table(ends, block_size, num_blocks, generator):
-    """Block tables drawn at random (no repeats) covering positions [0, ends[b]) of each row; one
-    spare entry per row, -1, never used."""
-    needed = [-(-n // block_size) for n in ends]
-    order = torch.randperm(num_blocks, generator=generator)
-    table = torch.full((len(ends), max(needed) + 1), -1, dtype=torch.int32)
-    used = 0
-    for b, count in enumerate(needed):
-        table[b, :count] = order[used : used + count].to(torch.int32)
-        used += count
-    return table
-
-
-def paged_append_case(dtype, block_size, layout, with_counts, kvcache_ext):
+def paged_append_case(dtype, block_size, layout, with_counts):
     B, H, T, D = 3, 2, 5, 64
     g = torch.Generator().manual_seed(block_size * 3 + T)
     lengths = [0, 7, 2 * block_size + 1]
     counts = [5, 0, 3] if with_counts else [T] * B
     ends = [n + c for n, c in zip(lengths, counts)]
-    num_blocks = sum(-(-n // block_size) for n in ends) + 2
-    table = paged_table(ends, block_size, num_blocks, g)
+    table, num_blocks = builders.random_block_table(ends, block_size, spare_blocks=2, generator=g)
     k_pool, v_pool = (torch.randn(num_blocks, H, block_size, D, generator=g).to(dtype) for _ in range(2))
     if layout == "transposed":  # (B, T, H, D) storage: the element path
         bases = [torch.randn(B, T, H, D, generator=g).to(dtype) for _ in range(2)]
@@ -282,27 +240,21 @@ def paged_append_case(dtype, block_size, layout, with_counts, kvcache_ext):
     return f"block_size {block_size}, strides k_new {tuple(k_new_gpu.stride())}"
 
 
-def paged_decode_case(
-    dtype, head_dim, group, num_new, window, block_size, splits, kvcache_ext, reference, offset=False
-):
+def paged_decode_case(dtype, head_dim, group, num_new, window, block_size, splits, offset=False):
     B, H_kv = 3, 2
     H_q = H_kv * group
     lengths = [num_new, 9 + num_new, 300]
     g = torch.Generator().manual_seed(head_dim * 5 + group + block_size)
     q = torch.randn(B, H_q, num_new, head_dim, generator=g).to(dtype)
     k, v = (torch.randn(B, H_kv, max(lengths), head_dim, generator=g).to(dtype) for _ in range(2))
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
-    table = paged_table(lengths, block_size, num_blocks, g)
+    table, num_blocks = builders.random_block_table(lengths, block_size, generator=g)
     # Pools NaN wherever no row holds a token (a stray read poisons the output); with `offset`, one
     # element off 16-byte alignment (the element-load kernels).
     numel = num_blocks * H_kv * block_size * head_dim
     shift = 1 if offset else 0
     pools = [torch.full((numel + shift,), float("nan"), dtype=dtype) for _ in range(2)]
     views = [p[shift:].view(num_blocks, H_kv, block_size, head_dim) for p in pools]
-    for b, n in enumerate(lengths):
-        for position in range(n):
-            block, slot = int(table[b, position // block_size]), position % block_size
-            views[0][block, :, slot], views[1][block, :, slot] = k[b, :, position], v[b, :, position]
+    builders.copy_into_blocks(views, (k, v), table, lengths)
     k_gpu, v_gpu = (p.to(DEVICE)[shift:].view(views[0].shape) for p in pools)
     with with_env("KVCACHE_EXT_CUDA_SPLITS", splits):
         out, lse = kvcache_ext.paged_decode_attention(
@@ -310,23 +262,18 @@ def paged_decode_case(
         )
         synchronize()
     lengths_cpu = torch.tensor(lengths)
-    exact, exact_lse = reference(q.double(), k.double(), v.double(), lengths_cpu, window, return_lse=True)
-    error = (out.cpu().double() - exact).abs().max().item()
-    lse_error = (lse.cpu().double() - exact_lse).abs().max().item()
-    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
-        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
-    return f"error {error:.1e}, lse error {lse_error:.1e}"
+    exact, exact_lse = reference_attention(q.double(), k.double(), v.double(), lengths_cpu, window, return_lse=True)
+    return checked_error(out, lse, exact, exact_lse, dtype)
 
 
-def paged_quantized_case(fmt, dtype, head_dim, group, num_new, window, block_size, splits, kvcache_ext, reference):
+def paged_quantized_case(fmt, dtype, head_dim, group, num_new, window, block_size, splits):
     """Rows of 0 tokens filled up to their lengths by one paged_append_kv_quantized (new_counts)
     through random tables, bytes equal to the CPU kernel's; then paged_decode_attention_quantized
     over them (NaN scales wherever no row holds a token) against float64 over the dequantized codes."""
     B, H_kv = 3, 2
     lengths = [num_new, 9 + num_new, 300]
     g = torch.Generator().manual_seed(head_dim * 7 + group + block_size)
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
-    table = paged_table(lengths, block_size, num_blocks, g)
+    table, num_blocks = builders.random_block_table(lengths, block_size, generator=g)
     row = head_dim // 2 if fmt == "int4" else head_dim
     scale_shape = (num_blocks, H_kv, block_size, head_dim // 32) if fmt == "int4" else (num_blocks, H_kv, block_size)
     scale_dtype = torch.float16 if fmt == "int4" else torch.float32
@@ -360,15 +307,11 @@ def paged_quantized_case(fmt, dtype, head_dim, group, num_new, window, block_siz
         blocks, offsets = table[b, positions // block_size].long(), positions % block_size
         for values, data, scales in ((k64, cpu[0], cpu[1]), (v64, cpu[2], cpu[3])):
             values[b, :, :n] = dequantized(data[blocks, :, offsets], scales[blocks, :, offsets], fmt).transpose(0, 1)
-    exact, exact_lse = reference(q.double(), k64, v64, counts, window, return_lse=True)
-    error = (out.cpu().double() - exact).abs().max().item()
-    lse_error = (lse.cpu().double() - exact_lse).abs().max().item()
-    if not (error <= TOLERANCE[dtype] and lse_error <= 1e-3):
-        raise AssertionError(f"max error {error:.3g} (allowed {TOLERANCE[dtype]:.1g}), lse error {lse_error:.3g}")
-    return f"error {error:.1e}, lse error {lse_error:.1e}"
+    exact, exact_lse = reference_attention(q.double(), k64, v64, counts, window, return_lse=True)
+    return checked_error(out, lse, exact, exact_lse, dtype)
 
 
-def paged_refusal_case(kvcache_ext):
+def paged_refusal_case():
     """An id the append would write out of range: refused on the host, before any launch."""
     k_pool, v_pool = (torch.randn(8, 2, 4, 16).to(DEVICE) for _ in range(2))
     before = (k_pool.cpu(), v_pool.cpu())
@@ -385,7 +328,7 @@ def paged_refusal_case(kvcache_ext):
     raise AssertionError("an out-of-range block id was accepted")
 
 
-def build_cases(kvcache_ext, reference, quick: bool):
+def build_cases(quick: bool):
     cases = []  # (name, thunk)
 
     def add(name, fn, *args, **kwargs):
@@ -394,17 +337,9 @@ def build_cases(kvcache_ext, reference, quick: bool):
     for dtype_name, dtype in DTYPES.items():
         for layout in ("contiguous", "transposed", "strided"):
             for head_dim in (64,) if quick else (8, 64, 136):
-                add(f"append {dtype_name} {layout} D={head_dim}", append_case, dtype, layout, head_dim, kvcache_ext)
-    add(
-        "append raw lengths -3/huge",
-        append_case,
-        torch.bfloat16,
-        "contiguous",
-        64,
-        kvcache_ext,
-        raw=True,
-        lengths=(-3, 2**40 + 7, 15),
-    )
+                add(f"append {dtype_name} {layout} D={head_dim}", append_case, dtype, layout, head_dim)
+    name = "append raw lengths -3/huge"
+    add(name, append_case, torch.bfloat16, "contiguous", 64, raw=True, lengths=(-3, 2**40 + 7, 15))
 
     # (group, num_new, window, splits, max_rows): rows per block 1, 4, 8 and row chunks > 1; one
     # split, forced splits (more than positions per split allows, too), the heuristic (None).
@@ -424,20 +359,11 @@ def build_cases(kvcache_ext, reference, quick: bool):
     for dtype_name, dtype in DTYPES.items():
         for head_dim in (64, 128):
             for group, num_new, window, splits, max_rows in configs:
-                add(
+                name = (
                     f"decode {dtype_name} D={head_dim} group={group} T={num_new} window={window} splits={splits} "
-                    f"max_rows={max_rows}",
-                    decode_case,
-                    dtype,
-                    head_dim,
-                    group,
-                    num_new,
-                    window,
-                    splits,
-                    kvcache_ext,
-                    reference,
-                    max_rows=max_rows,
+                    f"max_rows={max_rows}"
                 )
+                add(name, decode_case, dtype, head_dim, group, num_new, window, splits, max_rows=max_rows)
 
     def supported(head_dim):  # the CUDA capability table decides (h-cuda: every multiple of 8)
         try:
@@ -451,74 +377,17 @@ def build_cases(kvcache_ext, reference, quick: bool):
             continue
         for head_dim in [d for d in (8, 16, 32, 80, 96, 136, 256) if supported(d)]:
             for window, splits in ((None, 1), (7, 3)):
-                add(
-                    f"decode {dtype_name} D={head_dim} group=2 T=2 window={window} splits={splits}",
-                    decode_case,
-                    dtype,
-                    head_dim,
-                    2,
-                    2,
-                    window,
-                    splits,
-                    kvcache_ext,
-                    reference,
-                )
-    add(
-        "decode bf16 transposed q, sliced cache, splits=3",
-        decode_case,
-        torch.bfloat16,
-        128,
-        4,
-        2,
-        None,
-        3,
-        kvcache_ext,
-        reference,
-        q_layout="transposed",
-        cache_layout="slice",
-    )
-    add(
-        "decode f32 softcap=30 + sinks",
-        decode_case,
-        torch.float32,
-        64,
-        2,
-        2,
-        None,
-        2,
-        kvcache_ext,
-        reference,
-        extra={"softcap": 30.0, "sinks": torch.randn(4)},
-    )
+                name = f"decode {dtype_name} D={head_dim} group=2 T=2 window={window} splits={splits}"
+                add(name, decode_case, dtype, head_dim, 2, 2, window, splits)
+    name = "decode bf16 transposed q, sliced cache, splits=3"
+    add(name, decode_case, torch.bfloat16, 128, 4, 2, None, 3, q_layout="transposed", cache_layout="slice")
+    name = "decode f32 softcap=30 + sinks"
+    add(name, decode_case, torch.float32, 64, 2, 2, None, 2, extra={"softcap": 30.0, "sinks": torch.randn(4)})
     for splits in (1, 4):
-        add(
-            f"decode raw lengths 0/-4/2^40, splits={splits}",
-            decode_case,
-            torch.float16,
-            64,
-            2,
-            1,
-            None,
-            splits,
-            kvcache_ext,
-            reference,
-            lengths=[0, -4, 2**40 + 3],
-            raw=True,
-        )
-        add(
-            f"decode raw lengths < num_new, window, splits={splits}",
-            decode_case,
-            torch.bfloat16,
-            128,
-            4,
-            4,
-            5,
-            splits,
-            kvcache_ext,
-            reference,
-            lengths=[1, 2, 3],
-            raw=True,
-        )
+        name = f"decode raw lengths 0/-4/2^40, splits={splits}"
+        add(name, decode_case, torch.float16, 64, 2, 1, None, splits, lengths=[0, -4, 2**40 + 3], raw=True)
+        name = f"decode raw lengths < num_new, window, splits={splits}"
+        add(name, decode_case, torch.bfloat16, 128, 4, 4, 5, splits, lengths=[1, 2, 3], raw=True)
     for fmt in QUANTIZED_DATA:
         for dtype_name, dtype in DTYPES.items():
             if quick and dtype is not torch.bfloat16:
@@ -528,50 +397,23 @@ def build_cases(kvcache_ext, reference, quick: bool):
                 (128, 4, 3, 5, 3, False),
                 (96, 8, 1, None, None, True),
             ):
-                add(
+                name = (
                     f"quantized {fmt} {dtype_name} D={head_dim} group={group} T={num_new} window={window} "
-                    f"splits={splits}{' byte-offset rows' if offset else ''}",
-                    quantized_case,
-                    fmt,
-                    dtype,
-                    head_dim,
-                    group,
-                    num_new,
-                    window,
-                    splits,
-                    kvcache_ext,
-                    reference,
-                    offset=offset,
+                    f"splits={splits}{' byte-offset rows' if offset else ''}"
                 )
+                add(name, quantized_case, fmt, dtype, head_dim, group, num_new, window, splits, offset=offset)
     for dtype_name, dtype in DTYPES.items():
         for block_size, layout, with_counts in ((1, "contiguous", True), (16, "transposed", False)):
-            add(
-                f"paged append {dtype_name} block_size={block_size} {layout} counts={with_counts}",
-                paged_append_case,
-                dtype,
-                block_size,
-                layout,
-                with_counts,
-                kvcache_ext,
-            )
+            name = f"paged append {dtype_name} block_size={block_size} {layout} counts={with_counts}"
+            add(name, paged_append_case, dtype, block_size, layout, with_counts)
         # (head_dim, group, num_new, window, block_size, splits, offset)
         paged_configs = [(64, 4, 1, None, 16, None, False), (128, 2, 3, 20, 4, 3, False), (80, 8, 2, None, 1, 1, True)]
         for head_dim, group, num_new, window, block_size, splits, offset in paged_configs[: 1 if quick else None]:
-            add(
+            name = (
                 f"paged decode {dtype_name} D={head_dim} group={group} T={num_new} window={window} "
-                f"block_size={block_size} splits={splits}{' unaligned pools' if offset else ''}",
-                paged_decode_case,
-                dtype,
-                head_dim,
-                group,
-                num_new,
-                window,
-                block_size,
-                splits,
-                kvcache_ext,
-                reference,
-                offset=offset,
+                f"block_size={block_size} splits={splits}{' unaligned pools' if offset else ''}"
             )
+            add(name, paged_decode_case, dtype, head_dim, group, num_new, window, block_size, splits, offset=offset)
     # (dtype, head_dim, group, num_new, window, block_size, splits)
     paged_quantized_configs = [
         ("bfloat16", 64, 4, 1, None, 16, None),
@@ -594,10 +436,8 @@ def build_cases(kvcache_ext, reference, quick: bool):
                 window,
                 block_size,
                 splits,
-                kvcache_ext,
-                reference,
             )
-    add("paged append refused id", paged_refusal_case, kvcache_ext)
+    add("paged append refused id", paged_refusal_case)
     return cases
 
 
@@ -610,13 +450,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         log("torch sees no CUDA device: nothing to run")
         return 3
-    import kvcache_ext
-
     if not kvcache_ext.native_available("cuda"):
         log(f"kvcache_ext's CUDA kernels are not loaded ({kvcache_ext.kernels_used('cuda')}): nothing to run")
         return 3
     log(f"kvcache_ext {kvcache_ext.__file__}, cuda kernels: {kvcache_ext.kernels_used('cuda')}")
-    cases = build_cases(kvcache_ext, load_reference(), args.quick)
+    cases = build_cases(args.quick)
     results, status = [], 0
     for index, (name, thunk) in enumerate(cases):
         t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-# Sourced by bench/*.sh: find_cuda_home [PYTHON] prints a CUDA toolkit root (a folder with
-# bin/nvcc and include/cuda_runtime.h) or returns 1. The `nvcc` on PATH may be a wrapper script
+# Sourced by tools/*.sh and bench/gpu_check.sh: find_cuda_home [PYTHON] prints a CUDA toolkit root
+# (a folder with bin/nvcc and include/cuda_runtime.h) or returns 1. The `nvcc` on PATH may be a wrapper script
 # (its folder is then no toolkit), so the candidates are, in order: $CUDA_HOME, $CUDA_PATH, the
 # folder above the resolved nvcc on PATH, /usr/local/cuda-<release that `nvcc --version` names>,
 # /usr/local/cuda, /usr/local/cuda-* (newest first), /opt/cuda, and the toolkit pip packages

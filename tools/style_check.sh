@@ -3,8 +3,8 @@
 # (configured in pyproject.toml and .clang-format). Pinned versions, so that every machine
 # formats alike; installed into the active environment if missing.
 #
-#   bash bench/style_check.sh          # check (CI)
-#   bash bench/style_check.sh --fix    # rewrite the files instead
+#   bash tools/style_check.sh          # check (CI)
+#   bash tools/style_check.sh --fix    # rewrite the files instead
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUFF_VERSION=0.17.6

@@ -12,14 +12,14 @@
 #     with the op schema's number of arguments (called with CPU tensors, the binding must get
 #     as far as its own device check: nothing runs on a GPU).
 #
-# Usage: bash bench/cuda_wheel_check.sh
+# Usage: bash tools/cuda_wheel_check.sh
 #   CUDA_WHEEL_TORCH    torch to build against (default 2.14.1: on local disk here)
 #   TORCH_CUDA_ARCH_LIST  (default "8.0;9.0")
 #   CUDA_WHEEL_VENV     its environment (default ~/.cache/kvcache_ext/venv-cuda-torch-<version>,
 #                       kept between runs; ~5.5 GB)
 #   CUDA_WHEEL_OUT      where the wheel is left (default dist/cuda: carry it to a GPU machine for
 #                       bench/gpu_check.sh, which finds dist/**/kvcache_ext-*.whl)
-#   CUDA_HOME           toolkit (default: detected, see bench/find_cuda_home.sh)
+#   CUDA_HOME           toolkit (default: detected, see tools/find_cuda_home.sh)
 #   PYTHON              interpreter that creates the environment (default python3)
 #   CUDA_WHEEL_WHEELHOUSE=1  also download the helpers bench/gpu_check.sh installs where the GPU
 #                       machine lacks them (pytest, ninja, setuptools, wheel; CPython 3.12 x86-64)
@@ -54,7 +54,7 @@ read -r TORCH_FULL TORCH_CUDA TORCH_DIR < <("$PY" -c 'import os, torch; print(to
 SITE="$(dirname "$TORCH_DIR")"
 say "build environment: torch $TORCH_FULL (CUDA $TORCH_CUDA), $("$PY" --version)"
 
-. bench/find_cuda_home.sh
+. tools/find_cuda_home.sh
 export TORCH_CUDA_MAJOR="${TORCH_CUDA%%.*}"  # spares find_cuda_home an import of torch
 CUDA_HOME="$(find_cuda_home "$PY")" || die "no CUDA toolkit found (set CUDA_HOME)"
 export CUDA_HOME
@@ -139,7 +139,7 @@ for lib in "$pkg/_C.abi3.so" "$pkg/_C_cuda.abi3.so"; do
     die "$name imports $(echo "$missing" | wc -l) symbols no library it loads exports (first 30 above)"
   fi
   say "$name: needs ${needed}; all $(echo "$undefined" | wc -l) imported symbols resolve"
-  # The same library under older torch releases (symbol tables cached by bench/abi_compile_check.sh):
+  # The same library under older torch releases (symbol tables cached by tools/abi_compile_check.sh):
   # built against torch $TORCH_VERSION headers, it must only import what those releases export.
   for table in "$CACHE"/torch-*/symbols.txt; do
     [[ -f "$table" ]] || continue
