@@ -162,3 +162,10 @@ def test_the_docs_show_the_own_model_example_verbatim():
     assert shown, "no page shows examples/own_model.py's model any more"
     for block in shown:
         assert block.code.strip() in EXAMPLE.read_text(), f"{block.name} differs from examples/own_model.py"
+
+
+def test_the_api_reference_covers_every_public_class_and_function():
+    documented = set(re.findall(r"^::: ([\w.]+)", (ROOT / "docs" / "api.md").read_text(), flags=re.M))
+    for name in kvcache_ext.__all__:
+        if callable(getattr(kvcache_ext, name)):
+            assert any(entry.rsplit(".", 1)[-1] == name for entry in documented), f"docs/api.md lacks {name}"
