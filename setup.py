@@ -127,6 +127,7 @@ setup(
         "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.24,<6", "accelerate", "matplotlib"],
         "bench": ["pytest", "pytest-benchmark", "matplotlib"],
         "hf": ["transformers>=5.24,<6"],
+        "docs": ["mkdocs-material", "mkdocstrings[python]"],
     },
     entry_points={"console_scripts": ["kvcache-ext=kvcache_ext.cli:main"]},
     ext_modules=ext_modules,

@@ -1,8 +1,11 @@
 """The benchmark suites' pytest plugin (kvcache_ext/benchmarks/plugin.py), for `pytest bench`.
 
-Quick mode (default, part of the normal `pytest` run): tiny sizes, a few rounds, no speed claims.
-Full mode: `pytest bench --bench-mode=full` or `KVCACHE_EXT_BENCH=full pytest bench`; or
-`kvcache-ext bench`, which also writes the JSON, a Markdown summary and plots.
+Quick mode (default, part of the normal `pytest` run): tiny sizes, no speed claims; pyproject.toml's
+addopts pass --benchmark-disable, so there each benchmark runs once, untimed (no tables), and
+`pytest bench --benchmark-enable` times a few rounds. Full mode: `pytest bench --bench-mode=full
+--benchmark-enable` or `KVCACHE_EXT_BENCH=full pytest bench --benchmark-enable`; or `kvcache-ext
+bench`, which ignores the repository's pytest settings and also writes the JSON, a Markdown summary
+and plots.
 """
 
 import pytest

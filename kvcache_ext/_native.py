@@ -23,11 +23,31 @@ REQUIRE_NATIVE_ENV = "KVCACHE_EXT_REQUIRE_NATIVE"
 LIBRARY_ENV = "KVCACHE_EXT_LIBRARY"
 
 
+def _source_tree() -> Path | None:
+    """The repository root when the package is imported from a clone rather than an installation."""
+    root = _PACKAGE_DIR.parent
+    return root if (root / "setup.py").is_file() and (root / "csrc" / "ops.cpp").is_file() else None
+
+
+def _missing_library(pattern: str) -> str:
+    root = _source_tree()
+    if root is None:
+        return f"no native library ({pattern}) in {_PACKAGE_DIR}; the package was installed without building it"
+    # The usual way here: Python puts the current directory first on sys.path, so running from a
+    # clone's root imports the sources, even when a built copy is installed in the environment.
+    return (
+        f"you are importing kvcache_ext from the source tree at {root}, which has no built library "
+        f"({pattern} in {_PACKAGE_DIR}). Install it with `pip install .` (then run from another directory, "
+        f"or the source tree is imported instead of the installed package), or build it in place with "
+        f"`python setup.py build_ext --inplace`"
+    )
+
+
 def _load(pattern: str) -> tuple[bool, str]:
     # "_C.*.so" (_C.abi3.so, _C.cpython-*.so) must not match "_C_cuda.*.so".
     libraries = sorted(glob.glob(str(_PACKAGE_DIR / pattern)))
     if not libraries:
-        return False, f"no native library ({pattern}) in {_PACKAGE_DIR}; the package was installed without building it"
+        return False, _missing_library(pattern)
     try:
         torch.ops.load_library(libraries[0])
     except (OSError, RuntimeError) as error:
@@ -51,7 +71,10 @@ if not available:
     if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
         raise ImportError(f"kvcache_ext: {REQUIRE_NATIVE_ENV}=1 but {unavailable_reason}")
     warnings.warn(
-        f"kvcache_ext falls back to the pure-PyTorch path: {unavailable_reason}", RuntimeWarning, stacklevel=3
+        f"kvcache_ext: {unavailable_reason}; running the pure-PyTorch fallback (the same API, much slower; "
+        f"{REQUIRE_NATIVE_ENV}=1 makes this an error)",
+        RuntimeWarning,
+        stacklevel=3,
     )
 
 # The CUDA kernels register implementations for the schemas _C defines, so they load after it.

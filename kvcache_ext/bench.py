@@ -43,18 +43,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-k",
         dest="keyword",
         metavar="EXPRESSION",
-        help="only benchmarks matching this pytest -k expression, e.g. 'gpt2 and float32'",
+        help="only benchmarks matching this pytest -k expression, e.g. 'gpt2 and float32' (default: every benchmark "
+        "of the chosen suites)",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="tiny sizes and a few rounds: checks the machinery in seconds; the numbers mean nothing",
+        help="tiny sizes and a few rounds: checks the machinery in seconds; the numbers mean nothing "
+        "(default: off, the full sizes)",
     )
     parser.add_argument(
         "--from-json",
         type=Path,
         metavar="JSON",
-        help="run nothing: write the summary and plots from an earlier pytest-benchmark JSON",
+        help="run nothing: write the summary and plots from an earlier pytest-benchmark JSON "
+        "(default: none, run the suites)",
     )
 
 

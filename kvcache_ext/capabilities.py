@@ -2,8 +2,8 @@
 
 The limits come from the native library (``csrc/capabilities.h`` through the ``capabilities``
 op), so the table cannot drift from the checks the kernels make. ``KVCache``, the Hugging Face
-``NativeCache`` and the op wrappers check against it before anything is written; README's
-limits table is compared with it by a test; ``kvcache-ext info`` prints it.
+``NativeCache`` and the op wrappers check against it before anything is written; the documentation's
+limits table (docs/kernels.md) is compared with it by a test; ``kvcache-ext info`` prints it.
 """
 
 from __future__ import annotations
@@ -139,41 +139,57 @@ def python_fallback_table(device_type: str) -> Capabilities:
     )
 
 
-def _power_of_two(n: int) -> str:
-    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"2^{(n + 1).bit_length() - 1} - 1"
+def readable_count(n: int) -> str:
+    """``n`` as a reader takes it in: ``2^62`` for 4611686018427387904, ``2^31 - 1``, else digits in groups."""
+    if n > 0 and n & (n - 1) == 0:
+        return f"2^{n.bit_length() - 1}"
+    if n > 0 and (n + 1) & n == 0:
+        return f"2^{n.bit_length()} - 1"
+    return f"{n:,}"
 
 
-def _paged_sizes(sizes: tuple[int, ...]) -> str:
-    if not sizes:
-        return "none (python_ref's paged reference runs)"
-    return f"powers of two from {sizes[0]} to {sizes[-1]}"
+# The rows of the limits table: (title, what a Capabilities says in words), in the order printed.
+LIMIT_TITLES = {
+    "kernels": "kernels",
+    "dtypes": "dtypes",
+    "head_dim": "head_dim",
+    "group": "query heads per KV head",
+    "length": "tokens per row (`lengths`)",
+    "slots": "slots",
+    "kv_formats": "quantized `kv_dtype`",
+    "paged_block_sizes": "paged `block_size`",
+    "paged_kv_formats": "paged quantized `kv_dtype`",
+}
 
 
-def _paged_formats(formats: tuple[str, ...]) -> str:
-    return ", ".join(formats) if formats else "none (python_ref's paged quantized reference runs)"
+def readable_limits(table: Capabilities) -> dict[str, str]:
+    """One device's capability table in words, keyed as LIMIT_TITLES (README's limits table and
+    ``kvcache-ext info`` print these)."""
+    m = table.head_dim_multiple
+    sizes, paged_formats = table.paged_block_sizes, table.paged_kv_formats
+    return {
+        "kernels": table.kernels,
+        "dtypes": ", ".join(str(d).removeprefix("torch.") for d in table.dtypes),
+        "head_dim": f"multiples of {m} from {m} to {table.max_head_dim}" if m > 1 else "any",
+        "group": "any" if table.max_group is None else f"at most {table.max_group}",
+        "length": f"0 to {readable_count(table.max_length)}",
+        "slots": f"at most {readable_count(table.max_slots)}",
+        "kv_formats": ", ".join(table.kv_formats) or "none",
+        "paged_block_sizes": f"powers of two from {sizes[0]} to {sizes[-1]}"
+        if sizes
+        else "none (python_ref's paged reference runs)",
+        "paged_kv_formats": ", ".join(paged_formats)
+        if paged_formats
+        else "none (python_ref's paged quantized reference runs)",
+    }
 
 
 def limits_markdown() -> str:
-    """README's limits table, rendered from the kernels' own tables (a test compares the two)."""
-    rows = [
-        "| kernels | dtypes | head_dim | query heads per KV head | tokens per row (`lengths`) | slots "
-        "| quantized `kv_dtype` | paged `block_size` | paged quantized `kv_dtype` |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    """The documentation's limits table (docs/kernels.md), rendered from the kernels' own tables
+    (a test compares the two)."""
+    rows = ["| " + " | ".join(LIMIT_TITLES.values()) + " |", "|" + "---|" * len(LIMIT_TITLES)]
     for table in (kernel_table("cpu"), kernel_table("cuda"), python_fallback_table("cpu")):
-        dtypes = ", ".join(str(d).removeprefix("torch.") for d in table.dtypes)
-        head_dim = (
-            f"multiples of {table.head_dim_multiple} from {table.head_dim_multiple} to {table.max_head_dim}"
-            if table.head_dim_multiple > 1
-            else "any"
-        )
-        group = "any" if table.max_group is None else f"at most {table.max_group}"
-        rows.append(
-            f"| {table.kernels} | {dtypes} | {head_dim} | {group} | 0 to {_power_of_two(table.max_length)} "
-            f"| at most {_power_of_two(table.max_slots)} | {', '.join(table.kv_formats) or 'none'} "
-            f"| {_paged_sizes(table.paged_block_sizes)} "
-            f"| {_paged_formats(table.paged_kv_formats)} |"
-        )
+        rows.append("| " + " | ".join(readable_limits(table).values()) + " |")
     return "\n".join(rows)
 
 

@@ -1,4 +1,4 @@
-"""The `kvcache-ext` command."""
+"""The `kvcache-ext` command: `demo`, `bench` and `info`."""
 
 from __future__ import annotations
 
@@ -6,42 +6,130 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kvcache-ext", description="KV-cache extension for PyTorch LLM decoding")
-    commands = parser.add_subparsers(dest="command", required=True)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" to an option's help, unless the help already says what its default
+    is or the default is "absent" (None, an unset flag): those options' help says what absence means."""
 
-    from . import demo
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
-    demo_parser = commands.add_parser("demo", help="the article's experiment with every cache")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcache-ext", description="KV-cache extension for PyTorch LLM decoding", formatter_class=HelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
+
+    from . import bench, demo
+
+    demo_parser = commands.add_parser(
+        "demo",
+        help="the article's experiment with every cache",
+        description="Generate from one prompt with every cache (none, torch.cat, preallocated, native), "
+        "check that all give the same tokens and print their speed and KV memory.",
+        formatter_class=HelpFormatter,
+    )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run)
 
-    from . import bench
-
-    bench_parser = commands.add_parser("bench", help="run the benchmark suites; write JSON, a summary and plots")
+    bench_parser = commands.add_parser(
+        "bench", help="run the benchmark suites; write JSON, a summary and plots", formatter_class=HelpFormatter
+    )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.run)
 
     info_parser = commands.add_parser(
-        "info", help="what the native extension was built with, what runs, what it supports"
+        "info",
+        help="what the native extension was built with, what runs, what it supports",
+        description="What was built (torch, CPU kernel copies, CUDA), what runs here and the capability "
+        "table of each device, as a table.",
+        formatter_class=HelpFormatter,
     )
-    info_parser.set_defaults(run=_info)
+    info_parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the raw form instead: build_info() and every capability field (default: off, the table)",
+    )
+    info_parser.set_defaults(run=info)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return args.run(args)
 
 
-def _info(_args) -> int:
-    import json
-
+def info_json() -> dict:
+    """``build_info()`` and, per device, every field of ``capabilities(device)`` (dtypes as names)."""
     import kvcache_ext
 
-    info = kvcache_ext.build_info()
-    info["capabilities"] = {}
+    report = kvcache_ext.build_info()
+    report["capabilities"] = {}
     for device in ("cpu", "cuda"):
         table = kvcache_ext.capabilities(device)
-        info["capabilities"][device] = {**vars(table), "dtypes": [str(d).removeprefix("torch.") for d in table.dtypes]}
-    print(json.dumps(info, indent=2))
+        report["capabilities"][device] = {
+            **vars(table),
+            "dtypes": [str(d).removeprefix("torch.") for d in table.dtypes],
+        }
+    return report
+
+
+def info_table() -> str:
+    """What ``kvcache-ext info`` prints: the build, what runs, and the capability table in words."""
+    import kvcache_ext
+    from kvcache_ext.capabilities import LIMIT_TITLES, readable_limits
+
+    built = kvcache_ext.build_info()
+    compiled = ", ".join(built.get("cpu_isas_compiled", [])) or "unknown"
+    if built["native_loaded"]:
+        cpu = f"loaded; running the {built['cpu_isa_active']} copy of the kernels (compiled: {compiled})"
+    else:
+        cpu = f"not loaded, the pure-PyTorch fallback runs: {built['native_unavailable_reason']}"
+    if built["cuda_loaded"]:
+        cuda = f"loaded (compiled for {', '.join(built['cuda_archs'])})"
+    elif built.get("cuda"):
+        cuda = f"built for {', '.join(built['cuda_archs'])}, not loaded: {built['cuda_unavailable_reason']}"
+    else:
+        cuda = f"not built ({built['cuda_unavailable_reason']})"
+    facts = [
+        ("torch running", built["torch_running"]),
+        (
+            "built against torch",
+            f"{built.get('torch_built_against', 'unknown')} (loads under torch >= "
+            f"{built.get('torch_min_supported', 'unknown')})",
+        ),
+        ("CPU library", cpu),
+        ("CUDA library", cuda),
+    ]
+    lines = ["kvcache_ext: what was built and what runs", ""]
+    width = max(len(title) for title, _ in facts)
+    lines += [f"  {title:<{width}}  {value}" for title, value in facts]
+
+    devices = ("cpu", "cuda")
+    columns = {device: readable_limits(kvcache_ext.capabilities(device)) for device in devices}
+    titles = {key: title.replace("`", "") for key, title in LIMIT_TITLES.items()}
+    width = max(len(title) for title in titles.values())
+    column_width = {device: max(len(value) for value in columns[device].values()) for device in devices}
+    lines += ["", "What the kernels accept, per device:", ""]
+    rows = [
+        ("", {device: device for device in devices}),
+        *((title, {d: columns[d][key] for d in devices}) for key, title in titles.items()),
+    ]
+    for title, cells in rows:
+        lines.append(f"  {title:<{width}}  " + "  ".join(f"{cells[d]:<{column_width[d]}}" for d in devices).rstrip())
+    return "\n".join(lines)
+
+
+def info(args) -> int:
+    if args.json:
+        import json
+
+        print(json.dumps(info_json(), indent=2))
+    else:
+        print(info_table())
     return 0
 
 

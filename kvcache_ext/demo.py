@@ -27,8 +27,8 @@ CACHE_NAMES = ("none", "concat", "prealloc", "native")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", default="Hello, I am")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--prompt", default="Hello, I am", help="the text to continue (GPT-2 tokenizer)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per row")
     parser.add_argument(
         "--arch",
         choices=("gpt2", "llama"),
@@ -37,33 +37,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help="random-weight size: GPT-2 124M (default), 355M, 774M, 1558M, tiny; "
-        f"with --arch llama: {', '.join(LLAMA_CONFIGS)} (default llama-tiny)",
+        help="random-weight size: GPT-2 124M, 355M, 774M, 1558M, tiny; "
+        f"with --arch llama: {', '.join(LLAMA_CONFIGS)} (default: 124M, with --arch llama llama-tiny)",
     )
     parser.add_argument(
-        "--weights", help="a GPT-2 .safetensors file in Hugging Face layout (real text instead of random weights)"
+        "--weights",
+        help="a GPT-2 .safetensors file in Hugging Face layout, for real text (default: none, random weights "
+        "seeded by --seed)",
     )
     parser.add_argument("--seed", type=int, default=123, help="seed for the random weights")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda: under torchrun, GPU LOCAL_RANK of each machine")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the model and caches")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (under torchrun: GPU LOCAL_RANK of each machine)")
     parser.add_argument(
         "--tp",
         type=int,
         default=1,
         metavar="N",
         help="tensor-parallel over N ranks (heads split, each rank's cache holds its heads); "
-        "run under `torchrun --nproc-per-node N`: gloo on cpu, NCCL on cuda",
+        "run under `torchrun --nproc-per-node N`: gloo on cpu, NCCL on cuda (default: 1, one process)",
     )
-    parser.add_argument("--batch-size", type=int, default=1, help="the prompt repeated in each row")
-    parser.add_argument("--window", type=int, help="sliding window in tokens (every cache applies it)")
+    parser.add_argument("--batch-size", type=int, default=1, help="rows, each holding the prompt")
     parser.add_argument(
-        "--caches", default=",".join(CACHE_NAMES), help=f"comma-separated subset of {','.join(CACHE_NAMES)}"
+        "--window", type=int, help="sliding window in tokens, applied by every cache (default: none, full attention)"
+    )
+    parser.add_argument(
+        "--caches",
+        default=",".join(CACHE_NAMES),
+        help="comma-separated subset of none (recompute everything), concat (torch.cat), prealloc "
+        "(python_ref's preallocated cache), native (KVCache)",
     )
     parser.add_argument(
         "--kv-dtype",
         choices=("int8", "fp8_e4m3", "int4"),
         help="the native cache stores keys/values quantized (python_ref/quantize.py); its tokens "
-        "are then compared with the others' for agreement, not required identical",
+        "are then compared with the others' for agreement, not required identical (default: none, unquantized)",
+    )
+    parser.add_argument(
+        "--progress-seconds",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="when the output is not a terminal (a log), a progress line every S seconds of a cache's run; "
+        "0: only the line each cache prints when it finishes",
     )
 
 
@@ -134,7 +149,7 @@ def _run(args, caches, tp) -> int:
         label = name if name != "native" else f"native ({kvcache_ext.kernels_used(device)})"
         if name == "native" and args.kv_dtype:
             label = f"native {args.kv_dtype}"
-        progress = _Progress(label, args.max_new_tokens)
+        progress = Progress(label, args.max_new_tokens, args.batch_size, args.progress_seconds)
         start = time.perf_counter()
         out = generate(model, prompt, args.max_new_tokens, cache=cache, on_token=progress)
         if device.type == "cuda":
@@ -178,29 +193,35 @@ def _megabytes(n: int) -> str:
     return f"{n / 2**20:.2f} MB" if n else "-"
 
 
-class _Progress:
-    """One status line per cache, updated in place on a terminal, at the end otherwise."""
+class Progress:
+    """Progress of one cache's generation, readable in a log as on a terminal.
 
-    def __init__(self, label, total):
-        self.label, self.total, self.count = label, total, 0
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
+    On a terminal one status line is updated in place; otherwise (a log, CI) a line is printed every
+    ``every_seconds`` (0: none). Either way a cache's last line gives its tokens and tokens/s. Lines go
+    to stdout with the results, flushed, so a log shows them in order as they happen.
+    """
+
+    def __init__(self, label, total, batch_size=1, every_seconds=10.0, stream=None):
+        self.label, self.total, self.batch_size, self.count = label, total, batch_size, 0
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.every_seconds = every_seconds
+        self.start = self.last_line = time.perf_counter()
+
+    def _line(self, seconds) -> str:
+        rate = self.count * self.batch_size / seconds if seconds > 0 else 0.0
+        return f"  {self.label}: {self.count}/{self.total} tokens, {seconds:.1f} s, {rate:.1f} tokens/s"
 
     def __call__(self, _token):
         self.count += 1
-        if self.tty and (self.count % 10 == 0 or self.count == self.total):
-            elapsed = time.perf_counter() - self.start
-            print(
-                f"\r  {self.label}: {self.count}/{self.total} tokens, {elapsed:.1f}s",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+        now = time.perf_counter()
+        if self.tty:
+            if self.count % 10 == 0 or self.count == self.total:
+                print(f"\r{self._line(now - self.start)}", end="", file=self.stream, flush=True)
+        elif self.every_seconds > 0 and now - self.last_line >= self.every_seconds and self.count < self.total:
+            self.last_line = now
+            print(self._line(now - self.start), file=self.stream, flush=True)
 
     def done(self, seconds):
-        end = "\r" if self.tty else ""
-        print(
-            f"{end}  {self.label}: {self.count}/{self.total} tokens in {seconds:.1f}s" + " " * 10,
-            file=sys.stderr,
-            flush=True,
-        )
+        start = "\r" if self.tty else ""
+        print(f"{start}{self._line(seconds)}, done" + " " * 10 * self.tty, file=self.stream, flush=True)

@@ -1,4 +1,4 @@
-"""The capability table: one source (the native library), stated exactly in README, honoured by KVCache."""
+"""The capability table: one source (the native library), stated exactly in docs/kernels.md, honoured by KVCache."""
 
 from pathlib import Path
 
@@ -8,12 +8,12 @@ import torch
 import kvcache_ext
 from kvcache_ext.capabilities import kernel_table, limits_markdown
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+KERNELS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
 
-def test_readme_states_exactly_the_kernels_limits():
-    assert limits_markdown() in README.read_text()
+def test_the_kernels_page_states_exactly_the_kernels_limits():
+    assert limits_markdown() in KERNELS_PAGE.read_text()
 
 
 def test_cpu_table_is_what_the_kernels_accept():
