@@ -4,7 +4,7 @@ Two libraries: ``_C`` (op schemas and CPU kernels, always) and ``_C_cuda`` (CUDA
 when built and only when torch sees a GPU, so a CPU-only torch never maps CUDA code).
 
 ``KVCACHE_EXT_LIBRARY=/path/to/_C.so`` loads that file instead of the packaged ``_C`` (for
-instance the sanitizer build of bench/sanitize_check.sh); if it does not load, importing
+instance the sanitizer build of tools/sanitize_check.sh); if it does not load, importing
 kvcache_ext raises ImportError instead of falling back to the pure-PyTorch path.
 """
 
@@ -17,6 +17,11 @@ import warnings
 from pathlib import Path
 
 import torch
+
+# The copies of the CPU kernels (csrc/cpu/cpu_isa.h), lowest first: a copy's index is the number
+# torch.ops.kvcache_ext.select_cpu_isa takes and cpu_isa returns. The library runs the best copy the
+# CPU allows; select_cpu_isa(i) lowers the choice to copy i (or the best below it the CPU has).
+CPU_ISAS = ("baseline", "avx2", "avx512", "avx512_bf16")
 
 _PACKAGE_DIR = Path(__file__).parent
 REQUIRE_NATIVE_ENV = "KVCACHE_EXT_REQUIRE_NATIVE"
@@ -99,8 +104,6 @@ def build_info() -> dict:
     info["torch_running"] = torch.__version__
     info["native_loaded"] = available
     if available:
-        from .capabilities import CPU_ISAS  # not at the top: capabilities imports this module
-
         info["cpu_isa_active"] = CPU_ISAS[torch.ops.kvcache_ext.cpu_isa()]
     else:
         info["native_unavailable_reason"] = unavailable_reason

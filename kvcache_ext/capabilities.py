@@ -16,6 +16,7 @@ import torch
 from python_ref.quantize import FORMATS
 
 from . import _native
+from ._native import CPU_ISAS  # noqa: F401 (part of this module's table of what runs)
 
 CPU_LIBRARY = "cpu library"
 CUDA_LIBRARY = "cuda library"
@@ -28,10 +29,6 @@ MAX_LENGTH = 2**62
 # kMaxBlockSize (csrc/capabilities.h), so that a position's block and offset are a shift and a mask.
 # Every path takes exactly these, the python_ref fallback included, so a pool works on any device.
 PAGED_BLOCK_SIZES = tuple(2**i for i in range(9))
-# The copies of the CPU kernels (csrc/cpu/cpu_isa.h), lowest first: a copy's index is the number
-# torch.ops.kvcache_ext.select_cpu_isa takes and cpu_isa returns. The library runs the best copy the
-# CPU allows; select_cpu_isa(i) lowers the choice to copy i (or the best below it the CPU has).
-CPU_ISAS = ("baseline", "avx2", "avx512", "avx512_bf16")
 
 
 @dataclass(frozen=True)
