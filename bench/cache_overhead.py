@@ -120,15 +120,15 @@ def sdpa_steps(context, dtype, steps):
     return run
 
 
-def measure(fns, rounds):
+def measure(fns, rounds, clock):
     for fn in fns.values():
         fn()  # warm-up
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -142,12 +142,18 @@ def main():
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="q/k/v dtype (default: float32)")
     parser.add_argument("--rounds", type=int, default=7, help="alternating timed rounds (default: 7)")
     parser.add_argument("--steps", type=int, default=40, help="decode steps per round (default: 40)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="count the calling thread's CPU time instead of wall time (steadier on a loaded machine; default: off)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
     print(
-        f"{cpu_model()}, kernels: {kvcache_ext.kernels_used('cpu')}, one thread, {args.dtype}, B=1, "
-        f"{LAYERS} layers, {HEADS} heads of {HEAD_DIM}, {args.steps} steps x {args.rounds} rounds (median)"
+        f"{cpu_model()}, {kvcache_ext.kernels_used('cpu')} ({kvcache_ext.build_info().get('cpu_isa_active', 'no')} copy), one thread, {args.dtype}, B=1, "
+        f"{LAYERS} layers, {HEADS} heads of {HEAD_DIM}, {args.steps} steps x {args.rounds} rounds (median "
+        f"{'thread CPU time' if args.cpu_time else 'wall time'})"
     )
     print("| layout | L | cache (us/step) | bare ops (us/step) | sdpa (us/step) | cache / bare ops | sdpa / cache |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -172,6 +178,7 @@ def main():
                     "sdpa": sdpa,
                 },
                 args.rounds,
+                time.thread_time if args.cpu_time else time.perf_counter,
             )
             per = {key: value / args.steps * 1e6 for key, value in t.items()}
             print(
