@@ -58,7 +58,7 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
-        check_kv_format(fmt, dtype, head_dim, device)
+        check_kv_format(fmt, dtype, head_dim, device, "KVCache dtype")
         self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         layout = contiguous_layout(fmt)

@@ -71,7 +71,7 @@ class PagedKVCache(StorageAttributes):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
-        check_kv_format(fmt, dtype, head_dim, device)
+        check_kv_format(fmt, dtype, head_dim, device, "PagedKVCache dtype")
         layout = paged_layout(fmt)
         shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
         check_block_size(block_size)

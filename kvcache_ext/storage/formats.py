@@ -31,11 +31,14 @@ def kv_format(kv_dtype) -> str | None:
     return fmt
 
 
-def check_kv_format(fmt: str | None, dtype: torch.dtype, head_dim: int, device) -> None:
+def check_kv_format(
+    fmt: str | None, dtype: torch.dtype, head_dim: int, device, what: str = "the cache's dtype"
+) -> None:
     """Whether ``device``'s kernels serve queries/keys/values of ``dtype`` and ``head_dim`` stored in
-    format ``fmt`` (None: in ``dtype`` itself), against the capability table."""
+    format ``fmt`` (None: in ``dtype`` itself), against the capability table (``what`` names the
+    dtype argument in the error)."""
     table = capabilities(device)
-    table.check_dtype(dtype, "the cache's dtype")
+    table.check_dtype(dtype, what)
     table.check_head_dim(head_dim)
     if fmt is None:
         return
