@@ -147,6 +147,18 @@ inline void check_block_tables(const torch::stable::Tensor& block_tables, int64_
                   " blocks per row: more positions than 2^62");
 }
 
+// A paged attention's block_tables (check_block_tables), and room in them for the num_new new
+// tokens (every row's length is at least num_new and at most the table's positions): a shape check,
+// so that it refuses an empty batch too, as the Python wrappers do.
+inline void check_attention_block_tables(const torch::stable::Tensor& block_tables, int64_t batch, int64_t block_shift,
+                                         int64_t num_new) {
+  check_block_tables(block_tables, batch, block_shift);
+  const int64_t capacity = block_tables.size(1) << block_shift;
+  STD_TORCH_CHECK(num_new <= capacity, "q holds ", num_new, " new tokens but block_tables holds ", capacity,
+                  " positions per row (", block_tables.size(1), " blocks of ", int64_t{1} << block_shift,
+                  "): at most as many new tokens as positions");
+}
+
 // The int64 (batch,) vectors of the paged ops (lengths, new_counts); devices are each binding's.
 inline void check_row_counts(const torch::stable::Tensor& t, int64_t batch, const char* what) {
   STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == torch::headeronly::ScalarType::Long, what,
@@ -168,6 +180,13 @@ inline int64_t check_paged_new_tokens(const torch::stable::Tensor& k_pool, const
   return k_new.size(2);
 }
 
+// The GQA grouping of every attention op: at least one query head and one KV head, q_heads a
+// multiple of kv_heads (a query of zero heads would make a group of zero heads per KV head).
+inline void check_query_heads(int64_t q_heads, int64_t kv_heads) {
+  STD_TORCH_CHECK(kv_heads >= 1 && q_heads >= 1 && q_heads % kv_heads == 0, "q_heads (", q_heads,
+                  ") must be a positive multiple of kv_heads (", kv_heads, ") and kv_heads at least 1");
+}
+
 // paged_decode_attention's q against the pool, and window: shapes, dtype, GQA grouping.
 inline void check_paged_queries(const torch::stable::Tensor& q, const torch::stable::Tensor& k_pool,
                                 std::optional<int64_t> window) {
@@ -176,10 +195,8 @@ inline void check_paged_queries(const torch::stable::Tensor& q, const torch::sta
                   shape_of(q));
   STD_TORCH_CHECK(q.scalar_type() == k_pool.scalar_type(), "q must have the pool's dtype ",
                   dtype_name(k_pool.scalar_type()), ", got ", dtype_name(q.scalar_type()));
-  const int64_t H_q = q.size(1);
   STD_TORCH_CHECK(q.size(2) >= 1, "q must hold at least one new token");
-  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
-                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
+  check_query_heads(q.size(1), H_kv);
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
 }
 
@@ -421,10 +438,8 @@ inline int64_t check_paged_quantized_new_tokens(const torch::stable::Tensor& k_d
 inline void check_quantized_queries(const torch::stable::Tensor& q, int64_t H_kv, std::optional<int64_t> window,
                                     std::optional<double> softcap, const std::optional<torch::stable::Tensor>& sinks) {
   elem_type_of(q, "q");
-  const int64_t H_q = q.size(1), T = q.size(2);
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  STD_TORCH_CHECK(H_kv >= 1 && H_q >= 1 && H_q % H_kv == 0, "q_heads (", H_q,
-                  ") must be a positive multiple of kv_heads (", H_kv, ") and kv_heads at least 1");
+  STD_TORCH_CHECK(q.size(2) >= 1, "q must hold at least one new token");
+  check_query_heads(q.size(1), H_kv);
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   check_softcap_and_sinks(softcap, sinks, q);
 }

@@ -66,8 +66,8 @@ class Capabilities:
             raise ValueError(f"head_dim must be a multiple of {m} between {m} and {top}, got {head_dim}")
 
     def check_slots(self, slots: int) -> None:
-        if slots > self.max_slots:
-            raise ValueError(f"a cache on {self.device_type} holds at most {self.max_slots} slots, got {slots}")
+        if not 1 <= slots <= self.max_slots:
+            raise ValueError(f"a cache on {self.device_type} holds between 1 and {self.max_slots} slots, got {slots}")
 
 
 _tables: dict[str, Capabilities] = {}  # per device type, read once

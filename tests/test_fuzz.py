@@ -1,5 +1,6 @@
-"""Property-based fuzzing of append_kv and decode_attention on CPU: the Python wrappers and the raw
-torch.ops entry points, against the contract.
+"""Property-based fuzzing of the ops on CPU: append_kv and decode_attention (the Python wrappers and the
+raw torch.ops entry points) against the contract, and all nine public ops' raw entry points against
+their wrappers (the last section: the raw op refuses whatever the wrapper refuses, never crashes).
 
 Every generated call is classified from its inputs alone: inputs the contract refuses must raise a
 Python exception (ValueError, TypeError or RuntimeError) and leave every byte as it was; valid
@@ -30,6 +31,8 @@ import os
 import pickle
 import select
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -40,6 +43,7 @@ from hypothesis import strategies as st
 
 import kvcache_ext
 from attention_oracle import attention_plain
+from python_ref import quantize as qref
 from python_ref import reference_attention
 from python_ref.caches import append_to_slots
 
@@ -751,3 +755,279 @@ def test_decode_attention_fuzz(request, fuzz_tally):
     fuzz()
     report = fuzz_tally.violation_report(["decode_attention"])
     assert not report, "contract violations:\n" + report
+
+
+# --- every op: the raw op refuses what its wrapper refuses ------------------------------------
+# For each of the nine public ops, hypothesis draws sizes with 0 and extremes in every dimension
+# (batch, kv/query heads, new tokens, slots, head_dim, blocks, block size, table width), extreme
+# lengths, counts, table entries, windows, scales and softcaps, and now and then a wrong dtype or
+# shape. The same call (built three times from one seed) goes to check_X, to the wrapper X and to
+# torch.ops.kvcache_ext.X. Contract: when check_X refuses (ValueError/TypeError), X refuses too and
+# the raw op refuses (any exception, never a crash); when check_X accepts, X and the raw op either
+# both accept with the same bytes out, or both refuse. A refused call changes no byte of any buffer
+# it was given, guards around every cache and pool view included.
+OPS = (
+    "append_kv",
+    "decode_attention",
+    "gather_rows",
+    "append_kv_quantized",
+    "decode_attention_quantized",
+    "paged_append_kv",
+    "paged_decode_attention",
+    "paged_append_kv_quantized",
+    "paged_decode_attention_quantized",
+)
+GUARD_ELEMENTS = 16
+OP_FAULTS = ("lengths_int32", "lengths_shape", "q_dtype", "new_dtype", "v_shape", "counts_int32", "table_float")
+
+
+def guarded(shape, dtype, generator, token_major: bool):
+    """A tensor of ``shape`` with random contents between sentinel guards: (buffer as uint8, view).
+    token_major: stored with dimensions 1 and 2 swapped (a model's transpose)."""
+    stored = list(shape)
+    if token_major and len(shape) >= 3:
+        stored[1], stored[2] = stored[2], stored[1]
+    count = math.prod(stored)
+    buffer = sentinel_bytes((count + 2 * GUARD_ELEMENTS) * torch.empty((), dtype=dtype).element_size())
+    inner = buffer.view(dtype)[GUARD_ELEMENTS : GUARD_ELEMENTS + count]
+    if dtype in (torch.int8, torch.uint8):
+        inner.copy_(torch.randint(-127 if dtype == torch.int8 else 0, 128, (count,), generator=generator))
+    else:
+        inner.copy_(torch.randn(count, generator=generator).to(dtype))
+    view = inner.view(stored)
+    return buffer, view.transpose(1, 2) if token_major and len(shape) >= 3 else view
+
+
+ODD_PARAMETERS = (
+    "H_kv", "H_q", "T", "S", "D", "num_blocks", "block_size", "width", "lengths", "counts", "table",
+    "src_rows", "window", "scale", "softcap", "sinks", "fault",
+)  # fmt: skip
+
+
+@st.composite
+def op_calls(draw, name: str):
+    """The drawn parameters of one call of ``name`` (a dict; build_call makes the tensors): every
+    parameter valid but up to two, which take a zero, an extreme or a wrong value."""
+    pick = lambda values: draw(st.sampled_from(values))  # noqa: E731
+    odd = draw(st.sets(st.sampled_from(ODD_PARAMETERS), max_size=2))
+    attention, paged = "attention" in name, name.startswith("paged")
+    p = dict(name=name, seed=draw(st.integers(0, 2**16)), token_major=draw(st.booleans()))
+    p["dtype"], p["fmt"] = pick(DTYPES), pick(qref.FORMATS)
+    p["B"] = pick([0, 1, 2, 3])  # an empty batch is valid: the wrappers accept it
+    p["H_kv"] = 0 if "H_kv" in odd else pick([1, 2])
+    p["H_q"] = pick([0, p["H_kv"] * 2 + 1]) if "H_q" in odd else p["H_kv"] * pick([1, 2, 3])
+    p["T"] = 0 if "T" in odd else pick([1, 2, 3])
+    p["S"] = pick([0, max(p["T"] - 1, 0)]) if "S" in odd else p["T"] + pick([0, 1, 5])
+    p["D"] = pick([0, 7, 8, 40, 264]) if "D" in odd else pick([32, 64])
+    p["block_size"] = pick([0, 3, 512]) if "block_size" in odd else pick([1, 2, 4])
+    block_size = max(p["block_size"], 1)
+    needed = -(-(p["T"] + 3) // block_size)  # room for a few tokens before the new ones
+    p["width"] = pick([0, max(p["T"] - 1, 0) // block_size]) if "width" in odd else needed + pick([0, 1])
+    p["num_blocks"] = pick([0, 1]) if "num_blocks" in odd else p["B"] * p["width"] + pick([0, 3])
+    capacity = p["width"] * p["block_size"]
+    if "lengths" in odd:
+        special = [-1, -(2**63), MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, capacity + 1, p["T"] - 1]
+        p["lengths"] = [pick(special) if draw(st.booleans()) else 0 for _ in range(p["B"])]
+    elif paged:
+        low, high = (p["T"], capacity) if attention else (0, capacity - p["T"])
+        p["lengths"] = [draw(st.integers(low, max(low, high))) for _ in range(p["B"])]
+    else:
+        low = p["T"] if attention else 0
+        p["lengths"] = [draw(st.integers(low, low + 3 * max(p["S"], 1))) for _ in range(p["B"])]
+    if "counts" in odd:
+        p["counts"] = [pick([p["T"] + 1, -1, INT64_MAX, -(2**63), 0]) for _ in range(p["B"])]
+    else:
+        p["counts"] = [draw(st.integers(0, p["T"])) for _ in range(p["B"])] if draw(st.booleans()) else None
+    ids = draw(st.permutations(range(p["num_blocks"])))  # one owner per block: no write clashes
+    p["table"] = [ids[i] if i < len(ids) else 0 for i in range(p["B"] * p["width"])]
+    if "table" in odd and p["table"]:
+        p["table"][draw(st.integers(0, len(p["table"]) - 1))] = pick([-1, p["num_blocks"], 2**31 - 1, 2**40])
+        if len(p["table"]) > 1 and draw(st.booleans()):
+            p["table"][1] = p["table"][0]  # a shared block
+    p["table_int32"] = draw(st.booleans())
+    rows = list(range(p["B"]))
+    p["src_rows"] = [pick(rows) for _ in rows]
+    if "src_rows" in odd and rows:
+        p["src_rows"][draw(st.integers(0, len(rows) - 1))] = pick([-1, p["B"], INT64_MAX, -(2**63)])
+    p["window"] = pick([0, -1, 2**63, -(2**63)]) if "window" in odd else pick([None, 1, 3, MAX_LENGTH, INT64_MAX])
+    p["scale"] = pick([1e39, math.inf, math.nan, -math.inf]) if "scale" in odd else pick([None, 0.125, 3, -2.0, 0.0])
+    p["softcap"] = pick([0.0, -1.0, math.inf, math.nan]) if "softcap" in odd else pick([None, 5.0, 0.25])
+    p["sinks"] = "short" if "sinks" in odd else pick([None, "per_head"])
+    p["fault"] = pick(OP_FAULTS) if "fault" in odd else None
+    return p
+
+
+def op_call(name: str, **changes):
+    """A valid call of ``name`` in op_calls' terms, with ``changes``: the pinned regressions."""
+    p = dict(name=name, seed=0, token_major=False, dtype=torch.float32, fmt="int8", B=2, H_kv=2, H_q=4, T=2, S=6)
+    p.update(D=32, block_size=2, width=3, num_blocks=8, counts=None, table=list(range(6)), table_int32=True)
+    p.update(src_rows=[1, 0], window=None, scale=None, softcap=None, sinks=None, fault=None)
+    p["lengths"] = [2, 6] if "attention" in name else [0, 4]
+    p.update(changes)
+    return p
+
+
+# Calls the raw ops once got wrong: a query of zero heads (SIGFPE in the CPU binding), and a paged
+# attention of an empty batch whose tables hold fewer positions than the new tokens (the wrappers
+# refuse it on the shapes; the bindings, checking rows, found none to refuse).
+OP_REGRESSIONS = {
+    name: [
+        *(
+            [op_call(name, H_q=0), op_call(name, H_q=0, B=0, lengths=[], table=[], src_rows=[])]
+            if "attention" in name
+            else []
+        ),
+        *([op_call(name, B=0, width=0, lengths=[], table=[])] if name.startswith("paged") else []),
+        op_call(name, B=0, lengths=[], table=[], src_rows=[]),
+    ]
+    for name in OPS
+}
+
+
+def build_call(p):
+    """The wrapper's arguments of the call ``p`` describes, and the buffers that must not change
+    when it is refused: (args, buffers)."""
+    g = torch.Generator().manual_seed(p["seed"])
+    name, B, H, H_q, T, S, D, dtype = (p[k] for k in ("name", "B", "H_kv", "H_q", "T", "S", "D", "dtype"))
+    fault, token_major = p["fault"], p["token_major"]
+    buffers = []
+
+    def tensor(shape, dtype=dtype, layout=token_major):
+        buffer, view = guarded(shape, dtype, g, layout)
+        buffers.append(buffer)
+        return view
+
+    quantized, paged = "quantized" in name, name.startswith("paged")
+    outer, slots = (p["num_blocks"], p["block_size"]) if paged else (B, S)
+    if quantized:
+        fmt = p["fmt"]
+        head_dim = 2 * (D // 2) if fmt == "int4" else D
+        data_shape = qref.data_shape(fmt, (outer, H, slots, head_dim))
+        scale_shape = qref.scale_shape(fmt, (outer, H, slots, head_dim))
+        storage = [
+            tensor(data_shape, qref.storage_dtype(fmt)),
+            tensor(scale_shape, qref.scale_dtype(fmt)),
+            tensor((*data_shape[:2], data_shape[2] + (fault == "v_shape"), *data_shape[3:]), qref.storage_dtype(fmt)),
+            tensor(scale_shape, qref.scale_dtype(fmt)),
+        ]
+    else:
+        storage = [tensor((outer, H, slots, D)), tensor((outer, H, slots + (fault == "v_shape"), D))]
+    other_dtype = DTYPES[(DTYPES.index(dtype) + 1) % len(DTYPES)]
+    k_new = torch.randn(B, H, T, D, generator=g).to(dtype)
+    v_new = torch.randn(B, H, T, D, generator=g).to(other_dtype if fault == "new_dtype" else dtype)
+    q = torch.randn(B, T, H_q, D, generator=g).to(other_dtype if fault == "q_dtype" else dtype).transpose(1, 2)
+    lengths = torch.tensor(p["lengths"], dtype=torch.long)
+    if fault == "lengths_int32":
+        lengths = lengths.clamp(-(2**31), 2**31 - 1).int()
+    elif fault == "lengths_shape":
+        lengths = torch.cat([lengths, torch.zeros(1, dtype=torch.long)])
+    counts = None if p["counts"] is None else torch.tensor(p["counts"], dtype=torch.long)
+    if counts is not None and fault == "counts_int32":
+        counts = counts.clamp(-(2**31), 2**31 - 1).int()
+    table = torch.tensor(p["table"], dtype=torch.long).view(B, p["width"])
+    table = table.clamp(-(2**31), 2**31 - 1).int() if p["table_int32"] else table
+    if fault == "table_float":
+        table = table.float()
+    sinks = {None: None, "per_head": torch.randn(H_q, generator=g), "short": torch.randn(max(H_q - 1, 0))}[p["sinks"]]
+    options = (p["window"], p["scale"], p["softcap"], sinks)
+    if name == "gather_rows":
+        return (*storage, torch.tensor(p["src_rows"], dtype=torch.long)), buffers
+    if name == "decode_attention" or name == "decode_attention_quantized":
+        return (q, *storage, lengths, *options), buffers
+    if name == "paged_decode_attention" or name == "paged_decode_attention_quantized":
+        return (q, *storage, table, lengths, *options), buffers
+    if paged:
+        return (*storage, k_new, v_new, table, lengths, counts), buffers
+    return (*storage, k_new, v_new, lengths, counts), buffers
+
+
+def raw_arguments(name, args):
+    """The wrapper's arguments in the types the op's schema names (what run_X passes on): a float
+    scale and softcap."""
+    if "attention" not in name:
+        return args
+    *front, window, scale, softcap, sinks = args
+    as_float = lambda x: None if x is None else float(x)  # noqa: E731
+    return (*front, window, as_float(scale), as_float(softcap), sinks)
+
+
+def outcome_of(call):
+    try:
+        return call(), None
+    except Exception as error:  # noqa: BLE001 - every refusal is compared, whatever its type
+        return None, error
+
+
+def output_bytes(result):
+    if result is None:
+        return None
+    return [t.contiguous().view(torch.uint8) if t.dtype != torch.uint8 else t for t in result]
+
+
+def check_wrapper_and_raw_op_agree(p) -> str:
+    name = p["name"]
+    from kvcache_ext import ops
+
+    check_args, check_buffers = build_call(p)
+    before = [b.clone() for b in check_buffers]
+    _, refusal = outcome_of(lambda: getattr(ops, f"check_{name}")(*check_args))
+    if refusal is not None and not isinstance(refusal, (ValueError, TypeError)):
+        raise ContractViolation(f"check_{name} raised {type(refusal).__name__}: {refusal}")
+    if not all(torch.equal(a, b) for a, b in zip(check_buffers, before)):
+        raise ContractViolation(f"check_{name} changed a buffer")
+    wrapper_args, wrapper_buffers = build_call(p)
+    raw_args, raw_buffers = build_call(p)
+    wrapped, wrapper_error = outcome_of(lambda: getattr(kvcache_ext, name)(*wrapper_args))
+    raw, raw_error = outcome_of(lambda: getattr(torch.ops.kvcache_ext, name)(*raw_arguments(name, raw_args)))
+    for error, buffers, who in ((wrapper_error, wrapper_buffers, name), (raw_error, raw_buffers, "the raw op")):
+        if error is not None and not all(torch.equal(a, b) for a, b in zip(buffers, before)):
+            raise ContractViolation(f"{who} refused ({error}) but changed a buffer")
+    if refusal is not None:
+        if wrapper_error is None:
+            raise ContractViolation(f"check_{name} refused ({refusal}) but {name} ran")
+        if raw_error is None:
+            raise ContractViolation(f"the wrapper refuses ({refusal}) but torch.ops.kvcache_ext.{name} accepts")
+        return "refused"
+    if (wrapper_error is None) != (raw_error is None):
+        raise ContractViolation(f"{name} and the raw op disagree: wrapper {wrapper_error!r}, raw op {raw_error!r}")
+    if wrapper_error is not None:
+        return "refused"
+    got, want = output_bytes(wrapped), output_bytes(raw)
+    if (got is None) != (want is None) or (got is not None and not all(map(torch.equal, got, want))):
+        raise ContractViolation(f"{name} and the raw op give different outputs")
+    if not all(torch.equal(a, b) for a, b in zip(wrapper_buffers, raw_buffers)):
+        raise ContractViolation(f"{name} and the raw op write different bytes")
+    return "ran"
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_raw_ops_refuse_what_their_wrappers_refuse(request, name):
+    @fuzz_settings(request.config)
+    @given(op_calls(name))
+    @pinned(OP_REGRESSIONS[name])
+    def fuzz(case):
+        check_wrapper_and_raw_op_agree(case)
+
+    fuzz()
+
+
+def test_a_query_of_zero_heads_is_refused_not_a_crash():
+    # decode_attention with q of zero heads died with SIGFPE (a division by zero in the CPU binding's
+    # schedule): run in a child process, so a regression fails this test instead of ending the run.
+    code = (
+        "import torch, kvcache_ext\n"
+        "k = torch.zeros(1, 2, 4, 8)\n"
+        "q = torch.zeros(1, 0, 1, 8)\n"
+        "for call in (lambda: torch.ops.kvcache_ext.decode_attention(q, k, k.clone(), torch.tensor([1])),\n"
+        "             lambda: torch.ops.kvcache_ext.paged_decode_attention(\n"
+        "                 q, k, k.clone(), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]))):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as error:\n"
+        "        assert 'positive multiple of kv_heads' in str(error), error\n"
+        "    else:\n"
+        "        raise SystemExit('accepted a query of zero heads')\n"
+        "print('refused')\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and child.stdout.strip() == "refused", (child.returncode, child.stderr[-2000:])

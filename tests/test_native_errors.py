@@ -146,7 +146,8 @@ def test_decode_attention_rejects_bad_input(case):
             r"lengths must count .*: between 1 and 2\^62, got -1 for row 0",
         ),
         (attention_args(q=torch.randn(2, 4, 1, 64).half()), "q must have the cache's dtype Float, got Half"),
-        (attention_args(q=torch.randn(2, 3, 1, 64)), r"q_heads \(3\) must be a multiple of kv_heads \(2\)"),
+        (attention_args(q=torch.randn(2, 3, 1, 64)), r"q_heads \(3\) must be a positive multiple of kv_heads \(2\)"),
+        (attention_args(q=torch.randn(2, 0, 1, 64)), r"q_heads \(0\) must be a positive multiple of kv_heads \(2\)"),
         (
             attention_args(
                 k_cache=torch.randn(2, 2, 8, 12), v_cache=torch.randn(2, 2, 8, 12), q=torch.randn(2, 4, 1, 12)

@@ -120,8 +120,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
                   dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
   STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
   check_new_tokens_fit(T, S);
-  STD_TORCH_CHECK(H_kv >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv,
-                  ") and kv_heads at least 1");
+  check_query_heads(H_q, H_kv);
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   check_softcap_and_sinks(softcap, sinks, q);
   const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");

@@ -337,7 +337,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   check_cpu_tensor(q, "q");
   check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
   const int64_t B = q.size(0), T = q.size(2);
-  check_block_tables(block_tables, B, shift);
+  check_attention_block_tables(block_tables, B, shift, T);
   check_cpu_tensor(block_tables, "block_tables");
   check_row_vector(lengths, B, "lengths");
   const float checked = checked_scale(scale, D);

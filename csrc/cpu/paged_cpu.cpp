@@ -91,7 +91,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
   check_paged_queries(q, k_pool, window);
   const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
-  check_block_tables(block_tables, B, shift);
+  check_attention_block_tables(block_tables, B, shift, T);
   check_row_vector(lengths, B, "lengths");
   check_cpu_tensor(q, "q");
   check_cpu_tensor(k_pool, "k_pool");

@@ -157,8 +157,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
                   dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
   STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
   check_new_tokens_fit(T, S);
-  STD_TORCH_CHECK(H_kv >= 1 && H_q % H_kv == 0, "q_heads (", H_q, ") must be a multiple of kv_heads (", H_kv,
-                  ") and kv_heads at least 1");
+  check_query_heads(H_q, H_kv);
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   const float scale_value = checked_scale(scale, D);
   check_softcap_and_sinks(softcap, sinks, q);
@@ -406,7 +405,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
   check_paged_queries(q, k_pool, window);
   const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
-  check_block_tables(block_tables, B, shift);
+  check_attention_block_tables(block_tables, B, shift, T);
   check_row_counts(lengths, B, "lengths");
   check_paged_devices(k_pool, v_pool, block_tables, lengths);
   check_on_device(q, "q", k_pool);
@@ -498,7 +497,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   check_on_device(q, "q", k_data);
   check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
   const int64_t B = q.size(0), T = q.size(2);
-  check_block_tables(block_tables, B, shift);
+  check_attention_block_tables(block_tables, B, shift, T);
   check_row_counts(lengths, B, "lengths");
   check_on_device(block_tables, "block_tables", k_data);
   check_on_device(lengths, "lengths", k_data);
