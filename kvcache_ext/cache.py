@@ -70,8 +70,10 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             sink_shape = (num_layers, batch_size, kv_heads, sink_tokens + 1, head_dim)
             self.register_buffer("sink_k", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("sink_v", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
+        self._sink_tokens = sink_tokens  # read by every layer's attend: a plain attribute
         # During a step, once its first layer is checked: the arguments' shapes, dtypes and scale, and
-        # the pieces it is stored and attended in, (slice, lengths before, counts, lengths after).
+        # the plan its layers run: the storage's append and attention, the window, and the pieces the
+        # step is stored and attended in, (slice, lengths before, counts, lengths after) each.
         self._step_shapes = self._step_plan = None
 
     # -- protocol -------------------------------------------------------------------------
@@ -93,18 +95,19 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             0 <= layer < self.num_layers
         ):
             self._plan_step(layer, q, k, v, scale)
-        storage, window = self.storage, self.rows.window
+        append, attention, window, pieces = self._step_plan
+        if len(pieces) == 1 and not self._sink_tokens:  # a decode step: one piece, no sink tokens
+            _, lengths, counts, lengths_after = pieces[0]
+            append(layer, k, v, lengths, counts)
+            return attention(layer, q, lengths_after, window, scale)[0]
         outs = []
-        for piece, lengths, counts, lengths_after in self._step_plan:
-            if piece is not None:
-                q_piece, k_piece, v_piece = q[:, :, piece], k[:, :, piece], v[:, :, piece]
-            else:
-                q_piece, k_piece, v_piece = q, k, v
-            storage.append(layer, k_piece, v_piece, lengths, counts)
+        for piece, lengths, counts, lengths_after in pieces:
+            q_piece, k_piece, v_piece = (q, k, v) if piece is None else (q[:, :, piece], k[:, :, piece], v[:, :, piece])
+            append(layer, k_piece, v_piece, lengths, counts)
             # Attention as if every row held all T tokens: with counts, each real query keeps its
             # true position and the causal mask hides the padding's slots (python_ref/caches.py).
-            out, lse = storage.attention(layer, q_piece, lengths_after, window, scale)
-            if self.sink_tokens:
+            out, lse = attention(layer, q_piece, lengths_after, window, scale)
+            if self._sink_tokens:
                 out = self._with_sink_tokens(layer, q_piece, k_piece, v_piece, lengths, counts, scale, out, lse)
             outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -131,7 +134,7 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             lengths = rows.piece_lengths(offset)
             piece = None if len(pieces) == 1 else slice(offset, offset + size)
             plan.append((piece, lengths, rows.piece_counts(offset, size), lengths + size))
-        self._step_plan = plan
+        self._step_plan = (self.storage.append, self.storage.attention, rows.window, plan)
         self._step_shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale)
 
     def _with_sink_tokens(self, layer, q, k, v, lengths, counts, scale, out, lse):
