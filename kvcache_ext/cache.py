@@ -76,6 +76,13 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         # step is stored and attended in, (slice, lengths before, counts, lengths after) each.
         self._step_shapes = self._step_plan = None
 
+    def __setattr__(self, name, value):
+        # The step's plan is set every step: a plain attribute, past nn.Module's bookkeeping.
+        if name in ("_step_shapes", "_step_plan"):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     # -- protocol -------------------------------------------------------------------------
     def reset(self) -> None:
         self.rows.reset()
@@ -123,19 +130,22 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         and scale run unchecked."""
         rows = self.rows
         rows.check_in_step()
+        shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale)
         expected = (rows.batch_size, self.kv_heads, rows.num_new, self.head_dim)
         check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.lengths.device)
         pieces = rows.pieces()
-        first = slice(0, pieces[0][1])
-        self.storage.check_append(k[:, :, first], v[:, :, first], rows.lengths, rows.piece_counts(*pieces[0]))
-        self.storage.check_attention(q[:, :, first], rows.lengths, rows.window, scale)
+        if len(pieces) > 1:  # the first piece is the largest
+            first = slice(0, pieces[0][1])
+            q, k, v = q[:, :, first], k[:, :, first], v[:, :, first]
+        self.storage.check_append(k, v, rows.lengths, rows.piece_counts(*pieces[0]))
+        self.storage.check_attention(q, rows.lengths, rows.window, scale)
         plan = []
         for offset, size in pieces:
             lengths = rows.piece_lengths(offset)
             piece = None if len(pieces) == 1 else slice(offset, offset + size)
             plan.append((piece, lengths, rows.piece_counts(offset, size), lengths + size))
         self._step_plan = (self.storage.append, self.storage.attention, rows.window, plan)
-        self._step_shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale)
+        self._step_shapes = shapes
 
     def _with_sink_tokens(self, layer, q, k, v, lengths, counts, scale, out, lse):
         """The ring's attention merged with the sink tokens' (the positions outside each query's

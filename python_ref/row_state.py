@@ -80,6 +80,16 @@ class RowState(nn.Module):
     ``sink_tokens``: the first positions of every row a windowed cache keeps besides its ring.
     """
 
+    # Host-side values set every step: stored as plain attributes, past nn.Module's bookkeeping of
+    # parameters, buffers and submodules (which costs microseconds per assignment).
+    _HOST_VALUES = frozenset({"host_length", "ring_rewindable", "num_new", "step_counts", "_step_growth", "batch_size"})
+
+    def __setattr__(self, name, value):
+        if name in self._HOST_VALUES:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def __init__(
         self,
         batch_size: int,
