@@ -90,9 +90,9 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
 int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {
   if (p.quantized && p.block_ids) {
     switch (p.format) {
-      case KvFormat::kInt8: return paged_split_kernel_blocks_per_sm_int8(p);
-      case KvFormat::kFp8E4M3: return paged_split_kernel_blocks_per_sm_fp8(p);
-      case KvFormat::kInt4: return paged_split_kernel_blocks_per_sm_int4(p);
+      case KvFormat::kInt8: return split_kernel_blocks_per_sm_paged_int8(p);
+      case KvFormat::kFp8E4M3: return split_kernel_blocks_per_sm_paged_fp8(p);
+      case KvFormat::kInt4: return split_kernel_blocks_per_sm_paged_int4(p);
     }
     return 0;
   }
@@ -106,9 +106,9 @@ int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {
   }
   if (p.block_ids) {
     switch (p.elem) {
-      case ElemType::kFloat32: return paged_split_kernel_blocks_per_sm_f32(p);
-      case ElemType::kBFloat16: return paged_split_kernel_blocks_per_sm_bf16(p);
-      case ElemType::kFloat16: return paged_split_kernel_blocks_per_sm_f16(p);
+      case ElemType::kFloat32: return split_kernel_blocks_per_sm_paged_f32(p);
+      case ElemType::kBFloat16: return split_kernel_blocks_per_sm_paged_bf16(p);
+      case ElemType::kFloat16: return split_kernel_blocks_per_sm_paged_f16(p);
     }
     return 0;
   }
@@ -124,9 +124,9 @@ cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t
   if (p.batch * p.q_heads * p.num_new == 0) return cudaSuccess;
   if (p.quantized && p.block_ids) {
     switch (p.format) {
-      case KvFormat::kInt8: return launch_paged_decode_attention_int8(p, stream);
-      case KvFormat::kFp8E4M3: return launch_paged_decode_attention_fp8(p, stream);
-      case KvFormat::kInt4: return launch_paged_decode_attention_int4(p, stream);
+      case KvFormat::kInt8: return launch_decode_attention_paged_int8(p, stream);
+      case KvFormat::kFp8E4M3: return launch_decode_attention_paged_fp8(p, stream);
+      case KvFormat::kInt4: return launch_decode_attention_paged_int4(p, stream);
     }
     return cudaErrorInvalidValue;
   }
@@ -140,9 +140,9 @@ cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t
   }
   if (p.block_ids) {
     switch (p.elem) {
-      case ElemType::kFloat32: return launch_paged_decode_attention_f32(p, stream);
-      case ElemType::kBFloat16: return launch_paged_decode_attention_bf16(p, stream);
-      case ElemType::kFloat16: return launch_paged_decode_attention_f16(p, stream);
+      case ElemType::kFloat32: return launch_decode_attention_paged_f32(p, stream);
+      case ElemType::kBFloat16: return launch_decode_attention_paged_bf16(p, stream);
+      case ElemType::kFloat16: return launch_decode_attention_paged_f16(p, stream);
     }
     return cudaErrorInvalidValue;
   }

@@ -28,6 +28,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -736,6 +737,17 @@ auto with_elem_type(ElemType elem, Fn&& fn) {
     case ElemType::kFloat32: break;
   }
   return fn(TypeTag<float>{});
+}
+
+// Calls fn(TypeTag<E>{}) with E the q element type of a kernel family (decode_attention_instances.h):
+// Q itself, or for Q void (any q dtype) the type `elem` names.
+template <typename Q, typename Fn>
+auto with_query_type(ElemType elem, Fn&& fn) {
+  if constexpr (std::is_void_v<Q>) {
+    return with_elem_type(elem, fn);
+  } else {
+    return fn(TypeTag<Q>{});
+  }
 }
 
 }  // namespace kvcache_ext::cuda

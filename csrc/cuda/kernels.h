@@ -9,6 +9,7 @@
 
 #include "../capabilities.h"
 #include "../elem_type.h"
+#include "decode_attention_instances.h"
 
 namespace kvcache_ext::cuda {
 
@@ -209,40 +210,19 @@ constexpr int decode_tile_keys(int elem_bytes, int64_t head_dim, int rows_per_bl
 void plan_decode_attention(DecodeAttentionParams& p, int sm_count);
 
 // Blocks of the split kernel for p's dtype, head_dim and rows_per_block that one SM keeps
-// resident (per-dtype translation units; cached per kernel, so per process and GPU model).
+// resident (cached per kernel, so per process and GPU model).
 int split_kernel_blocks_per_sm(const DecodeAttentionParams& p);
-int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p);
-int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p);
-int split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p);
 
 // Launches the split kernel and, when splits > 1, the combine kernel. Expects a supported
 // head_dim (kvcache_ext::head_dim_supported), window in [1, kMaxLength] and a plan.
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
 
-// Per-dtype launchers (one translation unit each, so they compile in parallel).
-cudaError_t launch_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t stream);
-cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t stream);
-cudaError_t launch_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t stream);
-// Per-dtype launchers of paged pools (block_ids set), one translation unit each.
-cudaError_t launch_paged_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t stream);
-cudaError_t launch_paged_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t stream);
-cudaError_t launch_paged_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t stream);
-int paged_split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p);
-int paged_split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p);
-int paged_split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p);
-// Per-format launchers of quantized caches (any q dtype), one translation unit each.
-cudaError_t launch_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t stream);
-cudaError_t launch_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t stream);
-cudaError_t launch_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t stream);
-int split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p);
-int split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p);
-int split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p);
-// Per-format launchers of quantized paged pools (quantized and block_ids set), one translation unit each.
-cudaError_t launch_paged_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t stream);
-cudaError_t launch_paged_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t stream);
-cudaError_t launch_paged_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t stream);
-int paged_split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p);
-int paged_split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p);
-int paged_split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p);
+// The same two for each kernel family of decode_attention_instances.h (plain caches per dtype,
+// quantized caches per format, either in its paged address mode), one translation unit each.
+#define KVCACHE_EXT_DECLARE_DECODE_ATTENTION_FAMILY(name, Q, C)                                    \
+  cudaError_t launch_decode_attention_##name(const DecodeAttentionParams& p, cudaStream_t stream); \
+  int split_kernel_blocks_per_sm_##name(const DecodeAttentionParams& p);
+KVCACHE_EXT_DECODE_ATTENTION_INSTANCES(KVCACHE_EXT_DECLARE_DECODE_ATTENTION_FAMILY)
+#undef KVCACHE_EXT_DECLARE_DECODE_ATTENTION_FAMILY
 
 }  // namespace kvcache_ext::cuda

@@ -27,46 +27,6 @@ cudaError_t emulate_decode_attention(const DecodeAttentionParams& p) {
       max_emulated_blocks);
 }
 
-cudaError_t launch_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_decode_attention<float>(p);
-}
-cudaError_t launch_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_decode_attention<__nv_bfloat16>(p);
-}
-cudaError_t launch_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_decode_attention<__half>(p);
-}
-cudaError_t launch_paged_decode_attention_f32(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_decode_attention<float, PagedCache<float>>(p);
-}
-cudaError_t launch_paged_decode_attention_bf16(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_decode_attention<__nv_bfloat16, PagedCache<__nv_bfloat16>>(p);
-}
-cudaError_t launch_paged_decode_attention_f16(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_decode_attention<__half, PagedCache<__half>>(p);
-}
-template <typename C>
-cudaError_t emulate_quantized_decode_attention(const DecodeAttentionParams& p) {
-  return with_elem_type(p.elem, [&](auto tag) { return emulate_decode_attention<typename decltype(tag)::type, C>(p); });
-}
-cudaError_t launch_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_quantized_decode_attention<ByteCodesCache<kvcache_ext::KvFormat::kInt8>>(p);
-}
-cudaError_t launch_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_quantized_decode_attention<ByteCodesCache<kvcache_ext::KvFormat::kFp8E4M3>>(p);
-}
-cudaError_t launch_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_quantized_decode_attention<Int4Cache>(p);
-}
-cudaError_t launch_paged_decode_attention_int8(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_quantized_decode_attention<Paged<ByteCodesCache<kvcache_ext::KvFormat::kInt8>>>(p);
-}
-cudaError_t launch_paged_decode_attention_fp8(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_quantized_decode_attention<Paged<ByteCodesCache<kvcache_ext::KvFormat::kFp8E4M3>>>(p);
-}
-cudaError_t launch_paged_decode_attention_int4(const DecodeAttentionParams& p, cudaStream_t) {
-  return emulate_quantized_decode_attention<Paged<Int4Cache>>(p);
-}
 // Not split_kernel_occupancy: it caches the first answer per kernel, and the tests change the
 // emulated occupancy (emu::blocks_per_sm) between calls.
 template <typename E, typename C = PlainCache<E>>
@@ -78,40 +38,18 @@ int emulated_occupancy(const DecodeAttentionParams& p) {
     return 0;
   return blocks;
 }
-int split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) { return emulated_occupancy<float>(p); }
-int split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) { return emulated_occupancy<__nv_bfloat16>(p); }
-int split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p) { return emulated_occupancy<__half>(p); }
-int paged_split_kernel_blocks_per_sm_f32(const DecodeAttentionParams& p) {
-  return emulated_occupancy<float, PagedCache<float>>(p);
-}
-int paged_split_kernel_blocks_per_sm_bf16(const DecodeAttentionParams& p) {
-  return emulated_occupancy<__nv_bfloat16, PagedCache<__nv_bfloat16>>(p);
-}
-int paged_split_kernel_blocks_per_sm_f16(const DecodeAttentionParams& p) {
-  return emulated_occupancy<__half, PagedCache<__half>>(p);
-}
-template <typename C>
-int emulated_quantized_occupancy(const DecodeAttentionParams& p) {
-  return with_elem_type(p.elem, [&](auto tag) { return emulated_occupancy<typename decltype(tag)::type, C>(p); });
-}
-int split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p) {
-  return emulated_quantized_occupancy<ByteCodesCache<kvcache_ext::KvFormat::kInt8>>(p);
-}
-int split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p) {
-  return emulated_quantized_occupancy<ByteCodesCache<kvcache_ext::KvFormat::kFp8E4M3>>(p);
-}
-int split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p) {
-  return emulated_quantized_occupancy<Int4Cache>(p);
-}
-int paged_split_kernel_blocks_per_sm_int8(const DecodeAttentionParams& p) {
-  return emulated_quantized_occupancy<Paged<ByteCodesCache<kvcache_ext::KvFormat::kInt8>>>(p);
-}
-int paged_split_kernel_blocks_per_sm_fp8(const DecodeAttentionParams& p) {
-  return emulated_quantized_occupancy<Paged<ByteCodesCache<kvcache_ext::KvFormat::kFp8E4M3>>>(p);
-}
-int paged_split_kernel_blocks_per_sm_int4(const DecodeAttentionParams& p) {
-  return emulated_quantized_occupancy<Paged<Int4Cache>>(p);
-}
+// Every kernel family of decode_attention_instances.h, launched and sized under the emulation.
+#define KVCACHE_EXT_EMULATE_DECODE_ATTENTION_FAMILY(name, Q, C)                                                        \
+  cudaError_t launch_decode_attention_##name(const DecodeAttentionParams& p, cudaStream_t) {                           \
+    return with_query_type<Q>(p.elem,                                                                                  \
+                              [&](auto tag) { return emulate_decode_attention<typename decltype(tag)::type, C>(p); }); \
+  }                                                                                                                    \
+  int split_kernel_blocks_per_sm_##name(const DecodeAttentionParams& p) {                                              \
+    return with_query_type<Q>(p.elem,                                                                                  \
+                              [&](auto tag) { return emulated_occupancy<typename decltype(tag)::type, C>(p); });       \
+  }
+KVCACHE_EXT_DECODE_ATTENTION_INSTANCES(KVCACHE_EXT_EMULATE_DECODE_ATTENTION_FAMILY)
+#undef KVCACHE_EXT_EMULATE_DECODE_ATTENTION_FAMILY
 
 // Self-test kernels: faults the emulation must catch.
 __shared__ int race_value;
