@@ -18,7 +18,7 @@ Default: 100 examples per test (--fuzz-examples N or KVCACHE_EXT_FUZZ_EXAMPLES=N
 after the pinned regression cases.
 The long run:
 
-    KVCACHE_EXT_REQUIRE_NATIVE=1 pytest -q tests/test_fuzz.py --fuzz-examples 6000 --fuzz-keep-going
+    KVCACHE_EXT_REQUIRE_NATIVE=1 pytest tests/test_fuzz.py --fuzz-examples 6000 --fuzz-keep-going
 
 (--fuzz-keep-going records violations and fuzzes on; the counts are printed at the end.)
 """

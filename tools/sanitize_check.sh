@@ -67,7 +67,7 @@ for isa in "${ISAS[@]}"; do
     rm -f "$SANITIZER_LOG".*
     set +e
     KVCACHE_EXT_TEST_ISA="$isa" run_sanitized \
-        python -m pytest -q -p no:cacheprovider -p sanitize_isa_plugin "${tests[@]}" >"$log" 2>&1
+        python -m pytest -p no:cacheprovider -p sanitize_isa_plugin "${tests[@]}" >"$log" 2>&1
     rc=$?
     set -e
     tail -n 3 "$log"
