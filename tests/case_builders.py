@@ -149,3 +149,18 @@ def eager_and_replayed_decode_steps(kvcache_ext, dtype, steps):
                 outputs.append(decode_step().clone())
         runs.append((outputs, (k_cache.clone(), v_cache.clone(), lengths.clone())))
     return runs
+
+
+# The public ops of csrc/ops.cpp's catalogue that take tensors (written out here, not read from the
+# package, so that a test over all of them notices one missing from kvcache_ext).
+TENSOR_OPS = (
+    "append_kv",
+    "decode_attention",
+    "gather_rows",
+    "append_kv_quantized",
+    "decode_attention_quantized",
+    "paged_append_kv",
+    "paged_decode_attention",
+    "paged_append_kv_quantized",
+    "paged_decode_attention_quantized",
+)

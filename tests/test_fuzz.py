@@ -41,6 +41,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import case_builders as cases
 import kvcache_ext
 from attention_oracle import attention_plain
 from python_ref import quantize as qref
@@ -766,17 +767,7 @@ def test_decode_attention_fuzz(request, fuzz_tally):
 # the raw op refuses (any exception, never a crash); when check_X accepts, X and the raw op either
 # both accept with the same bytes out, or both refuse. A refused call changes no byte of any buffer
 # it was given, guards around every cache and pool view included.
-OPS = (
-    "append_kv",
-    "decode_attention",
-    "gather_rows",
-    "append_kv_quantized",
-    "decode_attention_quantized",
-    "paged_append_kv",
-    "paged_decode_attention",
-    "paged_append_kv_quantized",
-    "paged_decode_attention_quantized",
-)
+OPS = cases.TENSOR_OPS
 GUARD_ELEMENTS = 16
 OP_FAULTS = ("lengths_int32", "lengths_shape", "q_dtype", "new_dtype", "v_shape", "counts_int32", "table_float")
 

@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+import case_builders as cases
 import kvcache_ext
 from attention_oracle import attention_float64, attention_plain
 from python_ref import reference_attention
@@ -219,17 +220,7 @@ def test_an_empty_batch_gives_empty_outputs():
 
 
 # ---- check once, run many: check_X / run_X / X for every op ---------------------------------------
-OPS = (
-    "append_kv",
-    "decode_attention",
-    "gather_rows",
-    "append_kv_quantized",
-    "decode_attention_quantized",
-    "paged_append_kv",
-    "paged_decode_attention",
-    "paged_append_kv_quantized",
-    "paged_decode_attention_quantized",
-)
+OPS = cases.TENSOR_OPS
 
 
 def valid_calls():
