@@ -293,6 +293,10 @@ def teardown_rank_main(rank: int, size: int, store: str, out_dir: str) -> None:
     alive = gloo_threads()
     build_gpt2("tiny", tp=TensorParallel.from_process_group())  # meta-device layers, as every rank builds them
     dist.destroy_process_group()
+    # A thread gloo has told to stop may take a moment to exit: up to 5 s, then what still runs.
+    deadline = time.monotonic() + 5
+    while gloo_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
     torch.save({"while_joined": alive, "after_destroy": gloo_threads()}, os.path.join(out_dir, f"teardown{rank}.pt"))
 
 
