@@ -61,9 +61,9 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         check_kv_format(fmt, dtype, head_dim, device, "KVCache dtype")
         self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        layout = contiguous_layout(fmt)
-        shape = (num_layers, batch_size, kv_heads, self.rows.slots, head_dim)
-        self.storage = layout(*shape, dtype, device) if fmt is None else layout(*shape, dtype, fmt, device)
+        self.storage = contiguous_layout(
+            fmt, num_layers, batch_size, kv_heads, self.rows.slots, head_dim, dtype, device
+        )
         if sink_tokens:
             # In dtype whatever kv_dtype is. One more slot than sink tokens: writes of later positions
             # go to that scratch slot, so storing a step's sink tokens needs no host read of which they are.

@@ -157,12 +157,8 @@ class NativeCacheLayer(CacheLayerMixin):
         self.device = key_states.device
         self.dtype = key_states.dtype
         check_kv_format(self.kv_dtype, self.dtype, self.head_dim, self.device)
-        shape = (1, self.batch_size, self.num_heads, self.slots, self.head_dim)  # one layer
-        layout = contiguous_layout(self.kv_dtype)
-        self.storage = (
-            layout(*shape, self.dtype, self.device)
-            if self.kv_dtype is None
-            else layout(*shape, self.dtype, self.kv_dtype, self.device)
+        self.storage = contiguous_layout(  # one layer
+            self.kv_dtype, 1, self.batch_size, self.num_heads, self.slots, self.head_dim, self.dtype, self.device
         )
         self._expose_buffers()
         self.lengths = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)

@@ -72,11 +72,9 @@ class PagedKVCache(StorageAttributes):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
         check_kv_format(fmt, dtype, head_dim, device, "PagedKVCache dtype")
-        layout = paged_layout(fmt)
-        shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
         check_block_size(block_size)
         self.pool = BlockPool(num_blocks, block_size, window)  # checks window before any pool is allocated
-        self.storage = layout(*shape, dtype, device) if fmt is None else layout(*shape, dtype, fmt, device)
+        self.storage = paged_layout(fmt, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device)
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
         self._rows: list = []
         self._new_tokens: list[list[int]] | None = None  # what the next step feeds each row, if known

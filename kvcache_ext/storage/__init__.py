@@ -22,9 +22,12 @@ from .paged import PagedLayout, PagedQuantizedLayout
 from .quantized import QuantizedLayout, quantized_shapes
 
 
-def contiguous_layout(kv_dtype):
-    """The contiguous layout class of ``kv_dtype`` (None: keys/values in the queries' dtype)."""
-    return ContiguousLayout if kv_dtype is None else QuantizedLayout
+def contiguous_layout(kv_dtype, num_layers, batch_size, kv_heads, slots, head_dim, dtype, device):
+    """The contiguous layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype)."""
+    shape = (num_layers, batch_size, kv_heads, slots, head_dim)
+    if kv_dtype is None:
+        return ContiguousLayout(*shape, dtype, device)
+    return QuantizedLayout(*shape, dtype, kv_dtype, device)
 
 
 def buffer_shapes(kv_dtype, shape: tuple, dtype) -> dict:
@@ -33,9 +36,12 @@ def buffer_shapes(kv_dtype, shape: tuple, dtype) -> dict:
     return {"k": (shape, dtype), "v": (shape, dtype)} if kv_dtype is None else quantized_shapes(kv_dtype, shape)
 
 
-def paged_layout(kv_dtype):
-    """The paged layout class of ``kv_dtype``."""
-    return PagedLayout if kv_dtype is None else PagedQuantizedLayout
+def paged_layout(kv_dtype, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device):
+    """The paged layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype)."""
+    shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
+    if kv_dtype is None:
+        return PagedLayout(*shape, dtype, device)
+    return PagedQuantizedLayout(*shape, dtype, kv_dtype, device)
 
 
 __all__ = [
