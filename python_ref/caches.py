@@ -50,17 +50,25 @@ from .attention import reference_attention
 from .row_state import CacheOverflowError, RowOperations, RowState, checked_step_counts  # noqa: F401 (imported from here too)
 
 
+def written_slots(lengths, counts, batch: int, num_new: int, slots: int):
+    """Where an append of ``num_new`` tokens per row writes: ``(rows, tokens, slots)``, 1-D, token
+    ``tokens[i]`` of row ``rows[i]`` to slot ``(lengths[row] + token) % slots``; with ``counts``
+    ``(batch,)``, only the tokens ``t < counts[b]`` of each row."""
+    device = lengths.device
+    rows = torch.arange(batch, device=device).unsqueeze(1).expand(batch, num_new)
+    tokens = torch.arange(num_new, device=device).expand(batch, num_new)
+    if counts is not None:
+        kept = tokens < counts.unsqueeze(1)
+        rows, tokens = rows[kept], tokens[kept]
+    rows, tokens = rows.flatten(), tokens.flatten()
+    return rows, tokens, (lengths[rows] % slots + tokens) % slots  # lengths + t could pass int64
+
+
 def append_to_slots(k_cache, v_cache, k_new, v_new, lengths, counts=None) -> None:
     """Write ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into ``(B, H_kv, S, D)`` caches in place:
     token ``t`` of row ``b`` goes to slot ``(lengths[b] + t) % S`` (the semantics of the native
     ``append_kv``); with ``counts`` ``(B,)``, only the tokens ``t < counts[b]``."""
-    B, _, T, _ = k_new.shape
-    rows = torch.arange(B, device=k_new.device).unsqueeze(1).expand(B, T)
-    tokens = torch.arange(T, device=k_new.device).expand(B, T)
-    if counts is not None:
-        kept = tokens < counts.unsqueeze(1)
-        rows, tokens = rows[kept], tokens[kept]
-    slots = (lengths[rows] + tokens) % k_cache.shape[2]
+    rows, tokens, slots = written_slots(lengths, counts, k_new.shape[0], k_new.shape[2], k_cache.shape[2])
     k_cache[rows, :, slots] = k_new[rows, :, tokens]
     v_cache[rows, :, slots] = v_new[rows, :, tokens]
 

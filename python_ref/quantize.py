@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from .attention import reference_attention
+from .caches import written_slots
 
 FORMATS = ("int8", "fp8_e4m3", "int4")
 INT4_GROUP = 32  # values per int4 scale
@@ -107,14 +108,7 @@ def append_quantized_to_slots(k_data, k_scales, v_data, v_scales, k_new, v_new, 
     format ``fmt`` in place: codes into ``*_data``, scales into ``*_scales``, token ``t`` of row ``b`` at
     slot ``(lengths[b] + t) % S`` (the semantics of the native ``append_kv_quantized``); with
     ``counts`` ``(B,)``, only the tokens ``t < counts[b]``."""
-    B, _, T, _ = k_new.shape
-    rows = torch.arange(B, device=k_new.device).unsqueeze(1).expand(B, T)
-    tokens = torch.arange(T, device=k_new.device).expand(B, T)
-    if counts is not None:
-        kept = tokens < counts.unsqueeze(1)
-        rows, tokens = rows[kept], tokens[kept]
-    rows, tokens = rows.flatten(), tokens.flatten()
-    slots = (lengths[rows] % k_data.shape[2] + tokens) % k_data.shape[2]  # lengths + t could pass int64
+    rows, tokens, slots = written_slots(lengths, counts, k_new.shape[0], k_new.shape[2], k_data.shape[2])
     for data, scales, new in ((k_data, k_scales, k_new), (v_data, v_scales, v_new)):
         codes, new_scales = quantize(new[rows, :, tokens], fmt)  # (tokens, H_kv, ...)
         # Through bytes: indexed writes into float8 tensors are not implemented everywhere.
