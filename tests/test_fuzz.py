@@ -33,6 +33,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -1020,5 +1021,9 @@ def test_a_query_of_zero_heads_is_refused_not_a_crash():
         "        raise SystemExit('accepted a query of zero heads')\n"
         "print('refused')\n"
     )
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # Run from outside the checkout: `python -c` puts the working directory first on sys.path, and the
+    # source tree's kvcache_ext has no built library where the package is installed (as in CI).
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir()
+    )
     assert child.returncode == 0 and child.stdout.strip() == "refused", (child.returncode, child.stderr[-2000:])
