@@ -1,11 +1,13 @@
 """What every storage layout shares: named buffers ``(layers, rows or blocks, kv_heads, ...)``
-allocated once, per-layer views of them in the order the ops take them, row moves and byte counts."""
+allocated once (CPU buffers on huge pages where the OS allows: ``huge_pages``), per-layer views of
+them in the order the ops take them, row moves and byte counts."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from . import huge_pages
 from .formats import as_bytes
 
 
@@ -21,7 +23,7 @@ class Layout(nn.Module):
         super().__init__()
         for name in self.op_order:
             shape, buffer_dtype = shapes[name]
-            self.register_buffer(name, torch.zeros(shape, dtype=buffer_dtype, device=device), persistent=False)
+            self.register_buffer(name, huge_pages.zeros(shape, buffer_dtype, device), persistent=False)
         self.dtype, self.kv_dtype, self.head_dim = dtype, kv_dtype, head_dim
         self._layers = None
 

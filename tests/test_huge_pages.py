@@ -1,0 +1,63 @@
+"""Cache buffers are marked for transparent huge pages where Linux offers them, and stay exact zeros."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvcache_ext
+from kvcache_ext.storage import huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str | None:
+    """The bracketed word of the THP setting ("always", "madvise", "never"), None without one."""
+    if not sys.platform.startswith("linux") or not THP.exists():
+        return None
+    return THP.read_text().split("[")[1].split("]")[0]
+
+
+def vm_flags_at(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (4, 2, 3, 1000, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_zeros_are_zeros_of_the_asked_shape(shape, dtype):
+    t = huge_pages.zeros(shape, dtype, "cpu")
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert torch.equal(t, torch.zeros(shape, dtype=dtype))
+
+
+def test_the_span_is_the_aligned_interior():
+    t = torch.empty(5 * huge_pages.HUGE_PAGE_BYTES + 12345, dtype=torch.uint8)
+    start, stop = huge_pages.huge_page_span(t)
+    assert start % huge_pages.HUGE_PAGE_BYTES == 0 and stop % huge_pages.HUGE_PAGE_BYTES == 0
+    assert t.data_ptr() <= start < t.data_ptr() + huge_pages.HUGE_PAGE_BYTES
+    assert t.data_ptr() + t.numel() - huge_pages.HUGE_PAGE_BYTES < stop <= t.data_ptr() + t.numel()
+    small = torch.empty(1000, dtype=torch.uint8)
+    assert huge_pages.huge_page_span(small)[0] == huge_pages.huge_page_span(small)[1]
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_a_long_cache_asks_for_huge_pages(kv_dtype):
+    # 2 layers x 2 rows x 4 heads x 4096 slots x 64 x 4 bytes: 16 MiB per buffer (int8: a quarter).
+    cache = kvcache_ext.KVCache(2, 2, 4, 64, max_cache_len=4096, dtype=torch.float32, kv_dtype=kv_dtype)
+    start, stop = huge_pages.huge_page_span(cache.k)
+    assert stop > start
+    assert "hg" in vm_flags_at(start)  # madvise(MADV_HUGEPAGE) marks the mapping "hg"
+    assert cache.bytes_allocated() == sum(
+        t.untyped_storage().nbytes() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None
+    )
