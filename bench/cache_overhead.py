@@ -1,9 +1,11 @@
 """What the cache protocol costs over the bare ops: one decode step of a 12-layer model, per layout.
 
-    python bench/cache_overhead.py [--contexts 128 1024] [--dtype float32] [--rounds 7] [--steps 40]
+    python bench/cache_overhead.py [--contexts 128 1024] [--dtype float32] [--heads gpt2|llama8b]
+                                   [--formats plain,int8,fp8_e4m3,int4] [--rounds 7] [--steps 40]
 
 For each storage layout (plain, int8, fp8_e4m3, int4; contiguous and paged) one decode step at
-batch 1 (GPT-2 shape: 12 query and KV heads of 64) is timed three ways, in alternating rounds on one
+batch 1 (``--heads``: GPT-2's 12 query and KV heads of 64, or Llama-3-8B's 32 query heads over 8 KV
+heads of 128) is timed three ways, in alternating rounds on one
 thread so that load on a shared machine weighs on all alike:
 
 * ``cache``: through the cache protocol, ``start_step(1)``, ``attend`` for each of 12 layers,
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
@@ -30,39 +31,35 @@ import torch.nn.functional as F
 
 import kvcache_ext
 from kvcache_ext import KVCache, PagedKVCache
+from kvcache_ext.benchmarks.common import HEAD_SHAPES, cpu_model
 
-LAYERS, HEADS, HEAD_DIM, BLOCK = 12, 12, 64, 16
-FORMATS = [None, "int8", "fp8_e4m3", "int4"]
+LAYERS, BLOCK = 12, 16
+FORMATS = {"plain": None, "int8": "int8", "fp8_e4m3": "fp8_e4m3", "int4": "int4"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
-def step_inputs(dtype, steps):
+def step_inputs(heads, dtype, steps):
     g = torch.Generator().manual_seed(0)
-    shape = (steps, LAYERS, 1, HEADS, 1, HEAD_DIM)
-    return tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(3))
+    q_shape = (steps, LAYERS, 1, heads.q_heads, 1, heads.head_dim)
+    kv_shape = (steps, LAYERS, 1, heads.kv_heads, 1, heads.head_dim)
+    return tuple(torch.randn(shape, generator=g).to(dtype) for shape in (q_shape, kv_shape, kv_shape))
 
 
-def prefilled(cache, context, dtype):
+def prefilled(cache, heads, context, dtype):
     g = torch.Generator().manual_seed(1)
-    k = torch.randn(1, HEADS, context, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(1, heads.q_heads, context, heads.head_dim, generator=g).to(dtype)
+    k = torch.randn(1, heads.kv_heads, context, heads.head_dim, generator=g).to(dtype)
     cache.start_step(context)
     for layer in range(LAYERS):
-        cache.attend(layer, k, k, k)
+        cache.attend(layer, q, k, k)
     cache.finish_step()
 
 
-def cache_steps(make_cache, context, dtype, steps):
+def cache_steps(make_cache, heads, context, dtype, steps):
     """A function running ``steps`` decode steps through the cache protocol from ``context`` tokens."""
     cache = make_cache()
-    prefilled(cache, context, dtype)
-    q, k, v = step_inputs(dtype, steps)
+    prefilled(cache, heads, context, dtype)
+    q, k, v = step_inputs(heads, dtype, steps)
 
     def run():
         for s in range(steps):
@@ -76,11 +73,11 @@ def cache_steps(make_cache, context, dtype, steps):
     return run
 
 
-def bare_steps(make_cache, context, dtype, steps):
+def bare_steps(make_cache, heads, context, dtype, steps):
     """The same steps as raw op calls on the cache's own buffers, every argument made in advance."""
     cache = make_cache()
-    prefilled(cache, context, dtype)
-    q, k, v = step_inputs(dtype, steps)
+    prefilled(cache, heads, context, dtype)
+    q, k, v = step_inputs(heads, dtype, steps)
     ops = torch.ops.kvcache_ext
     lengths = [torch.full((1,), context + s, dtype=torch.long) for s in range(steps + 1)]
     if isinstance(cache, PagedKVCache):
@@ -104,10 +101,11 @@ def bare_steps(make_cache, context, dtype, steps):
     return run
 
 
-def sdpa_steps(context, dtype, steps):
-    k_cache = torch.randn(LAYERS, 1, HEADS, context + steps, HEAD_DIM).to(dtype)
+def sdpa_steps(heads, context, dtype, steps):
+    k_cache = torch.randn(LAYERS, 1, heads.kv_heads, context + steps, heads.head_dim).to(dtype)
     v_cache = torch.randn_like(k_cache)
-    q, k, v = step_inputs(dtype, steps)
+    q, k, v = step_inputs(heads, dtype, steps)
+    gqa = heads.q_heads != heads.kv_heads
 
     def run():
         for s in range(steps):
@@ -115,7 +113,9 @@ def sdpa_steps(context, dtype, steps):
             for layer in range(LAYERS):
                 k_cache[layer, :, :, end - 1 : end] = k[s, layer]
                 v_cache[layer, :, :, end - 1 : end] = v[s, layer]
-                F.scaled_dot_product_attention(q[s, layer], k_cache[layer, :, :, :end], v_cache[layer, :, :, :end])
+                F.scaled_dot_product_attention(
+                    q[s, layer], k_cache[layer, :, :, :end], v_cache[layer, :, :, :end], enable_gqa=gqa
+                )
 
     return run
 
@@ -140,6 +140,8 @@ def main():
         "--contexts", type=int, nargs="+", default=[128, 1024], help="context lengths L (default: 128 1024)"
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="q/k/v dtype (default: float32)")
+    parser.add_argument("--heads", choices=sorted(HEAD_SHAPES), default="gpt2", help="head shape (default: gpt2)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="layouts' kv formats (default: all)")
     parser.add_argument("--rounds", type=int, default=7, help="alternating timed rounds (default: 7)")
     parser.add_argument("--steps", type=int, default=40, help="decode steps per round (default: 40)")
     parser.add_argument(
@@ -150,9 +152,10 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
+    heads = HEAD_SHAPES[args.heads]
     print(
         f"{cpu_model()}, {kvcache_ext.kernels_used('cpu')} ({kvcache_ext.build_info().get('cpu_isa_active', 'no')} copy), one thread, {args.dtype}, B=1, "
-        f"{LAYERS} layers, {HEADS} heads of {HEAD_DIM}, {args.steps} steps x {args.rounds} rounds (median "
+        f"{LAYERS} layers, {heads.q_heads} query / {heads.kv_heads} KV heads of {heads.head_dim}, {args.steps} steps x {args.rounds} rounds (median "
         f"{'thread CPU time' if args.cpu_time else 'wall time'})"
     )
     print("| layout | L | cache (us/step) | bare ops (us/step) | sdpa (us/step) | cache / bare ops | sdpa / cache |")
@@ -161,20 +164,20 @@ def main():
         capacity = context + args.steps
         blocks = capacity // BLOCK + 4
         layouts = {}
-        for fmt in FORMATS:
-            name = fmt or "plain"
+        for name in args.formats.split(","):
+            fmt = FORMATS[name]
             layouts[f"KVCache {name}"] = lambda fmt=fmt: KVCache(
-                LAYERS, 1, HEADS, HEAD_DIM, max_cache_len=capacity, dtype=dtype, kv_dtype=fmt
+                LAYERS, 1, heads.kv_heads, heads.head_dim, max_cache_len=capacity, dtype=dtype, kv_dtype=fmt
             )
             layouts[f"PagedKVCache {name}"] = lambda fmt=fmt: PagedKVCache(
-                LAYERS, HEADS, HEAD_DIM, num_blocks=blocks, block_size=BLOCK, dtype=dtype, kv_dtype=fmt
+                LAYERS, heads.kv_heads, heads.head_dim, num_blocks=blocks, block_size=BLOCK, dtype=dtype, kv_dtype=fmt
             )
-        sdpa = sdpa_steps(context, dtype, args.steps)
+        sdpa = sdpa_steps(heads, context, dtype, args.steps)
         for name, make in layouts.items():
             t = measure(
                 {
-                    "cache": cache_steps(make, context, dtype, args.steps),
-                    "bare": bare_steps(make, context, dtype, args.steps),
+                    "cache": cache_steps(make, heads, context, dtype, args.steps),
+                    "bare": bare_steps(make, heads, context, dtype, args.steps),
                     "sdpa": sdpa,
                 },
                 args.rounds,
