@@ -30,7 +30,9 @@ single-token decode steps are timed one by one (after 4 untimed ones), ours and 
 alternating, so that the load of a shared machine weighs on both alike; a step is the model call
 plus the argmax of its logits. Both run ``--threads`` threads (``torch.set_num_threads``,
 llama.cpp's ``n_threads``). The attention share at depth d is the median step at depth d minus the
-median step at depth 0 (the weights alone): what reading the d cached tokens costs.
+median step at depth 0 (the weights alone): what reading the d cached tokens costs. On a machine
+shared with other work, two threads mostly time the scheduler (llama.cpp's threads meet at a spin
+barrier after every operation): docs/results.md's table was measured with ``--threads 1``.
 
 Filling the caches without computing 16384 prompt tokens (hours for the quadratic attention of a
 real prefill on two cores): ours appends seeded random keys/values through the cache's storage
