@@ -32,7 +32,9 @@ plus the argmax of its logits. Both run ``--threads`` threads (``torch.set_num_t
 llama.cpp's ``n_threads``). The attention share at depth d is the median step at depth d minus the
 median step at depth 0 (the weights alone): what reading the d cached tokens costs. On a machine
 shared with other work, two threads mostly time the scheduler (llama.cpp's threads meet at a spin
-barrier after every operation): docs/results.md's table was measured with ``--threads 1``.
+barrier after every operation): docs/results.md's table was measured with ``--threads 1``
+(``--steps 24``: 17 minutes on the loaded 2-core machine, three quarters of it llama.cpp reading
+the fill tokens; ``--depths 0,4096`` is a quick run).
 
 Filling the caches without computing 16384 prompt tokens (hours for the quadratic attention of a
 real prefill on two cores): ours appends seeded random keys/values through the cache's storage
@@ -402,7 +404,6 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--kv: unknown llama.cpp KV types {unknown}; choose from {list(KV_PAIRS)}")
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     started = time.perf_counter()
 
     model = build_model(args.layers)
