@@ -40,6 +40,14 @@ struct VecTraits<f32x16> {
 template <typename V>
 constexpr int64_t kLanes = sizeof(V) / sizeof(float);
 
+// Vector registers the kernels' register tiles are sized to: AVX-512 has 32, AVX2 16, where tiles
+// sized for AVX-512 spilled to the stack in their inner loops.
+#if KVCACHE_EXT_X86_AVX512
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
 #if defined(__clang__)
 #define KVX_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
