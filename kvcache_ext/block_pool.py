@@ -180,13 +180,9 @@ class BlockPool:
         self._sequences[seq_id] = sequence
         return sequence.length
 
-    def store_in_tier(self) -> None:
-        """Hand every registered block to the tier (which skips those it holds already), so that a
-        later process finds them; blocks stay in the pool as they are."""
-        if self.tier is None:
-            raise ValueError("no tier to write the blocks to: PagedKVCache(disk_tier=directory, ...) has one")
-        for block, block_hash in list(self._hash_of_block.items()):
-            self.tier.store(block_hash, block)
+    def registered_blocks(self) -> list[tuple[bytes, int]]:
+        """``(hash, block)`` of every block registered in the prefix cache, in use or not."""
+        return [(block_hash, block) for block, block_hash in self._hash_of_block.items()]
 
     def fork(self, seq_id, new_seq_id) -> None:
         """``new_seq_id`` becomes a sequence holding the same tokens as ``seq_id``, sharing its blocks;

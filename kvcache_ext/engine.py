@@ -181,11 +181,13 @@ class Engine:
 
     def prefix_stats(self) -> dict:
         """What the prefix cache saved so far, per tier: ``"pool"`` (blocks found in the pool:
-        ``hits``, ``tokens_reused``) and, with a disk tier, ``"disk"`` (its
+        ``hits``, ``tokens_reused``), with a host tier ``"host"``, with a disk tier ``"disk"`` (their
         :class:`~kvcache_ext.prefix_tiers.TierStats`: hits, tokens reused, bytes read and written,
         seconds loading and storing, files rejected and evicted, and ``enabled``)."""
         pool = self.cache.pool
         stats = {"pool": {"hits": pool.reused_blocks, "tokens_reused": pool.reused_blocks * pool.block_size}}
+        if self.cache.host_tier is not None:
+            stats["host"] = self.cache.host_tier.stats.as_dict()
         if self.cache.disk_tier is not None:
             stats["disk"] = {**self.cache.disk_tier.stats.as_dict(), "enabled": self.cache.disk_tier.enabled}
         return stats

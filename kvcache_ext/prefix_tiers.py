@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 import uuid
 import warnings
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import torch
@@ -129,11 +131,17 @@ class DiskTier:
 
     def store(self, block_hash: bytes, block: int) -> None:
         """Write pool block ``block`` (registered under ``block_hash``) unless a file holds it already."""
-        path = self.path(block_hash)
-        if not self.enabled or os.path.exists(path):
+        if self.enabled and not os.path.exists(self.path(block_hash)):
+            self.write(block_hash, {name: as_bytes(t)[:, block] for name, t in self.storage.tensors().items()})
+
+    def write(self, block_hash: bytes, tensors: dict) -> None:
+        """Write the file of a block: ``tensors`` by buffer name, ``(layers, kv_heads, block_size, ...)``
+        codes as bytes (the host tier hands down its blocks so)."""
+        if not self.enabled:
             return
+        path = self.path(block_hash)
         start = time.perf_counter()
-        tensors = {name: as_bytes(t)[:, block].contiguous().cpu() for name, t in self.storage.tensors().items()}
+        tensors = {name: t.contiguous().cpu() for name, t in tensors.items()}
         meta = {"format_version": FORMAT_VERSION, **self.layout, "block_hash": block_hash.hex()}
         from safetensors.torch import save
 
@@ -274,6 +282,105 @@ def _writer_gone(partial_name: str) -> bool:
     except PermissionError:
         return False  # running, as another user
     return False
+
+
+def check_host_tier_bytes(max_bytes, device) -> None:
+    """``max_bytes`` a positive int, for a pool on a CUDA ``device``."""
+    if torch.device(device or "cpu").type != "cuda":
+        raise ValueError(
+            f"host_tier_bytes applies to CUDA pools only: this pool is on {torch.device(device or 'cpu')}, its "
+            "blocks are host memory already (disk_tier adds a tier below it)"
+        )
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
+        raise ValueError(f"host_tier_bytes must be a positive int (pinned host memory in bytes), got {max_bytes!r}")
+
+
+class HostTier:
+    """Blocks a CUDA pool (``storage``) recycles, kept in ``max_bytes`` of pinned host memory (whole
+    blocks: a bound below one block is refused); the least recently used move on to ``below`` (a
+    :class:`DiskTier`, or None: dropped), and a prompt's blocks it lacks are looked for there.
+
+    Copies run on a side stream: it waits for the work queued so far (which wrote the block), and
+    the current stream waits for the copy before the next kernel (which may overwrite the block,
+    or read the restored one); the host waits only before it reads a slot to hand it down."""
+
+    def __init__(self, max_bytes: int, storage, below: DiskTier | None = None):
+        check_host_tier_bytes(max_bytes, storage.device)
+        one_block = {name: ((t.shape[0], *t.shape[2:]), as_bytes(t).dtype) for name, t in storage.tensors().items()}
+        block_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in one_block.values())
+        self.capacity = max_bytes // block_bytes
+        if self.capacity < 1:
+            raise ValueError(f"host_tier_bytes must hold at least one block ({block_bytes} bytes), got {max_bytes}")
+        self.storage, self.below, self.block_size = storage, below, storage.tensors()["k"].shape[3]
+        self.slots = {
+            name: torch.empty((self.capacity, *shape), dtype=dtype, pin_memory=True)
+            for name, (shape, dtype) in one_block.items()
+        }
+        self._slot_of_hash: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._free_slots = list(range(self.capacity))
+        self.stream = torch.cuda.Stream(storage.device)
+        self.stats = TierStats()
+
+    def holds(self, block_hash: bytes) -> bool:
+        return block_hash in self._slot_of_hash or (self.below is not None and self.below.holds(block_hash))
+
+    def store(self, block_hash: bytes, block: int) -> None:
+        if block_hash in self._slot_of_hash:
+            self._slot_of_hash.move_to_end(block_hash)
+            return
+        start = time.perf_counter()
+        slot = self._free_slots.pop() if self._free_slots else self._hand_down_oldest()
+        pool = self.storage.tensors()
+        self._on_side_stream(
+            lambda: [
+                self.slots[name][slot].copy_(as_bytes(pool[name])[:, block], non_blocking=True) for name in self.slots
+            ]
+        )
+        self._slot_of_hash[block_hash] = slot
+        self.stats.blocks_written += 1
+        self.stats.bytes_written += sum(t[slot].numel() * t.element_size() for t in self.slots.values())
+        self.stats.store_seconds += time.perf_counter() - start
+
+    def restore(self, block_hash: bytes, block: int) -> bool:
+        slot = self._slot_of_hash.get(block_hash)
+        if slot is None:
+            return self.below is not None and self.below.restore(block_hash, block)
+        start = time.perf_counter()
+        pool = self.storage.tensors()
+        self._on_side_stream(
+            lambda: [
+                as_bytes(pool[name])[:, block].copy_(self.slots[name][slot], non_blocking=True) for name in self.slots
+            ]
+        )
+        self._slot_of_hash.move_to_end(block_hash)
+        self.stats.hits += 1
+        self.stats.tokens_reused += self.block_size
+        self.stats.bytes_read += sum(t[slot].numel() * t.element_size() for t in self.slots.values())
+        self.stats.load_seconds += time.perf_counter() - start
+        return True
+
+    def write_down(self) -> None:
+        """Write every block held here to the tier below (which skips those it holds already)."""
+        self.stream.synchronize()
+        for block_hash, slot in self._slot_of_hash.items():
+            if not self.below.holds(block_hash):
+                self.below.write(block_hash, {name: t[slot] for name, t in self.slots.items()})
+
+    def _hand_down_oldest(self) -> int:
+        """Free the least recently used slot, its block written to the tier below first."""
+        block_hash, slot = self._slot_of_hash.popitem(last=False)
+        if self.below is not None and not self.below.holds(block_hash):
+            self.stream.synchronize()  # the slot's copy from the pool is done
+            self.below.write(block_hash, {name: t[slot] for name, t in self.slots.items()})
+        self.stats.evicted += 1
+        return slot
+
+    def _on_side_stream(self, copies) -> None:
+        current = torch.cuda.current_stream(self.storage.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            copies()
+        current.wait_stream(self.stream)
 
 
 # -- the `kvcache-ext disk-tier` command ------------------------------------------------------------

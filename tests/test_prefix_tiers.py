@@ -112,6 +112,23 @@ def test_a_new_engine_reuses_the_blocks_an_earlier_one_wrote(model, tmp_path):
     assert restarted.prefix_stats()["disk"]["hits"] == len(conversation) * (PROMPT_LENGTH - 1) // BLOCK_SIZE
 
 
+def test_a_windowed_pool_restores_only_the_blocks_its_window_sees(model, tmp_path):
+    window = 12  # the query after 40 tokens sees positions 29..40: blocks 7, 8 and 9 of the prefix
+    first, *others = prompts(4, seed=13)
+
+    def alone_windowed(prompt, max_new_tokens):
+        cache = kvcache_ext.KVCache(**model.kv_shape, batch_size=1, window=window, chunk_size=8)
+        return generate(model, torch.tensor([prompt]), max_new_tokens, cache=cache)[0, len(prompt) :].tolist()
+
+    tiered = engine(model, tmp_path, window=window)
+    assert tiered.generate([first, *others], 3) == [alone_windowed(p, 3) for p in [first, *others]]
+    before = tiered.prompt_tokens_computed
+    assert tiered.generate([first], 3) == [alone_windowed(first, 3)]
+    assert tiered.prompt_tokens_computed - before == 1
+    stats = tiered.prefix_stats()
+    assert stats["disk"]["hits"] + stats["pool"]["hits"] == 3 and stats["disk"]["hits"] >= 1
+
+
 def child_script(tmp_path, body):
     """A python script in ``tmp_path`` that serves with this checkout's kvcache_ext: prompts and
     options as JSON in argv[1], its body's output JSON on stdout."""
@@ -414,6 +431,33 @@ def test_bad_tier_arguments_are_refused(model, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing created
     with pytest.raises(ValueError, match="disk_tier=directory"):
         PagedKVCache(*shape).write_back()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+
+@needs_cuda
+def test_a_cuda_pools_host_tier_gives_the_same_tokens_and_hands_blocks_down(model, tmp_path):
+    on_gpu = TINY_MODELS["llama"]().to("cuda")
+    block_bytes = (
+        2 * model.kv_shape["num_layers"] * model.kv_shape["kv_heads"] * BLOCK_SIZE * model.kv_shape["head_dim"] * 4
+    )
+    first, *others = prompts(4, seed=14)
+    plain = engine(on_gpu, device="cuda")
+    expected = plain.generate([first, *others, first], 4)
+    # 12 blocks of pinned memory: the first prompt's blocks move on to the disk while the others run.
+    tiered = engine(on_gpu, tmp_path, device="cuda", host_tier_bytes=12 * block_bytes)
+    assert tiered.generate([first, *others], 4) == expected[:-1]
+    before = tiered.prompt_tokens_computed
+    assert tiered.generate([first], 4) == expected[-1:]
+    assert tiered.prompt_tokens_computed - before == 1
+    stats = tiered.prefix_stats()
+    assert stats["host"]["hits"] > 0 and stats["host"]["evicted"] > 0 and stats["disk"]["blocks_written"] > 0
+    assert stats["pool"]["hits"] + stats["host"]["hits"] + stats["disk"]["hits"] == (PROMPT_LENGTH - 1) // BLOCK_SIZE
+    tiered.cache.write_back()  # the pool's blocks and the host tier's, to the disk
+    restarted = engine(on_gpu, tmp_path, device="cuda", host_tier_bytes=12 * block_bytes)
+    assert restarted.generate([first, *others], 4) == expected[:-1]
+    assert restarted.prompt_tokens_computed == 4 and restarted.prefix_stats()["disk"]["hits"] > 0
 
 
 def run_cli(capsys, *argv):
