@@ -166,7 +166,7 @@ class BlockPool:
         With a window, only the blocks the prefix's next query sees need be cached: the earlier ones
         are RELEASED entries from the start (as vLLM's sliding-window prefix caching does). With a
         ``tier``, the prefix goes on through the blocks the tier holds, restored into free blocks
-        (as many as the pool has free)."""
+        (if the pool has too few free blocks for them, the prefix is the pool's own)."""
         if seq_id in self._sequences:
             raise ValueError(f"sequence {seq_id!r} already exists")
         sequence = _SequenceBlocks(tokens=None)

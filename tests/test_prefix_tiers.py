@@ -22,11 +22,17 @@ from tiny_models import TINY_MODELS, TINY_VOCAB
 import kvcache_ext
 from kvcache_ext import Engine, PagedKVCache, cli
 from kvcache_ext.prefix_tiers import BLOCK_KEY, SUFFIX, model_fingerprint
+import python_ref
 from python_ref import generate, saved_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CHECKOUT = Path(__file__).resolve().parents[1]
+# A child serves from outside the checkout with the kvcache_ext and python_ref this test imported on
+# its path: the checkout's in development, the installed ones where the checkout holds no library (CI).
+CHILD_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join({str(Path(m.__file__).parents[1]) for m in (kvcache_ext, python_ref)}),
+}
 FINGERPRINT = "llama-tiny seed 0"
 BLOCK_SIZE = 4
 PROMPT_LENGTH = 41  # 10 full blocks of 4 before the last token, which is always computed
@@ -129,6 +135,43 @@ def test_a_windowed_pool_restores_only_the_blocks_its_window_sees(model, tmp_pat
     assert stats["disk"]["hits"] + stats["pool"]["hits"] == 3 and stats["disk"]["hits"] >= 1
 
 
+class RecordingTier:
+    """A tier that remembers which hashes it was given (no contents: the pool never reads them)."""
+
+    def __init__(self):
+        self.stored, self.restored = [], []
+
+    def holds(self, block_hash):
+        return block_hash in self.stored
+
+    def store(self, block_hash, block):
+        self.stored.append(block_hash)
+
+    def restore(self, block_hash, block):
+        self.restored.append(block_hash)
+        return True
+
+
+def test_a_pool_restores_a_prefix_only_when_it_has_room_for_all_of_it():
+    tier = RecordingTier()
+    pool = kvcache_ext.BlockPool(num_blocks=6, block_size=2, tier=tier)
+    prompt = [5, 6, 7, 8, 9, 10, 11]  # 3 full blocks before the last token
+    assert pool.add_sequence("a", prompt) == 0
+    pool.reserve({"a": 7})
+    pool.commit("a", 7, prompt)
+    pool.free("a")
+    assert pool.add_sequence("b") == 0
+    pool.reserve({"b": 12})  # every block: a's 3 registered ones recycled into the tier, the last first
+    assert len(tier.stored) == 3 and pool.num_free_blocks == 0
+    assert pool.add_sequence("c", prompt) == 0  # no free block to restore into: nothing restored
+    assert tier.restored == [] and pool.num_free_blocks == 0
+    pool.free("b")
+    assert pool.add_sequence("d", prompt) == 6
+    assert tier.restored == tier.stored[::-1]  # in the prompt's order
+    assert pool.restored_blocks == 3 and pool.reused_blocks == 0
+    assert pool.num_free_blocks == 3 and all(pool.is_cached(block) for block in pool.block_table("d"))
+
+
 def child_script(tmp_path, body):
     """A python script in ``tmp_path`` that serves with this checkout's kvcache_ext: prompts and
     options as JSON in argv[1], its body's output JSON on stdout."""
@@ -158,11 +201,9 @@ def child_script(tmp_path, body):
 
 def run_child(script, cwd, *, wait=True, **args):
     command = [sys.executable, str(script), json.dumps(args)]
-    # Outside the checkout, with the checkout on the path: the child imports the kvcache_ext under test.
-    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
     if not wait:
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, text=True)
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.Popen(command, cwd=cwd, env=CHILD_ENV, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(command, cwd=cwd, env=CHILD_ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -370,7 +411,7 @@ def test_a_read_only_directory_warns_once_and_serving_goes_on(model, tmp_path):
     done = subprocess.run(
         command,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(CHECKOUT)},
+        env=CHILD_ENV,
         capture_output=True,
         text=True,
         timeout=300,
