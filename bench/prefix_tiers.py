@@ -23,7 +23,7 @@ Generated tokens per CPU second: every request's reply tokens over the process's
 Every configuration must give every request the same tokens (checked).
 
     python bench/prefix_tiers.py             # 16 conversations x 6 turns, 2 in flight, 1B shape with 2 layers
-                                             # (about 5 minutes of CPU time)
+                                             # (about 9 minutes of CPU time)
     python bench/prefix_tiers.py --model llama-tiny --conversations 32 --in-flight 4
     python bench/prefix_tiers.py --conversations 8 --turns 3    # a quick look
     python bench/prefix_tiers.py --plot docs/prefix_tiers.png --json prefix_tiers.json
