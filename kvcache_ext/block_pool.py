@@ -21,6 +21,11 @@ a registered one stays findable in the prefix cache until recycled). Its table e
 see, so the released ones are never read. A prompt's cached prefix is reused when the blocks of its
 next query's window are cached, whether or not the earlier ones still are. A sequence then holds at most
 ``ceil((W - 1 + T) / block_size) + 1`` blocks during a step of ``T`` tokens, however long it grows.
+
+A tier below the pool. With a ``tier`` (``kvcache_ext/prefix_tiers.py``: a directory of block files),
+a registered block about to be recycled is first handed to it (``tier.store``), and a prompt's prefix
+continues past the blocks the pool holds with those the tier holds: ``add_sequence`` takes free blocks
+for them and has the tier fill them (``tier.restore``) before the suffix is computed.
 """
 
 from __future__ import annotations
@@ -80,11 +85,17 @@ class BlockPool:
     passes them; their table entries hold :data:`RELEASED`. ``rewind`` refuses to go back to a
     length whose window would need a released block.
 
+    ``tier`` (None: none): where registered blocks go when recycled and come back from. It answers
+    ``holds(block_hash)``, ``store(block_hash, block)`` (called while the block still holds the
+    contents registered under the hash) and ``restore(block_hash, block)`` (fill ``block`` with them;
+    False if it could not, after which ``holds(block_hash)`` is False). ``reused_blocks`` counts the
+    blocks prompts took from the pool itself, ``restored_blocks`` those the tier filled.
+
     Every method checks its arguments and the room it needs before it changes anything, so a refused
     call (ValueError, KeyError, :class:`PoolExhaustedError`) leaves the pool as it was.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, window: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int = 16, window: int | None = None, tier=None):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -93,7 +104,8 @@ class BlockPool:
             raise ValueError(
                 f"window must be a positive int (tokens each query sees, at most 2^63 - 1) or None, got {window!r}"
             )
-        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
+        self.num_blocks, self.block_size, self.window, self.tier = num_blocks, block_size, window, tier
+        self.reused_blocks = self.restored_blocks = 0
         self._ref_counts = [0] * num_blocks
         self._never_registered = deque(range(num_blocks))  # unused, no hash: taken first
         self._cached_unused = OrderedDict()  # unused registered block -> its hash, least recently freed first
@@ -152,21 +164,25 @@ class BlockPool:
         prefix of the prompt held as full blocks (never the whole prompt: the last token must still be
         computed to give logits) and returns how many tokens it then holds; these need no computing.
         With a window, only the blocks the prefix's next query sees need be cached: the earlier ones
-        are RELEASED entries from the start (as vLLM's sliding-window prefix caching does)."""
+        are RELEASED entries from the start (as vLLM's sliding-window prefix caching does). With a
+        ``tier``, the prefix goes on through the blocks the tier holds, restored into free blocks
+        (if the pool has too few free blocks for them, the prefix is the pool's own)."""
         if seq_id in self._sequences:
             raise ValueError(f"sequence {seq_id!r} already exists")
         sequence = _SequenceBlocks(tokens=None)
         if prompt is not None:
             prompt = checked_token_ids(prompt, "prompt")
-            sequence.hashes, blocks = self._cached_prefix(prompt)
+            sequence.hashes, blocks = self._take_prefix(prompt)
             sequence.length = len(blocks) * self.block_size
             sequence.tokens = prompt[: sequence.length]
             sequence.released = self._first_seen_block(sequence.length)
             sequence.blocks = [RELEASED] * sequence.released + blocks[sequence.released :]
-            for block in blocks[sequence.released :]:
-                self._retain(block)
         self._sequences[seq_id] = sequence
         return sequence.length
+
+    def registered_blocks(self) -> list[tuple[bytes, int]]:
+        """``(hash, block)`` of every block registered in the prefix cache, in use or not."""
+        return [(block_hash, block) for block, block_hash in self._hash_of_block.items()]
 
     def fork(self, seq_id, new_seq_id) -> None:
         """``new_seq_id`` becomes a sequence holding the same tokens as ``seq_id``, sharing its blocks;
@@ -297,15 +313,46 @@ class BlockPool:
                 self._block_of_hash[block_hash] = block
                 self._hash_of_block[block] = block_hash
 
-    def _cached_prefix(self, prompt: list[int]) -> tuple[list[bytes], list[int | None]]:
-        """The hashes and cached blocks (None: not cached) of the prompt's longest prefix of full
-        blocks, short of its last token, whose blocks from its next query's window on are all cached."""
+    def _take_prefix(self, prompt: list[int]) -> tuple[list[bytes], list[int | None]]:
+        """The hashes and blocks of the prompt's longest cached prefix (see :meth:`_cached_prefix`),
+        its blocks from its next query's window on retained; those only the tier held restored first."""
+        use_tier = self.tier is not None
+        while True:
+            hashes, blocks = self._cached_prefix(prompt, use_tier)
+            first_seen = self._first_seen_block(len(blocks) * self.block_size)
+            held = [block for block in blocks[first_seen:] if block is not None]
+            for block in held:  # before restoring: taking free blocks must not recycle these
+                self._retain(block)
+            from_pool = len(held)
+            for index in range(first_seen, len(blocks)):
+                if blocks[index] is not None:
+                    continue
+                if not self.num_free_blocks:
+                    use_tier = False  # no room to restore into: the pool's own prefix, then
+                    break
+                block = self._take_free_block()
+                held.append(block)
+                if not self.tier.restore(hashes[index], block):
+                    break  # that block is gone from the tier: look again
+                self._block_of_hash[hashes[index]], self._hash_of_block[block] = block, hashes[index]
+                blocks[index] = block
+            else:
+                self.reused_blocks += from_pool
+                self.restored_blocks += len(held) - from_pool
+                return hashes, blocks
+            for block in reversed(held):  # restored blocks stay registered, found in the pool next time
+                self._release(block)
+
+    def _cached_prefix(self, prompt: list[int], use_tier: bool = False) -> tuple[list[bytes], list[int | None]]:
+        """The hashes and cached blocks (None: not in the pool) of the prompt's longest prefix of full
+        blocks, short of its last token, whose blocks from its next query's window on are all cached
+        (in the pool, or with ``use_tier`` in the pool or the tier)."""
         hashes, blocks, longest = [], [], 0
         last_missing = -1  # the last block of the prompt found missing so far
         for start in range(0, len(prompt) - self.block_size, self.block_size):
             hashes.append(_block_hash(hashes[-1] if hashes else b"", prompt[start : start + self.block_size]))
             blocks.append(self._block_of_hash.get(hashes[-1]))
-            if blocks[-1] is None:
+            if blocks[-1] is None and not (use_tier and self.tier.holds(hashes[-1])):
                 last_missing = len(blocks) - 1
                 if self.window is None:
                     break  # every longer prefix needs this block too
@@ -338,8 +385,10 @@ class BlockPool:
     def _take_free_block(self) -> int:
         if self._never_registered:
             block = self._never_registered.popleft()
-        else:  # evict the least recently freed cached block: forget its hash
+        else:  # evict the least recently freed cached block: to the tier, if any; forget its hash
             block, block_hash = self._cached_unused.popitem(last=False)
+            if self.tier is not None:
+                self.tier.store(block_hash, block)
             del self._block_of_hash[block_hash], self._hash_of_block[block]
         self._ref_counts[block] = 1
         return block

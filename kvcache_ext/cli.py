@@ -1,4 +1,4 @@
-"""The `kvcache-ext` command: `demo`, `bench` and `info`."""
+"""The `kvcache-ext` command: `demo`, `bench`, `info` and `disk-tier`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcache-ext", description="KV-cache extension for PyTorch LLM decoding", formatter_class=HelpFormatter
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info,disk-tier}")
 
     from . import bench, demo
 
@@ -54,7 +54,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the raw form instead: build_info() and every capability field (default: off, the table)",
     )
     info_parser.set_defaults(run=info)
+
+    tier_parser = commands.add_parser(
+        "disk-tier",
+        help="what a prefix cache's disk tier directory holds; clear it",
+        description="Count the block files of a disk tier directory (PagedKVCache(disk_tier=...)) by "
+        "fingerprint, format version and layout, read from each file's metadata; or remove them all.",
+        formatter_class=HelpFormatter,
+    )
+    tier_parser.add_argument("directory", type=existing_directory, help="the disk tier's directory")
+    tier_parser.add_argument("--json", action="store_true", help="print the report as JSON (default: off, text)")
+    tier_parser.add_argument(
+        "--clear",
+        action="store_true",
+        help="remove every block file and partial file instead (nothing else in the directory; default: off)",
+    )
+    tier_parser.set_defaults(run=disk_tier)
     return parser
+
+
+def existing_directory(text: str) -> str:
+    import os
+
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
 
 
 def main(argv=None) -> int:
@@ -130,6 +154,32 @@ def info(args) -> int:
         print(json.dumps(info_json(), indent=2))
     else:
         print(info_table())
+    return 0
+
+
+def disk_tier(args) -> int:
+    from .prefix_tiers import clear_directory, inspect_directory
+
+    if args.clear:
+        removed, freed = clear_directory(args.directory)
+        print(f"removed {removed} files ({freed} bytes) from {args.directory}")
+        return 0
+    report = inspect_directory(args.directory)
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"{report['directory']}: {report['files']} block files, {report['bytes']} bytes "
+        f"({report['unreadable']} unreadable, {report['partial']} partial)"
+    )
+    for group in report["groups"]:
+        print(
+            f"  fingerprint {group['fingerprint']!r}, format {group['format_version']}, {group['dtype']} "
+            f"kv_dtype {group['kv_dtype']}, blocks of {group['block_size']}, {group['kv_heads']} heads x "
+            f"{group['head_dim']}, {group['num_layers']} layers: {group['files']} files, {group['bytes']} bytes"
+        )
     return 0
 
 

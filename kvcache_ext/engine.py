@@ -99,7 +99,8 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
         self.preemptions = 0  # how often a request was preempted so far
-        self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
+        self.reused_tokens = 0  # prompt tokens taken from the prefix cache (pool or tier) instead of computed
+        self.prompt_tokens_computed = 0  # prompt positions fed to the model (again after a preemption)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -177,6 +178,19 @@ class Engine:
             raise KeyError(
                 f"no request {request_id!r}: never added, or finished and collected (generate, pop_finished)"
             ) from None
+
+    def prefix_stats(self) -> dict:
+        """What the prefix cache saved so far, per tier: ``"pool"`` (blocks found in the pool:
+        ``hits``, ``tokens_reused``), with a host tier ``"host"``, with a disk tier ``"disk"`` (their
+        :class:`~kvcache_ext.prefix_tiers.TierStats`: hits, tokens reused, bytes read and written,
+        seconds loading and storing, files rejected and evicted, and ``enabled``)."""
+        pool = self.cache.pool
+        stats = {"pool": {"hits": pool.reused_blocks, "tokens_reused": pool.reused_blocks * pool.block_size}}
+        if self.cache.host_tier is not None:
+            stats["host"] = self.cache.host_tier.stats.as_dict()
+        if self.cache.disk_tier is not None:
+            stats["disk"] = {**self.cache.disk_tier.stats.as_dict(), "enabled": self.cache.disk_tier.enabled}
+        return stats
 
     @property
     def has_unfinished(self) -> bool:
@@ -321,6 +335,9 @@ class Engine:
         events = []
         last_logits = logits[:, 0]  # (rows, vocab): each row's last new token
         for row, (request, count) in enumerate(zip(group, counts)):
+            self.prompt_tokens_computed += max(
+                0, min(request.computed + count, request.prompt_length) - request.computed
+            )
             request.computed += count
             if request.computed < len(request.tokens):
                 continue  # more of the prompt to read

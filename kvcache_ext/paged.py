@@ -17,6 +17,7 @@ import torch
 from python_ref.caches import check_step_tensors, checked_step_counts
 
 from .block_pool import BlockPool, PoolExhaustedError, checked_token_ids
+from .prefix_tiers import DiskTier, HostTier, check_disk_tier_arguments, check_host_tier_bytes
 from .storage.layout import StorageAttributes
 from .storage import check_kv_format, kv_format, paged_layout
 from .storage.paged import check_block_size
@@ -53,6 +54,16 @@ class PagedKVCache(StorageAttributes):
     sees the positions ``j`` with ``p - W < j <= p``). Blocks that leave every future query's window go
     back to the pool (see :class:`BlockPool`), so a sequence holds about ``(W + T) / block_size``
     blocks however long it grows, and ``bytes_used()`` counts only those.
+
+    ``disk_tier`` (a directory; None: no disk tier), ``disk_tier_bytes`` (its bound) and
+    ``fingerprint`` (what names the model's keys and values, e.g. its name and revision, or
+    :func:`kvcache_ext.prefix_tiers.model_fingerprint`): registered blocks the pool recycles are
+    written there and prompts take them back (:class:`~kvcache_ext.prefix_tiers.DiskTier`, also
+    ``.disk_tier``), in this process and in later ones with the same fingerprint and layout.
+    :meth:`write_back` writes the blocks still in the pool (before the process exits).
+    ``host_tier_bytes`` (CUDA pools only; a CPU pool's blocks are host memory already): a tier of
+    pinned host memory between the pool and the disk tier (:class:`~kvcache_ext.prefix_tiers.HostTier`,
+    also ``.host_tier``), copies on a side stream; the blocks it lets go move on to the disk tier.
     """
 
     def __init__(
@@ -66,6 +77,10 @@ class PagedKVCache(StorageAttributes):
         device: torch.device | str | None = None,
         kv_dtype=None,
         window: int | None = None,
+        disk_tier=None,
+        disk_tier_bytes: int | None = None,
+        fingerprint: str | None = None,
+        host_tier_bytes: int | None = None,
     ):
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -73,8 +88,17 @@ class PagedKVCache(StorageAttributes):
         fmt = kv_format(kv_dtype)
         check_kv_format(fmt, dtype, head_dim, device, "PagedKVCache dtype")
         check_block_size(block_size)
+        if disk_tier is not None:
+            check_disk_tier_arguments(disk_tier, disk_tier_bytes, fingerprint)
+        elif disk_tier_bytes is not None or fingerprint is not None:
+            raise ValueError("disk_tier_bytes and fingerprint configure a disk tier: give disk_tier (a directory) too")
+        if host_tier_bytes is not None:
+            check_host_tier_bytes(host_tier_bytes, device)
         self.pool = BlockPool(num_blocks, block_size, window)  # checks window before any pool is allocated
         self.storage = paged_layout(fmt, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device)
+        self.disk_tier = None if disk_tier is None else DiskTier(disk_tier, disk_tier_bytes, fingerprint, self.storage)
+        self.host_tier = None if host_tier_bytes is None else HostTier(host_tier_bytes, self.storage, self.disk_tier)
+        self.pool.tier = self.host_tier or self.disk_tier
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
         self._rows: list = []
         self._new_tokens: list[list[int]] | None = None  # what the next step feeds each row, if known
@@ -208,6 +232,17 @@ class PagedKVCache(StorageAttributes):
         for row, seq_id in enumerate(self._rows):
             self.pool.commit(seq_id, counts[row], None if self._new_tokens is None else self._new_tokens[row])
         self._step, self._step_counts, self._new_tokens = None, None, None
+
+    def write_back(self) -> None:
+        """Write every block of the prefix cache to the disk tier (those it holds already are skipped),
+        so that a later process finds them; call it before the process exits."""
+        self._check_between_steps("write_back")
+        if self.disk_tier is None:
+            raise ValueError("write_back() writes to the disk tier: PagedKVCache(disk_tier=directory, ...) has one")
+        for block_hash, block in self.pool.registered_blocks():
+            self.disk_tier.store(block_hash, block)
+        if self.host_tier is not None:
+            self.host_tier.write_down()
 
     def reset(self) -> None:
         """Free every sequence; blocks registered in the prefix cache stay findable until recycled."""

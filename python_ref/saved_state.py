@@ -44,17 +44,24 @@ def checksum(tensors: dict, meta: dict) -> str:
     return digest.hexdigest()
 
 
+def file_metadata(key: str, tensors: dict, meta: dict, fingerprint: str) -> dict:
+    """The safetensors metadata of a file holding ``tensors``: ``meta`` with ``fingerprint`` and the
+    checksum added, as JSON under ``key``."""
+    if not isinstance(fingerprint, str):
+        raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
+    meta = {**meta, "fingerprint": fingerprint}
+    meta["sha256"] = checksum(tensors, meta)
+    return {key: json.dumps(meta)}
+
+
 def write(path, key: str, tensors: dict, meta: dict, fingerprint: str) -> None:
     """Write ``tensors`` (CPU, contiguous) and ``meta`` (with ``fingerprint`` and the checksum added)
     to ``path``, through a file beside it renamed into place."""
     from safetensors.torch import save_file
 
-    if not isinstance(fingerprint, str):
-        raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
-    meta = {**meta, "fingerprint": fingerprint}
-    meta["sha256"] = checksum(tensors, meta)
+    metadata = file_metadata(key, tensors, meta, fingerprint)
     partial = f"{os.fspath(path)}.partial"
-    save_file(tensors, partial, metadata={key: json.dumps(meta)})
+    save_file(tensors, partial, metadata=metadata)
     os.replace(partial, path)
 
 
