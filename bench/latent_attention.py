@@ -3,6 +3,7 @@ attention at DeepSeek-V3's shape (128 heads, latents 576 wide, values 512), nati
 PyTorch.
 
     python bench/latent_attention.py [--lengths 4096 16384] [--batch 1] [--rounds 5] [--dtype bfloat16]
+                                     [--threads N] [--no-mqa]
 
 Memory: bytes one token of one layer takes in a latent ``KVCache`` (measured from an allocated
 cache) against the expanded per-head keys (192 wide) and values (128) a cache without latents holds.
@@ -16,7 +17,8 @@ round, so load from other jobs weighs on all alike):
   absorption reads), where they fit in memory.
 
 GB/s counts the latent bytes the kernel must read once (``L * 576 * element size``); the copy line
-is ``torch.Tensor.clone`` of a tensor of as many bytes (reads them once, writes them once).
+is ``copy_`` of the latents into a preallocated tensor of as many bytes (reads them once, writes
+them once).
 """
 
 import argparse
@@ -60,7 +62,7 @@ def memory_table(dtype):
         print(f"| {name} | {cfg.n_heads} | {latent:,} B | {expanded:,} B | {expanded / latent:.1f}x |")
 
 
-def attention_table(lengths, batch, rounds, dtype):
+def attention_table(lengths, batch, rounds, dtype, mqa):
     cfg = MLA_CONFIGS["deepseek-v3"]
     H, Dk, Dv = cfg.n_heads, cfg.latent_dim, cfg.kv_lora_rank
     nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -73,11 +75,13 @@ def attention_table(lengths, batch, rounds, dtype):
         q = torch.randn(batch, H, 1, Dk, generator=g).to(dtype)
         cache = torch.randn(batch, 1, L, Dk, generator=g).to(dtype)
         lengths_t = torch.full((batch,), L, dtype=torch.long)
+        target = torch.empty_like(cache)
         fns = {
             "kernel": lambda: ops.latent_decode_attention(q, cache, lengths_t, Dv, None, scale),
-            "mqa": lambda: F.scaled_dot_product_attention(q, cache, cache[..., :Dv], scale=scale, enable_gqa=True),
-            "copy": lambda: cache.clone(),
+            "copy": lambda: target.copy_(cache),
         }
+        if mqa:  # slow on the CPU: SDPA's math path over the latents repeated for every head
+            fns["mqa"] = lambda: F.scaled_dot_product_attention(q, cache, cache[..., :Dv], scale=scale, enable_gqa=True)
         expanded_bytes = batch * H * L * (nope + rope + v_dim) * dtype.itemsize
         if expanded_bytes < 6 * 2**30:
             q_exp = torch.randn(batch, H, 1, nope + rope, generator=g).to(dtype)
@@ -86,12 +90,16 @@ def attention_table(lengths, batch, rounds, dtype):
             fns["expanded"] = lambda: F.scaled_dot_product_attention(q_exp, k_exp, v_exp, scale=scale)
         t = medians(fns, rounds)
         latent_bytes = batch * L * Dk * dtype.itemsize
-        expanded = t.get("expanded")
+        expanded, mqa_time = t.get("expanded"), t.get("mqa")
         print(
             f"| {L} | {t['kernel'] * 1e3:.2f} ms | {latent_bytes / t['kernel'] / 1e9:.2f} | "
-            f"{latent_bytes / t['copy'] / 1e9:.2f} | {t['mqa'] * 1e3:.2f} ms | "
+            f"{latent_bytes / t['copy'] / 1e9:.2f} | "
+            + (f"{mqa_time * 1e3:.1f} ms" if mqa_time else "not run")
+            + " | "
             + (f"{expanded * 1e3:.1f} ms" if expanded else "does not fit")
-            + f" | {t['mqa'] / t['kernel']:.2f}x | "
+            + " | "
+            + (f"{mqa_time / t['kernel']:.1f}x" if mqa_time else "-")
+            + " | "
             + (f"{expanded / t['kernel']:.1f}x |" if expanded else "- |")
         )
         del fns
@@ -103,11 +111,15 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--no-mqa", action="store_true", help="skip SDPA over the latents (slow on the CPU)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"CPU: {cpu_model()}, torch threads: {torch.get_num_threads()}, torch {torch.__version__}")
     memory_table(dtype)
-    attention_table(args.lengths, args.batch, args.rounds, dtype)
+    attention_table(args.lengths, args.batch, args.rounds, dtype, not args.no_mqa)
 
 
 if __name__ == "__main__":
