@@ -328,7 +328,7 @@ def build_llama(
     if seed is not None:
         torch.manual_seed(seed)
     model = LlamaModel(cfg)
-    _init_weights(model)
+    init_weights(model)
     if tp.size > 1:
         state = model.state_dict()
         if cfg.tie_embeddings:
@@ -337,7 +337,7 @@ def build_llama(
     return model.eval()
 
 
-def _init_weights(model: LlamaModel) -> None:
+def init_weights(model: LlamaModel) -> None:
     # Random weights that still give varied greedy text. Every projection preserves the size
     # of its input (std 1/sqrt(fan_in)) while embeddings are small (std 0.02), so the blocks,
     # not the input embedding, decide the output. With a tied output head and large

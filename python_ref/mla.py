@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .caches import NoCache, positions_for_logits, start_forward
-from .llama import FeedForward, RMSNorm
+from .llama import FeedForward, RMSNorm, init_weights
 from .tensor_parallel import SINGLE_PROCESS
 
 
@@ -401,10 +401,5 @@ def build_mla(name: str = "deepseek-v3-tiny", seed: int | None = 123, **override
     if seed is not None:
         torch.manual_seed(seed)
     model = MLAModel(cfg)
-    # As llama.py: projections preserve their input's size, embeddings are small, so that greedy
-    # text from random weights varies.
-    nn.init.normal_(model.tok_emb.weight, std=0.02)
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight is not model.tok_emb.weight:
-            nn.init.normal_(module.weight, std=module.in_features**-0.5)
+    init_weights(model)  # as llama.py's: greedy text from random weights varies
     return model.eval()

@@ -14,6 +14,7 @@ from typing import Mapping
 
 import torch
 
+from .llama_weights import decoder_ends
 from .mla import MLAConfig, MLAModel, YarnRopeScaling
 from .weights import _read_state
 
@@ -90,15 +91,7 @@ def load_mla(
 
 
 def _to_ours(hf: Mapping[str, torch.Tensor], cfg: MLAConfig) -> dict[str, torch.Tensor]:
-    hf = {k.removeprefix("model."): v for k, v in hf.items()}
-    for required in ("embed_tokens.weight", "norm.weight", "layers.0.self_attn.kv_b_proj.weight"):
-        if required not in hf:
-            raise KeyError(f"not a DeepSeek state dict in Hugging Face layout: {required!r} is missing")
-    ours = {"tok_emb.weight": hf["embed_tokens.weight"], "final_norm.weight": hf["norm.weight"]}
-    if not cfg.tie_embeddings:
-        if "lm_head.weight" not in hf:
-            raise KeyError("the config says the output head is not tied, but 'lm_head.weight' is missing")
-        ours["out_head.weight"] = hf["lm_head.weight"]
+    hf, ours = decoder_ends(hf, cfg.tie_embeddings, "layers.0.self_attn.kv_b_proj.weight", "DeepSeek")
     names = {
         "self_attn.kv_a_proj_with_mqa": "att.W_latent",
         "self_attn.kv_a_layernorm": "att.latent_norm",
