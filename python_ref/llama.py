@@ -240,9 +240,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int, tp: TensorParallel):
+    """Pre-norm block: attention (grouped-query unless ``attention`` is another module of the same
+    ``forward(x, cos, sin, cache)``, e.g. mla.py's latent attention), then the SwiGLU feed-forward."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, tp: TensorParallel, attention: nn.Module | None = None):
         super().__init__()
-        self.att = GroupedQueryAttention(cfg, layer, tp)
+        self.att = GroupedQueryAttention(cfg, layer, tp) if attention is None else attention
         self.ff = FeedForward(cfg, tp)
         self.norm1 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.emb_dim, cfg.norm_eps)

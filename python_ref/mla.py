@@ -27,7 +27,7 @@ of 128 heads x (192 + 128). Two forms of the same function are written out here:
   output. Attention is then multi-query attention with one 576-wide key head whose values are the
   first 512 columns of the keys: a cache holds the latents, once for all heads.
 
-The feed-forward is the dense SwiGLU of ``llama.py`` in every layer (DeepSeek's mixture of experts
+The blocks are ``llama.py``'s with this attention: the feed-forward is its dense SwiGLU in every layer (DeepSeek's mixture of experts
 changes nothing about attention or its cache; HF configs with ``first_k_dense_replace >=
 num_hidden_layers`` are fully dense). Parameter names follow ``llama.py`` where the part is the same;
 ``mla_weights.py`` maps Hugging Face's names onto them.
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .caches import NoCache, positions_for_logits, start_forward
-from .llama import FeedForward, RMSNorm, init_weights
+from .llama import RMSNorm, TransformerBlock, init_weights
 from .tensor_parallel import SINGLE_PROCESS
 
 
@@ -322,19 +322,6 @@ class LatentAttention(nn.Module):
         return torch.einsum("bhtr,hdr->bhtd", weighted, W_UV)
 
 
-class MLABlock(nn.Module):
-    def __init__(self, cfg: MLAConfig, layer: int):
-        super().__init__()
-        self.att = LatentAttention(cfg, layer)
-        self.ff = FeedForward(cfg, SINGLE_PROCESS)
-        self.norm1 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
-        self.norm2 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
-
-    def forward(self, x, cos, sin, cache):
-        x = x + self.att(self.norm1(x), cos, sin, cache)
-        return x + self.ff(self.norm2(x))
-
-
 class MLAModel(nn.Module):
     """A DeepSeek-style decoder: token embedding, MLA blocks, RMSNorm, output head."""
 
@@ -343,7 +330,9 @@ class MLAModel(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
         self.rope = LatentRotaryEmbedding(cfg)
-        self.trf_blocks = nn.ModuleList(MLABlock(cfg, i) for i in range(cfg.n_layers))
+        self.trf_blocks = nn.ModuleList(
+            TransformerBlock(cfg, i, SINGLE_PROCESS, attention=LatentAttention(cfg, i)) for i in range(cfg.n_layers)
+        )
         self.final_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
