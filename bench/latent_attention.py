@@ -3,7 +3,7 @@ attention at DeepSeek-V3's shape (128 heads, latents 576 wide, values 512), nati
 PyTorch.
 
     python bench/latent_attention.py [--lengths 4096 16384] [--batch 1] [--rounds 5] [--dtype bfloat16]
-                                     [--threads N] [--no-mqa]
+                                     [--threads N] [--no-mqa] [--compare-dtypes]
 
 Memory: bytes one token of one layer takes in a latent ``KVCache`` (measured from an allocated
 cache) against the expanded per-head keys (192 wide) and values (128) a cache without latents holds.
@@ -15,6 +15,9 @@ round, so load from other jobs weighs on all alike):
   key head shared by all query heads (``enable_gqa``), the values a slice of the keys;
 * ``SDPA, expanded K/V``: SDPA over the 128 heads' expanded keys and values (what attention without
   absorption reads), where they fit in memory.
+
+``--compare-dtypes`` instead times the kernel alone in float32, bfloat16 and float16, alternating
+round by round (the arithmetic is float32 for all; only the bytes read and their widening differ).
 
 GB/s counts the latent bytes the kernel must read once (``L * 576 * element size``); the copy line
 is ``copy_`` of the latents into a preallocated tensor of as many bytes (reads them once, writes
@@ -105,6 +108,29 @@ def attention_table(lengths, batch, rounds, dtype, mqa):
         del fns
 
 
+def dtype_table(lengths, rounds):
+    cfg = MLA_CONFIGS["deepseek-v3"]
+    H, Dk, Dv = cfg.n_heads, cfg.latent_dim, cfg.kv_lora_rank
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    print(f"\nLatent kernel by dtype at DeepSeek-V3's shape (H={H}, key_dim={Dk}, value_dim={Dv}), B=1:")
+    print("| L | " + " | ".join(str(d).removeprefix("torch.") for d in dtypes) + " |")
+    print("|---|" + "---|" * len(dtypes))
+    g = torch.Generator().manual_seed(0)
+    for L in lengths:
+        q, cache = torch.randn(1, H, 1, Dk, generator=g), torch.randn(1, 1, L, Dk, generator=g)
+        lengths_t = torch.tensor([L])
+        fns = {
+            d: (
+                lambda q=q.to(d), c=cache.to(d): ops.latent_decode_attention(
+                    q, c, lengths_t, Dv, None, cfg.softmax_scale
+                )
+            )
+            for d in dtypes
+        }
+        t = medians(fns, rounds)
+        print(f"| {L} | " + " | ".join(f"{t[d] * 1e3:.1f} ms" for d in dtypes) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
@@ -113,11 +139,14 @@ def main():
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-mqa", action="store_true", help="skip SDPA over the latents (slow on the CPU)")
+    parser.add_argument("--compare-dtypes", action="store_true", help="time the kernel alone in each dtype")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"CPU: {cpu_model()}, torch threads: {torch.get_num_threads()}, torch {torch.__version__}")
+    if args.compare_dtypes:
+        return dtype_table(args.lengths, args.rounds)
     memory_table(dtype)
     attention_table(args.lengths, args.batch, args.rounds, dtype, not args.no_mqa)
 
