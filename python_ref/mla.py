@@ -146,7 +146,8 @@ MLA_CONFIGS = {
             factor=40.0, original_context_length=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
         ),
     ),
-    # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's attention with 64 heads
+    # moonshotai/Kimi-K2-Instruct (first release): DeepSeek-V3's attention with 64 heads; the 0905
+    # revision stretches RoPE further (YaRN factor 64, 262,144 positions), same attention shape
     "kimi-k2": MLAConfig(
         vocab_size=163_840,
         context_length=131_072,
