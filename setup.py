@@ -33,6 +33,8 @@ cpu_sources = [
     "csrc/cpu/decode_attention_baseline.cpp",
     "csrc/cpu/ops_quantized_cpu.cpp",
     "csrc/cpu/quantized_baseline.cpp",
+    "csrc/cpu/latent_attention_cpu.cpp",
+    "csrc/cpu/latent_attention_baseline.cpp",
 ]
 isas = ["baseline"]
 if x86:
@@ -43,6 +45,9 @@ if x86:
         "csrc/cpu/quantized_avx2.cpp",
         "csrc/cpu/quantized_avx512.cpp",
         "csrc/cpu/quantized_avx512bf16.cpp",
+        "csrc/cpu/latent_attention_avx2.cpp",
+        "csrc/cpu/latent_attention_avx512.cpp",
+        "csrc/cpu/latent_attention_avx512bf16.cpp",
     ]
     isas = ["avx512_bf16", "avx512", "avx2", "baseline"]
 # No -march=native: the wheel must run on any CPU of its architecture; the AVX2/AVX-512

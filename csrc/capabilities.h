@@ -24,6 +24,10 @@ constexpr int64_t kMaxSlotsCuda = (int64_t{1} << 31) - 1;
 // pools (paged_kv_formats in the table) included.
 constexpr int64_t kMaxBlockSize = 256;
 
+// Latent (MLA) caches (latent_decode_attention): rows of key_dim values, a multiple of
+// kHeadDimMultiple up to kMaxLatentKeyDim (DeepSeek's 576 and room); CPU kernels only so far.
+constexpr int64_t kMaxLatentKeyDim = 1024;
+
 inline bool block_size_supported(int64_t block_size) {
   return block_size >= 1 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0;
 }
@@ -45,7 +49,9 @@ inline std::string capabilities_json(bool cuda) {
          // Block sizes of paged pools the kernels take: the same on both devices.
          ", \"paged_max_block_size\": " + std::to_string(kMaxBlockSize) +
          // Quantized formats the paged kernels store and attend over: the same on both devices.
-         ", \"paged_kv_formats\": [\"int8\", \"fp8_e4m3\", \"int4\"]}";
+         ", \"paged_kv_formats\": [\"int8\", \"fp8_e4m3\", \"int4\"]" +
+         // Widest latent cache row the latent kernel takes (0: none on this device).
+         ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) + "}";
 }
 
 }  // namespace kvcache_ext

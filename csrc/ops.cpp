@@ -95,4 +95,16 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
       "paged_decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, "
       "Tensor block_tables, Tensor lengths, int? window=None, float? scale=None, float? softcap=None, "
       "Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+
+  // Latent (MLA) attention, python_ref.latent.reference_latent_attention: the cache [batch, kv_heads,
+  // slots, key_dim] holds each token's latent once for every query head of its group (DeepSeek:
+  // kv_heads 1, key_dim kv_lora_rank + qk_rope_head_dim = 576); q [batch, q_heads, num_new, key_dim]
+  // are the absorbed queries; scores are taken over all key_dim columns and the values are the first
+  // value_dim of them (512: the latent c), read from the same bytes. lengths, window, the causal
+  // alignment of the num_new queries and the ring of slots are decode_attention's; scale defaults
+  // to 1/sqrt(key_dim) (MLA passes its own). Returns out [batch, q_heads, num_new, value_dim] in q's
+  // dtype and the log of the softmax denominator [batch, q_heads, num_new] float32.
+  m.def(
+      "latent_decode_attention(Tensor q, Tensor cache, Tensor lengths, int value_dim, int? window=None, "
+      "float? scale=None) -> (Tensor out, Tensor lse)");
 }

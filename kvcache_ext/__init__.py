@@ -3,7 +3,8 @@
 ``KVCache`` drops into any model that speaks python_ref's cache protocol; ``append_kv`` and
 ``decode_attention`` are the ops behind it (``append_kv_quantized`` and
 ``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``; ``paged_append_kv`` and
-``paged_decode_attention`` for block pools, their ``_quantized`` forms for quantized ones); ``capabilities(device)`` is the table of what the
+``paged_decode_attention`` for block pools, their ``_quantized`` forms for quantized ones; ``latent_decode_attention`` behind
+``KVCache(value_dim=...)``, multi-head latent attention); ``capabilities(device)`` is the table of what the
 kernels support. ``PagedKVCache`` keeps many sequences in one pool of blocks (shared
 copy-on-write, prompt prefixes cached, blocks released as they leave a sliding window);
 ``Engine`` serves many requests at once on it (continuous batching). Without a loadable native
@@ -21,6 +22,7 @@ from .ops import (
     decode_attention,
     decode_attention_quantized,
     gather_rows,
+    latent_decode_attention,
     paged_append_kv,
     paged_append_kv_quantized,
     paged_decode_attention,
@@ -43,6 +45,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_append_kv_quantized",
     "paged_decode_attention_quantized",
+    "latent_decode_attention",
     "build_info",
     "capabilities",
     "Capabilities",

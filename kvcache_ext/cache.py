@@ -11,7 +11,7 @@ from python_ref.caches import check_step_tensors, merge_attention, sink_token_at
 from python_ref.row_state import RowOperations, RowState
 
 from .storage.layout import StorageAttributes
-from .storage import check_kv_format, contiguous_layout, kv_format
+from .storage import LatentLayout, check_kv_format, check_latent_format, contiguous_layout, kv_format
 
 
 class KVCache(RowOperations, StorageAttributes, nn.Module):
@@ -26,6 +26,12 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
     ``dtype`` (few, and the ones attention leans on most). Every combination of these works, with
     rows that grow unevenly (``start_step(T, counts)``), every row operation (``reorder``, ``fork``,
     ``select``, ``repeat_interleave``, ``crop``, ``rewind``, ``reset_rows``) and ``save``/``load``.
+
+    ``value_dim`` makes it a latent cache (multi-head latent attention, DeepSeek-V2/V3): each token's
+    key, ``head_dim`` wide, is stored once and its first ``value_dim`` columns are its value
+    (:class:`kvcache_ext.storage.LatentLayout`; ``attend(layer, q, latents, latents)`` returns
+    ``(B, H_q, T, value_dim)``), attended by the native ``latent_decode_attention``. DeepSeek:
+    ``kv_heads=1, head_dim=576, value_dim=512``. Not with ``kv_dtype`` or ``sink_tokens``.
 
     The cache is the row state (:class:`python_ref.row_state.RowState`, ``rows``: ``lengths``,
     ``seq_length``, the ring's rules, the step in progress) over a storage layout
@@ -52,18 +58,32 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         device: torch.device | str | None = None,
         sink_tokens: int = 0,
         kv_dtype: str | torch.dtype | None = None,
+        value_dim: int | None = None,
     ):
         super().__init__()
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
-        check_kv_format(fmt, dtype, head_dim, device, "KVCache dtype")
+        if value_dim is None:
+            check_kv_format(fmt, dtype, head_dim, device, "KVCache dtype")
+        else:
+            check_latent_format(dtype, head_dim, value_dim, device)
+            if fmt is not None or sink_tokens:
+                raise ValueError(
+                    "a latent cache (value_dim) stores its latents in dtype, without sink tokens: "
+                    f"got kv_dtype={kv_dtype!r}, sink_tokens={sink_tokens}"
+                )
         self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.storage = contiguous_layout(
-            fmt, num_layers, batch_size, kv_heads, self.rows.slots, head_dim, dtype, device
-        )
+        self.num_layers, self.kv_heads, self.head_dim, self.value_dim = num_layers, kv_heads, head_dim, value_dim
+        if value_dim is None:
+            self.storage = contiguous_layout(
+                fmt, num_layers, batch_size, kv_heads, self.rows.slots, head_dim, dtype, device
+            )
+        else:
+            self.storage = LatentLayout(
+                num_layers, batch_size, kv_heads, self.rows.slots, head_dim, value_dim, dtype, device
+            )
         if sink_tokens:
             # In dtype whatever kv_dtype is. One more slot than sink tokens: writes of later positions
             # go to that scratch slot, so storing a step's sink tokens needs no host read of which they are.
@@ -186,7 +206,7 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         return {"sink_k": self.sink_k[..., : self.sink_tokens, :], "sink_v": self.sink_v[..., : self.sink_tokens, :]}
 
     def storage_meta(self) -> dict:
-        return {"dtype": saved_state.dtype_name(self.dtype), "kv_dtype": self.kv_dtype}
+        return {"dtype": saved_state.dtype_name(self.dtype), "kv_dtype": self.kv_dtype, "value_dim": self.value_dim}
 
     @classmethod
     def storage_kwargs(cls, meta: dict, path) -> dict:
@@ -194,7 +214,10 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         kv_dtype = meta.get("kv_dtype")
         if kv_dtype is not None and kv_dtype not in quant.FORMATS:
             raise ValueError(f"{path}: kv_dtype must be None or one of {quant.FORMATS}, got {kv_dtype!r}")
-        return {"dtype": saved_state.saved_dtype(meta["dtype"], path), "kv_dtype": kv_dtype}
+        value_dim = meta.get("value_dim")
+        if value_dim is not None and (not isinstance(value_dim, int) or isinstance(value_dim, bool)):
+            raise ValueError(f"{path}: value_dim must be None or an int, got {value_dim!r}")
+        return {"dtype": saved_state.saved_dtype(meta["dtype"], path), "kv_dtype": kv_dtype, "value_dim": value_dim}
 
     def save(self, path, fingerprint: str = "") -> None:
         """Write the cache to ``path`` as safetensors (no pickle): every layer's held slots (codes and
@@ -229,6 +252,7 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         if self.sink_tokens:
             mode += f", sink_tokens={self.sink_tokens}"
         fmt = f", kv_dtype={self.kv_dtype}" if self.kv_dtype else ""
+        fmt += f", value_dim={self.value_dim} (latent)" if self.value_dim else ""
         return (
             f"layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.kv_heads}, "
             f"head_dim={self.head_dim}, {mode}, dtype={self.dtype}{fmt}"

@@ -51,6 +51,10 @@ class Capabilities:
     # Quantized formats the native paged ops store on this device; the others run python_ref's
     # paged quantized reference (same semantics and checks).
     paged_kv_formats: tuple[str, ...]
+    # Widest latent cache row (key_dim, a multiple of head_dim_multiple) the native latent (MLA)
+    # kernel takes on this device; 0: no latent kernel here, and latent_decode_attention runs
+    # python_ref's latent reference (same semantics and checks).
+    latent_max_key_dim: int = 0
 
     @property
     def native(self) -> bool:
@@ -116,6 +120,7 @@ def kernel_table(device_type: str) -> Capabilities:
         kv_formats=tuple(table["kv_formats"]),
         paged_block_sizes=tuple(size for size in PAGED_BLOCK_SIZES if size <= table["paged_max_block_size"]),
         paged_kv_formats=tuple(table["paged_kv_formats"]),
+        latent_max_key_dim=table["latent_max_key_dim"],
     )
 
 
@@ -156,6 +161,7 @@ LIMIT_TITLES = {
     "kv_formats": "quantized `kv_dtype`",
     "paged_block_sizes": "paged `block_size`",
     "paged_kv_formats": "paged quantized `kv_dtype`",
+    "latent": "latent (MLA) `key_dim`",
 }
 
 
@@ -178,6 +184,9 @@ def readable_limits(table: Capabilities) -> dict[str, str]:
         "paged_kv_formats": ", ".join(paged_formats)
         if paged_formats
         else "none (python_ref's paged quantized reference runs)",
+        "latent": f"multiples of {m} from {m} to {table.latent_max_key_dim}"
+        if table.latent_max_key_dim
+        else "none (python_ref's latent reference runs)",
     }
 
 

@@ -51,8 +51,18 @@ prompt lookup), and with Mistral, Qwen2 (``use_sliding_window``), Gemma 2, Gemma
 (greedy; Mistral also beam search and assisted decoding), batch 1 and left-padded batches
 (transformers itself runs assisted decoding and prompt lookup on batch 1 only). Refused, at
 construction: other layer types (chunked attention, linear attention/SSM layers; use
-transformers' ``DynamicCache``) and encoder-decoder models; at the attention call: a model whose
-layer window differs from the config's, ``position_bias`` and attention dropout in training.
+transformers' ``DynamicCache``), encoder-decoder models, and models whose attention the kernels do
+not compute (ALiBi: Bloom, MPT, Jais, Falcon with ``alibi=True``; chunked attention:
+``attention_chunk_size``), each with its reason; at the attention call: a model whose layer window
+differs from the config's, ``position_bias`` and attention dropout in training.
+
+Latent attention (DeepSeek-V2/V3, Kimi K2: configs with ``kv_lora_rank``). Each layer stores, per
+token, one row ``[c, k_pe]`` for all heads (``kvcache_ext.storage.LatentLayout``).
+:func:`enable_latent_attention` (which sets ``attn_implementation="kvcache_ext"``) makes the model's
+attention modules hand their latents to the attention function unexpanded after the prompt, and
+every decode step runs the absorbed form (``python_ref/mla.py``) on the native latent kernel instead
+of re-expanding the whole history through ``kv_b_proj``. Without it, such a model on a NativeCache
+stops at its second step saying to call it.
 """
 
 from __future__ import annotations
@@ -63,7 +73,7 @@ import torch
 from python_ref import saved_state
 from python_ref.row_state import CacheOverflowError
 
-from .storage import buffer_shapes, check_kv_format, contiguous_layout, kv_format
+from .storage import LatentLayout, buffer_shapes, check_kv_format, check_latent_format, contiguous_layout, kv_format
 from .storage.formats import as_bytes
 
 # The transformers versions this module is tested with (tests/test_hf.py). Its Cache and
@@ -132,9 +142,13 @@ class NativeCacheLayer(CacheLayerMixin):
         window: int | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         kv_dtype: str | None = None,
+        latent: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.max_cache_len = max_cache_len
+        # (kv_lora_rank, qk_rope_head_dim) of a DeepSeek-style layer, whose updates are the latent c
+        # and the rotary key k_pe: stored once per token as one row [c, k_pe] (LatentLayout).
+        self.latent = latent
         self.kv_dtype = kv_dtype  # a checked format name, or None: keys/values in the model's dtype
         self.window = window
         self.is_sliding = window is not None
@@ -156,6 +170,15 @@ class NativeCacheLayer(CacheLayerMixin):
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         self.device = key_states.device
         self.dtype = key_states.dtype
+        if self.latent is not None:  # key_states: the latent rows [c, k_pe] of one shared head
+            check_latent_format(self.dtype, self.head_dim, self.latent[0], self.device)
+            self.storage = LatentLayout(
+                1, self.batch_size, self.num_heads, self.slots, self.head_dim, self.latent[0], self.dtype, self.device
+            )
+            self._expose_buffers()
+            self.lengths = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+            self.is_initialized = True
+            return
         check_kv_format(self.kv_dtype, self.dtype, self.head_dim, self.device)
         self.storage = contiguous_layout(  # one layer
             self.kv_dtype, 1, self.batch_size, self.num_heads, self.slots, self.head_dim, self.dtype, self.device
@@ -166,21 +189,24 @@ class NativeCacheLayer(CacheLayerMixin):
 
     def _expose_buffers(self) -> None:
         """transformers reads a layer's ``keys``/``values``: the storage's (codes when quantized); the
-        key buffer also carries the layer to the attention function."""
+        key buffer also carries the layer to the attention function. A latent layer's values are the
+        first kv_lora_rank columns of its rows."""
+        if self.latent is not None:
+            self.keys = self.storage.latent[0]
+            self.values = self.keys[..., : self.latent[0]]
+            self.keys._kvcache_ext_layer = self
+            return
         self.keys, self.values = self.storage.k[0], self.storage.v[0]
         if self.kv_dtype is not None:
             self.key_scales, self.value_scales = self.storage.k_scale[0], self.storage.v_scale[0]
         self.keys._kvcache_ext_layer = self
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.latent is not None:
+            return self._update_latent(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self._awaiting_attention:
-            raise RuntimeError(
-                "NativeCache was used without kvcache_ext's attention: call "
-                f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}") (after importing kvcache_ext.hf), '
-                f'or load the model with attn_implementation="{ATTN_IMPLEMENTATION}"'
-            )
+        self._check_attended()
         num_new = key_states.shape[2]
         if self.seen_tokens + num_new > self.max_cache_len:
             raise CacheOverflowError(
@@ -200,6 +226,58 @@ class NativeCacheLayer(CacheLayerMixin):
         # Stored by the attention function, which on a ring interleaves storing and attending.
         self._new = (key_states, value_states)
         return self.keys, self.values
+
+    def _check_attended(self) -> None:
+        """The previous update must have reached kvcache_ext's attention function, which stores it."""
+        if not self._awaiting_attention:
+            return
+        if self.latent is not None:
+            raise RuntimeError(
+                "this model's attention stores latents (DeepSeek-style multi-head latent attention) and expands "
+                "them outside the attention interface: on NativeCache it runs only with "
+                "kvcache_ext.hf.enable_latent_attention(model), which also sets its attention implementation"
+            )
+        raise RuntimeError(
+            "NativeCache's previous update never reached kvcache_ext's attention function: either the model "
+            f'does not use it (call model.set_attn_implementation("{ATTN_IMPLEMENTATION}") after importing '
+            "kvcache_ext.hf) or its attention transforms the cached keys/values before attending, bypassing "
+            "transformers' attention interface, which NativeCache cannot serve (use transformers' DynamicCache)"
+        )
+
+    def _update_latent(self, latent_c, k_pe):
+        """A DeepSeek-style layer's update: ``latent_c`` (B, 1, T, kv_lora_rank) and ``k_pe`` (B, 1, T,
+        qk_rope_head_dim), stored as one row per token; returns them, tagged with this layer, for the
+        module's ``expand_kv`` that :func:`enable_latent_attention` installs."""
+        rank, rope = self.latent
+        if (
+            latent_c.dim() != 4
+            or latent_c.shape[-1] != rank
+            or k_pe.shape[-1] != rope
+            or k_pe.shape[:3] != latent_c.shape[:3]
+        ):
+            raise ValueError(
+                f"a latent layer's update takes the latent (B, 1, T, {rank}) and the rotary key (B, 1, T, {rope}), "
+                f"got {tuple(latent_c.shape)} and {tuple(k_pe.shape)}"
+            )
+        rows = torch.cat([latent_c, k_pe], dim=-1)
+        if not self.is_initialized:
+            self.lazy_initialization(rows, rows)
+        self._check_attended()
+        num_new = rows.shape[2]
+        if self.seen_tokens + num_new > self.max_cache_len:
+            raise CacheOverflowError(
+                f"NativeCache overflow: {self.seen_tokens} tokens cached and {num_new} more offered, but "
+                f"max_cache_len is {self.max_cache_len}. Create it with max_cache_len >= prompt length + "
+                "max_new_tokens."
+            )
+        if self.seen_tokens == 0:
+            self._prompt = (rows, rows)
+        else:
+            self._new = (rows, rows)
+        self._awaiting_attention = True
+        self.seen_tokens += num_new
+        latent_c._kvcache_ext_layer = self
+        return latent_c, k_pe
 
     def store_prompt(self, attention_mask) -> None:
         """Store the prompt's real tokens, each row's at positions 0, 1, ... (so that the kernel, which
@@ -222,9 +300,12 @@ class NativeCacheLayer(CacheLayerMixin):
             rows, columns, places = rows[held], columns[held], positions[held] - first_kept[rows[held]]
             kept = int((counts - first_kept).max())
             packed_k = keys.new_zeros(batch, keys.shape[1], kept, keys.shape[3])
-            packed_v = values.new_zeros(batch, values.shape[1], kept, values.shape[3])
             packed_k[rows, :, places] = keys[rows, :, columns]
-            packed_v[rows, :, places] = values[rows, :, columns]
+            if values is keys:  # a latent layer: one row per token
+                packed_v = packed_k
+            else:
+                packed_v = values.new_zeros(batch, values.shape[1], kept, values.shape[3])
+                packed_v[rows, :, places] = values[rows, :, columns]
         before = (counts - self.slots).clamp(min=0)
         if packed_k.shape[2]:
             held_counts = counts - before
@@ -363,6 +444,12 @@ class NativeCache(Cache):
             raise ValueError("NativeCache supports decoder-only models")
         fmt = None if kv_dtype is None else kv_format(kv_dtype)
         text_config = config.get_text_config(decoder=True)
+        check_servable(text_config)
+        latent = latent_widths(text_config)
+        if latent is not None and fmt is not None:
+            raise ValueError(
+                f"a latent (MLA) NativeCache stores its latents in the model's dtype, got kv_dtype={kv_dtype!r}"
+            )
         window = getattr(text_config, "sliding_window", None)
         layer_types = getattr(text_config, "layer_types", None)
         if layer_types is None:  # configs without layer_types (Mistral): sliding if a window is set and used
@@ -380,7 +467,9 @@ class NativeCache(Cache):
             )
         super().__init__(
             layers=[
-                NativeCacheLayer(max_cache_len, window if kind == "sliding_attention" else None, chunk_size, fmt)
+                NativeCacheLayer(
+                    max_cache_len, window if kind == "sliding_attention" else None, chunk_size, fmt, latent
+                )
                 for kind in layer_types[: text_config.num_hidden_layers]
             ]
         )
@@ -405,6 +494,10 @@ class NativeCache(Cache):
         never half-written.
         """
         tensors, layers = {}, []
+        if any(layer.latent is not None for layer in self.layers):
+            raise NotImplementedError(
+                "saving a latent (MLA) NativeCache is not supported yet; kvcache_ext.KVCache saves latents"
+            )
         for i, layer in enumerate(self.layers):
             if layer._prompt is not None or layer._new is not None or layer._awaiting_attention:
                 raise RuntimeError("NativeCache.save() inside a forward pass: save between generate() calls")
@@ -580,8 +673,93 @@ def native_attention_forward(
             f"NativeCache built with window={layer.window} from the config: build the cache from the "
             "model's own config"
         )
+    if layer.latent is not None:
+        return _absorbed_attention(module, layer, query, scaling), None
     out = layer.attend(query, scaling, softcap, sinks)
     return out.transpose(1, 2).contiguous(), None  # transformers expects (batch, tokens, heads, head_dim)
+
+
+def _absorbed_attention(module, layer, query, scaling):
+    """A DeepSeek-style decode step on the latents (``python_ref/mla.py``'s absorbed form): each head's
+    query ``[q_nope W_UK_h, q_pe]`` against the cached rows ``[c, k_pe]``, the weighted sum over ``c``
+    by the native latent kernel, ``W_UV_h`` back to the head's value width. Returns (batch, tokens,
+    heads, v_head_dim)."""
+    rank, rope = layer.latent
+    heads, nope = query.shape[1], module.qk_nope_head_dim
+    per_head = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, rank)
+    W_UK, W_UV = per_head.split([nope, module.v_head_dim], dim=1)
+    q_nope, q_pe = query.split([nope, rope], dim=-1)
+    absorbed = torch.cat([torch.einsum("bhtd,hdr->bhtr", q_nope, W_UK), q_pe], dim=-1)
+    weighted = layer.attend(absorbed, scaling, None, None)  # (batch, heads, tokens, rank)
+    return torch.einsum("bhtr,hdr->bthd", weighted, W_UV).contiguous()
+
+
+def latent_widths(text_config) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of a config whose attention caches latents (DeepSeek-V2/V3,
+    Kimi K2 and other models of their attention), or None."""
+    rank, rope = getattr(text_config, "kv_lora_rank", None), getattr(text_config, "qk_rope_head_dim", None)
+    if isinstance(rank, int) and isinstance(rope, int) and hasattr(text_config, "qk_nope_head_dim"):
+        return rank, rope
+    return None
+
+
+# Model types whose attention NativeCache cannot serve, and why: their attention leaves transformers'
+# attention interface (or adds position biases the kernels do not compute), so a cache of native
+# buffers would be attended wrongly. Refused when the cache is built.
+UNSERVABLE_MODEL_TYPES = {
+    "bloom": "Bloom adds ALiBi position biases to the scores, which the kernels do not compute",
+    "mpt": "MPT adds ALiBi position biases to the scores, which the kernels do not compute",
+    "jais": "Jais adds ALiBi position biases to the scores, which the kernels do not compute",
+    "llama4": "Llama 4 attends in chunks (chunked attention layers), which NativeCache does not store",
+}
+
+
+def check_servable(text_config) -> None:
+    """Refuse, with the reason, a model whose attention NativeCache cannot serve (see
+    ``UNSERVABLE_MODEL_TYPES``; also Falcon with ``alibi=True`` and any config with chunked attention)."""
+    model_type = getattr(text_config, "model_type", None)
+    reason = UNSERVABLE_MODEL_TYPES.get(model_type)
+    if model_type == "falcon" and getattr(text_config, "alibi", False):
+        reason = "Falcon with alibi=True adds ALiBi position biases to the scores, which the kernels do not compute"
+    if getattr(text_config, "attention_chunk_size", None):
+        reason = f"the config attends in chunks (attention_chunk_size={text_config.attention_chunk_size}), which NativeCache does not store"
+    if reason:
+        raise ValueError(
+            f"NativeCache cannot serve model_type {model_type!r}: {reason}; use transformers' DynamicCache"
+        )
+
+
+def enable_latent_attention(model):
+    """Run a DeepSeek-style model's decode steps on the latents: its attention modules keep their
+    projections and RoPE, the prompt is attended in PyTorch under transformers' mask (expanded as
+    transformers does), and every later step takes the absorbed form on a :class:`NativeCache`'s latent
+    rows with the native latent kernel instead of re-expanding the whole history through
+    ``kv_b_proj``. Sets ``attn_implementation="kvcache_ext"``. With any other cache the modules
+    behave as before. Returns the model."""
+    modules = [m for m in model.modules() if hasattr(m, "expand_kv") and hasattr(m, "kv_b_proj")]
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} has no DeepSeek-style latent attention modules (expand_kv, kv_b_proj)"
+        )
+    for module in modules:
+        if getattr(module, "_kvcache_ext_expand_kv", None) is None:
+            module._kvcache_ext_expand_kv = module.expand_kv
+            module.expand_kv = _latent_expand_kv.__get__(module)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def _latent_expand_kv(module, latent_c, k_pe):
+    """The module's ``expand_kv`` on a NativeCache: the prompt is expanded as transformers does (its
+    keys carry the layer to the attention function, which stores the prompt's latents); a later step
+    passes the new latents on unexpanded, for the absorbed kernel."""
+    layer = getattr(latent_c, "_kvcache_ext_layer", None)
+    if layer is None or layer._prompt is not None:
+        keys, values = module._kvcache_ext_expand_kv(latent_c, k_pe)
+        if layer is not None:
+            keys._kvcache_ext_layer = layer
+        return keys, values
+    return latent_c, k_pe
 
 
 def _masked_attention(query, key, value, attention_mask, scaling, softcap, sinks):
@@ -640,6 +818,7 @@ __all__ = [
     "NativeCache",
     "NativeCacheLayer",
     "native_attention_forward",
+    "enable_latent_attention",
     "check_transformers_version",
     "SUPPORTED_TRANSFORMERS",
     "ATTN_IMPLEMENTATION",

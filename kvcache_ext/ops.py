@@ -2,8 +2,8 @@
 
 Check once, run many. Every public op ``X`` (``append_kv``, ``decode_attention``, ``gather_rows``,
 ``append_kv_quantized``, ``decode_attention_quantized``, ``paged_append_kv``, ``paged_decode_attention``,
-``paged_append_kv_quantized``, ``paged_decode_attention_quantized``) comes in three forms with one
-signature:
+``paged_append_kv_quantized``, ``paged_decode_attention_quantized``, ``latent_decode_attention``)
+comes in three forms with one signature:
 
 * ``check_X(...)`` makes every check ``X`` makes of its arguments, in Python, and changes nothing:
   it returns None or raises ``ValueError``/``TypeError`` saying what was expected and what came.
@@ -45,6 +45,7 @@ from python_ref import reference_attention
 from python_ref import paged
 from python_ref import quantize as quant
 from python_ref.caches import append_to_slots
+from python_ref.latent import reference_latent_attention
 
 from . import _native
 from .capabilities import MAX_LENGTH, PAGED_BLOCK_SIZES, SUPPORTED_DTYPES, Capabilities, capabilities
@@ -62,6 +63,10 @@ _CPU_PAGED = _CPU_NATIVE and _CPU_TABLE.paged_block_sizes == PAGED_BLOCK_SIZES
 _CUDA_PAGED = _CUDA_NATIVE and _CUDA_TABLE.paged_block_sizes == PAGED_BLOCK_SIZES
 _CPU_PAGED_QUANTIZED = _CPU_PAGED and set(_CPU_TABLE.paged_kv_formats) == set(quant.FORMATS)
 _CUDA_PAGED_QUANTIZED = _CUDA_PAGED and set(_CUDA_TABLE.paged_kv_formats) == set(quant.FORMATS)
+_CPU_LATENT, _CUDA_LATENT = (
+    _CPU_NATIVE and _CPU_TABLE.latent_max_key_dim > 0,
+    _CUDA_NATIVE and _CUDA_TABLE.latent_max_key_dim > 0,
+)
 if _native.available:
     _append_kv_op = torch.ops.kvcache_ext.append_kv.default
     _decode_attention_op = torch.ops.kvcache_ext.decode_attention.default
@@ -72,6 +77,7 @@ if _native.available:
     _paged_decode_attention_op = torch.ops.kvcache_ext.paged_decode_attention.default
     _paged_append_kv_quantized_op = torch.ops.kvcache_ext.paged_append_kv_quantized.default
     _paged_decode_attention_quantized_op = torch.ops.kvcache_ext.paged_decode_attention_quantized.default
+    _latent_decode_attention_op = torch.ops.kvcache_ext.latent_decode_attention.default
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -787,3 +793,66 @@ if _native.available:
     ):
         _check_one_device(q, k_data, k_scales, v_data, v_scales, block_tables, lengths, sinks)
         return _attention_outputs_like(q)
+
+
+# ---- latent (MLA) caches ---------------------------------------------------------------------
+# python_ref/latent.py: a cache (batch, kv_heads, slots, key_dim) whose rows are the keys and whose
+# first value_dim columns are the values (DeepSeek: kv_heads 1, rows [c, k_pe] of 512 + 64, values
+# c). Where the device has no latent kernel (capabilities().latent_max_key_dim == 0), python_ref's
+# latent reference runs, with the same checks.
+
+
+def check_latent_decode_attention(q, cache, lengths, value_dim, window=None, scale=None) -> None:
+    """Every check of :func:`latent_decode_attention`'s arguments (values of ``lengths`` as
+    :func:`check_length_values` checks them)."""
+    if cache.dim() != 4:
+        raise ValueError(f"cache must be (batch, kv_heads, slots, key_dim), got shape {tuple(cache.shape)}")
+    B, H_kv, S, Dk = cache.shape
+    table = capabilities(cache.device)
+    if cache.dtype not in table.dtypes:
+        raise TypeError(f"cache must be one of {table.dtypes}, got {cache.dtype}")
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q must have the cache's dtype {cache.dtype}, got {q.dtype}")
+    m = table.head_dim_multiple
+    top = table.latent_max_key_dim or 2**31 - 1  # no latent kernel: python_ref's reference takes any width
+    if Dk % m or not m <= Dk <= top:
+        raise ValueError(f"the latent cache's width (key_dim) must be a multiple of {m} from {m} to {top}, got {Dk}")
+    if not isinstance(value_dim, int) or isinstance(value_dim, bool) or value_dim % m or not m <= value_dim <= Dk:
+        raise ValueError(f"value_dim must be a multiple of {m} from {m} to the cache's width {Dk}, got {value_dim!r}")
+    table.check_slots(S)
+    if cache.stride(3) != 1:
+        raise ValueError(f"cache needs a contiguous last (key_dim) dimension, got stride {cache.stride(3)}")
+    check_queries(q, B, H_kv, S, Dk, cache.device, window, scale, None, None)
+    check_lengths(lengths, B, cache.device)
+    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
+
+
+def run_latent_decode_attention(q, cache, lengths, value_dim, window=None, scale=None):
+    """:func:`latent_decode_attention` on arguments that passed :func:`check_latent_decode_attention`."""
+    if (cache.is_cpu and _CPU_LATENT) or (cache.is_cuda and _CUDA_LATENT):
+        return _latent_decode_attention_op(
+            q, cache, lengths, value_dim, window, None if scale is None else float(scale)
+        )
+    out, lse = reference_latent_attention(q, cache, lengths, value_dim, window, scale, return_lse=True)
+    return out, lse.float()
+
+
+def latent_decode_attention(q, cache, lengths, value_dim, window=None, scale=None):
+    """Attention of the absorbed queries ``q`` ``(B, H_q, T, key_dim)`` over a latent cache ``(B,
+    H_kv, S, key_dim)``: keys the cache's rows, values their first ``value_dim`` columns, read from
+    the same bytes (``python_ref.latent.reference_latent_attention``; ``lengths``, ``window``, the
+    ring and the causal alignment of T > 1 queries as for :func:`decode_attention`; ``scale``
+    defaults to ``1/sqrt(key_dim)``). Every cached row is read once per call for all the query heads
+    of its group. Returns ``(out, lse)``: ``out`` ``(B, H_q, T, value_dim)`` in q's dtype and the
+    log-sum-exp ``(B, H_q, T)`` float32."""
+    check_latent_decode_attention(q, cache, lengths, value_dim, window, scale)
+    return run_latent_decode_attention(q, cache, lengths, value_dim, window, scale)
+
+
+if _native.available:
+
+    @torch.library.register_fake("kvcache_ext::latent_decode_attention")
+    def _latent_decode_attention_fake(q, cache, lengths, value_dim, window=None, scale=None):
+        _check_one_device(q, cache, lengths)
+        B, H_q, T, _ = q.shape
+        return q.new_empty((B, H_q, T, value_dim)), q.new_empty((B, H_q, T), dtype=torch.float32)

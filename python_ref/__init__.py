@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference: GPT-2 and Llama/Qwen-style models from scratch, interchangeable KV
+"""Pure-PyTorch reference: GPT-2, Llama/Qwen-style and DeepSeek-style (latent attention) models from scratch, interchangeable KV
 caches, reference attention."""
 
 from .attention import reference_attention
@@ -7,6 +7,8 @@ from .generate import generate
 from .gpt2 import GPT2_CONFIGS, GPT2Config, GPTModel, build_gpt2
 from .llama import LLAMA_CONFIGS, Llama3RopeScaling, LlamaConfig, LlamaModel, build_llama
 from .llama_weights import load_llama
+from .mla import MLA_CONFIGS, MLAConfig, MLAModel, build_mla
+from .mla_weights import load_mla
 from .paged import (
     paged_append_quantized_reference,
     paged_append_reference,
@@ -35,4 +37,9 @@ __all__ = [
     "LlamaModel",
     "build_llama",
     "load_llama",
+    "MLA_CONFIGS",
+    "MLAConfig",
+    "MLAModel",
+    "build_mla",
+    "load_mla",
 ]

@@ -240,9 +240,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int, tp: TensorParallel):
+    """Pre-norm block: attention (grouped-query unless ``attention`` is another module of the same
+    ``forward(x, cos, sin, cache)``, e.g. mla.py's latent attention), then the SwiGLU feed-forward."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, tp: TensorParallel, attention: nn.Module | None = None):
         super().__init__()
-        self.att = GroupedQueryAttention(cfg, layer, tp)
+        self.att = GroupedQueryAttention(cfg, layer, tp) if attention is None else attention
         self.ff = FeedForward(cfg, tp)
         self.norm1 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
@@ -328,7 +331,7 @@ def build_llama(
     if seed is not None:
         torch.manual_seed(seed)
     model = LlamaModel(cfg)
-    _init_weights(model)
+    init_weights(model)
     if tp.size > 1:
         state = model.state_dict()
         if cfg.tie_embeddings:
@@ -337,7 +340,7 @@ def build_llama(
     return model.eval()
 
 
-def _init_weights(model: LlamaModel) -> None:
+def init_weights(model: LlamaModel) -> None:
     # Random weights that still give varied greedy text. Every projection preserves the size
     # of its input (std 1/sqrt(fan_in)) while embeddings are small (std 0.02), so the blocks,
     # not the input embedding, decide the output. With a tied output head and large

@@ -89,16 +89,24 @@ def load_llama(
     return LlamaModel.from_state_dict(cfg, _to_ours(_read_state(source), cfg), tp)
 
 
-def _to_ours(hf: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+def decoder_ends(hf: Mapping[str, torch.Tensor], tie_embeddings: bool, first_layer_key: str, family: str):
+    """A Hugging Face decoder's state dict without its ``model.`` prefix, and the weights at its two
+    ends under our names (embedding, final norm, output head unless tied); raises KeyError naming
+    what is missing (``first_layer_key``: a weight of layer 0 that says which ``family`` it is)."""
     hf = {k.removeprefix("model."): v for k, v in hf.items()}
-    for required in ("embed_tokens.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"):
+    for required in ("embed_tokens.weight", "norm.weight", first_layer_key):
         if required not in hf:
-            raise KeyError(f"not a Llama/Qwen3 state dict in Hugging Face layout: {required!r} is missing")
+            raise KeyError(f"not a {family} state dict in Hugging Face layout: {required!r} is missing")
     ours = {"tok_emb.weight": hf["embed_tokens.weight"], "final_norm.weight": hf["norm.weight"]}
-    if not cfg.tie_embeddings:
+    if not tie_embeddings:
         if "lm_head.weight" not in hf:
             raise KeyError("the config says the output head is not tied, but 'lm_head.weight' is missing")
         ours["out_head.weight"] = hf["lm_head.weight"]
+    return hf, ours
+
+
+def _to_ours(hf: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    hf, ours = decoder_ends(hf, cfg.tie_embeddings, "layers.0.self_attn.q_proj.weight", "Llama/Qwen3")
     names = {
         "self_attn.q_proj": "att.W_query",
         "self_attn.k_proj": "att.W_key",

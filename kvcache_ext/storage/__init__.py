@@ -14,10 +14,12 @@ per row, ``(layers, batch, kv_heads, slots, ...)``: position ``p`` of row ``b`` 
 Paged layouts (:class:`PagedLayout`, :class:`PagedQuantizedLayout`) hold pools of blocks,
 ``(layers, num_blocks, kv_heads, block_size, ...)``, addressed through per-row block tables.
 The quantized ones store codes and scales (``python_ref/quantize.py``) and dequantize in the kernel.
+:class:`LatentLayout` holds one latent per token (MLA: keys whose first columns are the values).
 """
 
 from .contiguous import ContiguousLayout
 from .formats import KV_DTYPES, check_kv_format, kv_format
+from .latent import LatentLayout, check_latent_format
 from .paged import PagedLayout, PagedQuantizedLayout
 from .quantized import QuantizedLayout, quantized_shapes
 
@@ -47,11 +49,13 @@ def paged_layout(kv_dtype, num_layers, num_blocks, kv_heads, block_size, head_di
 __all__ = [
     "KV_DTYPES",
     "ContiguousLayout",
+    "LatentLayout",
     "PagedLayout",
     "PagedQuantizedLayout",
     "QuantizedLayout",
     "buffer_shapes",
     "check_kv_format",
+    "check_latent_format",
     "contiguous_layout",
     "kv_format",
     "paged_layout",

@@ -1,0 +1,155 @@
+"""Latent (MLA) caches at the published DeepSeek shapes: memory per token and layer, and decode
+attention at DeepSeek-V3's shape (128 heads, latents 576 wide, values 512), native latent kernel vs
+PyTorch.
+
+    python bench/latent_attention.py [--lengths 4096 16384] [--batch 1] [--rounds 5] [--dtype bfloat16]
+                                     [--threads N] [--no-mqa] [--compare-dtypes]
+
+Memory: bytes one token of one layer takes in a latent ``KVCache`` (measured from an allocated
+cache) against the expanded per-head keys (192 wide) and values (128) a cache without latents holds.
+Attention, per context length, the median of ``--rounds`` calls (the candidates alternate round by
+round, so load from other jobs weighs on all alike):
+
+* ``latent kernel``: ``kvcache_ext.ops.latent_decode_attention`` over the latent cache;
+* ``SDPA, latents (MQA)``: PyTorch's ``scaled_dot_product_attention`` over the same latents as one
+  key head shared by all query heads (``enable_gqa``), the values a slice of the keys;
+* ``SDPA, expanded K/V``: SDPA over the 128 heads' expanded keys and values (what attention without
+  absorption reads), where they fit in memory.
+
+``--compare-dtypes`` instead times the kernel alone in float32, bfloat16 and float16, alternating
+round by round (the arithmetic is float32 for all; only the bytes read and their widening differ).
+
+GB/s counts the latent bytes the kernel must read once (``L * 576 * element size``); the copy line
+is ``copy_`` of the latents into a preallocated tensor of as many bytes (reads them once, writes
+them once).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvcache_ext import KVCache, ops
+from kvcache_ext.benchmarks.common import cpu_model
+from python_ref.mla import MLA_CONFIGS
+
+
+def seconds(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def medians(fns, rounds):
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(seconds(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def memory_table(dtype):
+    print(f"\nMemory per token and layer ({str(dtype).removeprefix('torch.')}):")
+    print("| model | heads | latent cache (measured) | expanded K/V | ratio |")
+    print("|---|---|---|---|---|")
+    for name in ("deepseek-v2-lite", "deepseek-v3", "kimi-k2"):
+        cfg = MLA_CONFIGS[name]
+        slots = 256
+        cache = KVCache(1, 1, 1, cfg.latent_dim, max_cache_len=slots, dtype=dtype, value_dim=cfg.kv_lora_rank)
+        latent = cache.bytes_allocated() // slots
+        expanded = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * dtype.itemsize
+        print(f"| {name} | {cfg.n_heads} | {latent:,} B | {expanded:,} B | {expanded / latent:.1f}x |")
+
+
+def attention_table(lengths, batch, rounds, dtype, mqa):
+    cfg = MLA_CONFIGS["deepseek-v3"]
+    H, Dk, Dv = cfg.n_heads, cfg.latent_dim, cfg.kv_lora_rank
+    nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    scale = cfg.softmax_scale
+    print(f"\nDecode attention at DeepSeek-V3's shape (H={H}, key_dim={Dk}, value_dim={Dv}), B={batch}, {dtype}:")
+    print("| L | latent kernel | GB/s | copy GB/s | SDPA, latents (MQA) | SDPA, expanded K/V | vs MQA | vs expanded |")
+    print("|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for L in lengths:
+        q = torch.randn(batch, H, 1, Dk, generator=g).to(dtype)
+        cache = torch.randn(batch, 1, L, Dk, generator=g).to(dtype)
+        lengths_t = torch.full((batch,), L, dtype=torch.long)
+        target = torch.empty_like(cache)
+        fns = {
+            "kernel": lambda: ops.latent_decode_attention(q, cache, lengths_t, Dv, None, scale),
+            "copy": lambda: target.copy_(cache),
+        }
+        if mqa:  # slow on the CPU: SDPA's math path over the latents repeated for every head
+            fns["mqa"] = lambda: F.scaled_dot_product_attention(q, cache, cache[..., :Dv], scale=scale, enable_gqa=True)
+        expanded_bytes = batch * H * L * (nope + rope + v_dim) * dtype.itemsize
+        if expanded_bytes < 6 * 2**30:
+            q_exp = torch.randn(batch, H, 1, nope + rope, generator=g).to(dtype)
+            k_exp = torch.randn(batch, H, L, nope + rope, generator=g).to(dtype)
+            v_exp = torch.randn(batch, H, L, v_dim, generator=g).to(dtype)
+            fns["expanded"] = lambda: F.scaled_dot_product_attention(q_exp, k_exp, v_exp, scale=scale)
+        t = medians(fns, rounds)
+        latent_bytes = batch * L * Dk * dtype.itemsize
+        expanded, mqa_time = t.get("expanded"), t.get("mqa")
+        print(
+            f"| {L} | {t['kernel'] * 1e3:.2f} ms | {latent_bytes / t['kernel'] / 1e9:.2f} | "
+            f"{latent_bytes / t['copy'] / 1e9:.2f} | "
+            + (f"{mqa_time * 1e3:.1f} ms" if mqa_time else "not run")
+            + " | "
+            + (f"{expanded * 1e3:.1f} ms" if expanded else "does not fit")
+            + " | "
+            + (f"{mqa_time / t['kernel']:.1f}x" if mqa_time else "-")
+            + " | "
+            + (f"{expanded / t['kernel']:.1f}x |" if expanded else "- |")
+        )
+        del fns
+
+
+def dtype_table(lengths, rounds):
+    cfg = MLA_CONFIGS["deepseek-v3"]
+    H, Dk, Dv = cfg.n_heads, cfg.latent_dim, cfg.kv_lora_rank
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    print(f"\nLatent kernel by dtype at DeepSeek-V3's shape (H={H}, key_dim={Dk}, value_dim={Dv}), B=1:")
+    print("| L | " + " | ".join(str(d).removeprefix("torch.") for d in dtypes) + " |")
+    print("|---|" + "---|" * len(dtypes))
+    g = torch.Generator().manual_seed(0)
+    for L in lengths:
+        q, cache = torch.randn(1, H, 1, Dk, generator=g), torch.randn(1, 1, L, Dk, generator=g)
+        lengths_t = torch.tensor([L])
+        fns = {
+            d: (
+                lambda q=q.to(d), c=cache.to(d): ops.latent_decode_attention(
+                    q, c, lengths_t, Dv, None, cfg.softmax_scale
+                )
+            )
+            for d in dtypes
+        }
+        t = medians(fns, rounds)
+        print(f"| {L} | " + " | ".join(f"{t[d] * 1e3:.1f} ms" for d in dtypes) + " |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--no-mqa", action="store_true", help="skip SDPA over the latents (slow on the CPU)")
+    parser.add_argument("--compare-dtypes", action="store_true", help="time the kernel alone in each dtype")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"CPU: {cpu_model()}, torch threads: {torch.get_num_threads()}, torch {torch.__version__}")
+    if args.compare_dtypes:
+        return dtype_table(args.lengths, args.rounds)
+    memory_table(dtype)
+    attention_table(args.lengths, args.batch, args.rounds, dtype, not args.no_mqa)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+// Framework-free description of one latent (MLA) decode-attention call, shared by the CPU kernel
+// copies (latent_attention_kernel.inc, one per instruction set) and their binding
+// (latent_attention_cpu.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "../capabilities.h"
+#include "../elem_type.h"
+
+namespace kvcache_ext::cpu {
+
+// Keys are the cached latents [c, k_pe] (key_dim wide), values their first value_dim columns:
+// python_ref.latent.reference_latent_attention.
+struct LatentProblem {
+  ElemType elem;
+  const void* q;           // [batch, q_heads, num_new, key_dim], any strides
+  const void* cache;       // [batch, kv_heads, slots, key_dim], key_dim contiguous
+  const int64_t* lengths;  // [batch] tokens per row, the num_new new ones included
+  int64_t batch, q_heads, kv_heads, num_new, key_dim, value_dim, slots;
+  int64_t q_stride[4];
+  int64_t cache_stride[3];  // batch, head, slot
+  int64_t window;           // 0: no window
+  float scale;
+};
+
+// Query rows (heads of a group x new tokens) one call handles: every head of DeepSeek-V3 (128)
+// for one new token, so that decode reads each cached latent once for all heads.
+constexpr int64_t kMaxLatentRows = 128;
+// Positions per online-softmax step of the kernel.
+constexpr int64_t kLatentBlock = 8;
+
+// Floats of scratch one call needs for `rows` query rows: the rows widened and scaled, a block of
+// cache rows widened (position-major and transposed), and the block's weights.
+inline int64_t latent_scratch_floats(int64_t rows, int64_t key_dim) {
+  return rows * key_dim + 2 * kLatentBlock * key_dim + rows * kLatentBlock;
+}
+
+// Unnormalised attention of new tokens [query_begin, query_begin + query_count) of the query heads
+// [head_begin, head_begin + head_count) among those sharing cache head `kv_head`, of row `b`, over
+// positions [position_begin, position_end), each query seeing only what reference attention lets
+// it see. Row m = (g - head_begin) * query_count + (i - query_begin); rows <= kMaxLatentRows.
+// Writes acc[m][d] (d < value_dim) = sum of exp(score - row_max[m]) * value, row_max[m] and
+// row_sum[m] (0 with row_max -inf when nothing was visible).
+using LatentPartialFn = void (*)(const LatentProblem& p, int64_t b, int64_t kv_head, int64_t head_begin,
+                                 int64_t head_count, int64_t query_begin, int64_t query_count, int64_t position_begin,
+                                 int64_t position_end, float* acc, float* row_max, float* row_sum, float* scratch);
+
+// The copy of the active instruction set (cpu_isa.h's active_isa()).
+LatentPartialFn latent_partial_attention_kernel();
+
+}  // namespace kvcache_ext::cpu

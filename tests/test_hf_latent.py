@@ -1,0 +1,118 @@
+"""DeepSeek-V2/V3 on NativeCache: latents in native buffers, decode steps in the absorbed form on the
+native latent kernel, transformers' own tokens; models the adapter cannot serve refused when the cache
+is built, with the reason."""
+
+from functools import partial
+
+import pytest
+import torch
+from tiny_models import greedy, left_padded_batch
+
+transformers = pytest.importorskip("transformers")
+khf = pytest.importorskip("kvcache_ext.hf")
+
+from kvcache_ext import ops  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW_TOKENS, PROMPT_LEN, PAD = 10, 7, 0
+_batch = partial(left_padded_batch, prompt_len=PROMPT_LEN, pad=PAD)
+MLA = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    first_k_dense_replace=2,  # dense feed-forwards: the MoE router is beside the point here
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=24,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=64,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    if kind == "deepseek_v3":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**MLA, q_lora_rank=48))
+    else:
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**MLA, q_lora_rank=None))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(std=0.02 if "embed" in name else p.shape[1] ** -0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
+def test_greedy_left_padded_batch_gives_transformers_tokens_through_the_absorbed_kernel(kind, monkeypatch):
+    model = _model(kind)
+    ids, mask = _batch(3)
+    model.set_attn_implementation("sdpa")
+    expected = greedy(model, ids, mask, NEW_TOKENS)  # transformers' cache, re-expanding every step
+    assert len(set(expected[0, PROMPT_LEN:].tolist())) > 3, "random weights should give varied tokens"
+
+    calls = []
+    latent_op = ops.run_latent_decode_attention
+    monkeypatch.setattr(
+        ops, "run_latent_decode_attention", lambda *a, **k: calls.append(a[1].shape) or latent_op(*a, **k)
+    )
+    khf.enable_latent_attention(model)
+    cache = khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + NEW_TOKENS)
+    out = greedy(model, ids, mask, NEW_TOKENS, cache)
+    assert torch.equal(out, expected)
+    # One latent row per token for all heads (kv_lora_rank + qk_rope_head_dim), every decode step on it.
+    assert cache.layers[0].keys.shape == (3, 1, PROMPT_LEN + NEW_TOKENS, 40)
+    assert len(calls) == MLA["num_hidden_layers"] * (NEW_TOKENS - 1)
+
+
+def test_beam_search_gives_transformers_tokens():
+    model = _model("deepseek_v3")
+    ids, mask = _batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=PAD)
+    model.set_attn_implementation("sdpa")
+    expected = model.generate(ids, **kwargs)
+    khf.enable_latent_attention(model)
+    out = model.generate(ids, cache=khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + 6), **kwargs)
+    assert torch.equal(out, expected)
+
+
+def test_without_the_switch_the_cache_says_how_to_serve_latent_attention():
+    model = _model("deepseek_v3")
+    ids, mask = _batch(1)
+    model.set_attn_implementation("kvcache_ext")  # as a new user would: not enough for latent attention
+    cache = khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + 4)
+    with pytest.raises(RuntimeError, match=r"kvcache_ext\.hf\.enable_latent_attention\(model\)"):
+        greedy(model, ids, mask, 4, cache)
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        (lambda: transformers.BloomConfig(n_layer=2, hidden_size=64, n_head=4), "ALiBi"),
+        (
+            lambda: transformers.FalconConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, alibi=True),
+            "ALiBi",
+        ),
+    ],
+)
+def test_models_the_adapter_cannot_serve_are_refused_when_the_cache_is_built(config, reason):
+    with pytest.raises(ValueError, match=f"NativeCache cannot serve model_type .*{reason}"):
+        khf.NativeCache(config(), max_cache_len=16)
+
+
+def test_a_quantized_latent_cache_is_refused_at_construction():
+    with pytest.raises(ValueError, match="latent \\(MLA\\) NativeCache stores its latents in the model's dtype"):
+        khf.NativeCache(_model("deepseek_v3").config, max_cache_len=16, kv_dtype="int8")
