@@ -16,7 +16,7 @@ khf = pytest.importorskip("kvcache_ext.hf")
 
 from python_ref import quantize as quant  # noqa: E402
 
-FORMATS = ["int8", "fp8_e4m3", "int4"]
+FORMATS = ["int8", "fp8_e4m3", "int4", "int4_rot"]
 NEW_TOKENS, PROMPT_LEN, PAD = 8, 9, 0
 _batch = partial(left_padded_batch, prompt_len=PROMPT_LEN, pad=PAD)
 # head_dim 32: int4 keeps one scale per 32 values
