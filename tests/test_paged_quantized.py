@@ -17,7 +17,16 @@ from python_ref import (
     paged_append_quantized_reference,
     paged_quantized_attention_reference,
 )
-from python_ref.quantize import FORMATS, KV_FORMATS, data_shape, dequantize, quantize, scale_dtype, scale_shape, storage_dtype
+from python_ref.quantize import (
+    FORMATS,
+    KV_FORMATS,
+    data_shape,
+    dequantize,
+    quantize,
+    scale_dtype,
+    scale_shape,
+    storage_dtype,
+)
 
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
