@@ -20,11 +20,22 @@ KIVI's per-channel key scales, through python_ref's quantizer and reference atte
     taskset -c 1 python bench/quantized_accuracy.py train             # about 17 minutes on one core
     taskset -c 1 python bench/quantized_accuracy.py evaluate          # 3 to 5 minutes; a Markdown table
     taskset -c 1 python bench/quantized_accuracy.py key-granularity   # a few minutes
+    taskset -c 1 python bench/quantized_accuracy.py outliers          # outlier keys: every format at s = 1..100
+    taskset -c 1 python bench/quantized_accuracy.py probe             # the issue's synthetic outlier probe
+
+``outliers``: the same model made outlier-heavy without changing its function: RoPE pair
+``OUTLIER_PAIR`` of every key/value head of ``W_key`` scaled by s and the same pair of every query
+head of ``W_query`` by 1/s (each score, and so each output, is unchanged in exact arithmetic; the
+logits are checked equal to float32 rounding), then perplexity and top-1 agreement with the
+unquantized cache for every format, rotated keys and python_ref's per-channel (KIVI) keys included,
+at s = 1, 10, 30, 100. ``probe``: decode-output error against float64 attention over keys with four
+outlier channels (8x and 30x), B=4, 8 KV heads, 32 query heads, D=128, bfloat16 queries.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 import sysconfig
@@ -36,10 +47,22 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+import kvcache_ext
 from kvcache_ext import KVCache
 from python_ref.attention import reference_attention
 from python_ref.llama import LlamaConfig, LlamaModel
-from python_ref.quantize import INT4_GROUP, dequantize, quantize
+from python_ref.quantize import (
+    INT4_GROUP,
+    code_format,
+    data_shape,
+    dequantize,
+    per_channel_keys,
+    quantize,
+    rotates_keys,
+    scale_dtype,
+    scale_shape,
+    storage_dtype,
+)
 
 HERE = Path(__file__).parent / "accuracy"
 WEIGHTS, HELDOUT = HERE / "byte_llama.safetensors", HERE / "heldout.txt"
@@ -347,6 +370,197 @@ def key_granularity(args) -> None:
                 print(f"  [{time.perf_counter() - start:.0f}s] {name}: {label} done", file=sys.stderr, flush=True)
 
 
+# ---- outlier keys ---------------------------------------------------------------------------------
+OUTLIER_SCALES = (1.0, 10.0, 30.0, 100.0)
+OUTLIER_PAIR = 5  # RoPE pair (5, 5 + head_dim / 2): both channels rotate by one angle, so both scale alike
+OUTLIER_KV_DTYPES = (None, "int8", "int8_rot", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot")
+PER_CHANNEL_FORMATS = ("int8", "int4")  # python_ref's per-channel (KIVI) keys, values per token
+
+
+def with_outlier_keys(model: LlamaModel, s: float) -> LlamaModel:
+    """A copy of ``model`` whose keys are ``s`` times larger in RoPE pair ``OUTLIER_PAIR`` of every
+    key/value head and whose queries are ``1/s`` times smaller there: q . k, and so the function,
+    unchanged (RoPE rotates the pair's two channels together, so it commutes with the scaling)."""
+    model = copy.deepcopy(model)
+    D = CONFIG.head_dim
+    channels = (OUTLIER_PAIR, OUTLIER_PAIR + D // 2)
+    with torch.no_grad():
+        for block in model.trf_blocks:
+            for linear, heads, factor in (
+                (block.att.W_key, CONFIG.n_kv_heads, s),
+                (block.att.W_query, CONFIG.n_heads, 1 / s),
+            ):
+                rows = torch.tensor([h * D + c for h in range(heads) for c in channels])
+                linear.weight[rows] *= factor
+    return model
+
+
+def key_outlier_ratio(model: LlamaModel, windows: torch.Tensor) -> float:
+    """The largest key channel's RMS over the median channel's, over every layer and key/value head."""
+    cache = KeyRecorder()
+    model(windows, cache)
+    ratios = []
+    for keys in cache.keys:  # (B, H_kv, T, D)
+        rms = keys.pow(2).mean(dim=(0, 2)).sqrt()  # (H_kv, D)
+        ratios.append((rms.amax(-1) / rms.median(-1).values).max().item())
+    return max(ratios)
+
+
+class KeyRecorder(CausalTraining):
+    """Full causal attention, keeping every layer's (RoPE-rotated) keys."""
+
+    def __init__(self):
+        self.keys = []
+
+    def attend(self, layer, q, k, v, scale=None):
+        self.keys.append(k.float())
+        return super().attend(layer, q, k, v, scale)
+
+
+class PerChannelKeyCache:
+    """The cache protocol over keys as python_ref's per-channel (KIVI) format holds them
+    (``python_ref.quantize.per_channel_keys``: complete groups of 32 positions scaled per channel,
+    the newest incomplete group exact) and values per token in the same code format, attended with
+    python_ref's reference attention."""
+
+    def __init__(self, num_layers, kv_heads, head_dim, batch_size, max_cache_len, fmt):
+        shape = (num_layers, batch_size, kv_heads, max_cache_len, head_dim)
+        self.k, self.v, self.fmt, self.seq_length = torch.zeros(shape), torch.zeros(shape), fmt, 0
+
+    def start_step(self, num_new):
+        self._num_new = num_new
+        return torch.arange(self.seq_length, self.seq_length + num_new).unsqueeze(0)
+
+    def attend(self, layer, q, k, v, scale=None):
+        start, end = self.seq_length, self.seq_length + self._num_new
+        self.k[layer, :, :, start:end], self.v[layer, :, :, start:end] = k.float(), v.float()
+        keys = per_channel_keys(self.k[layer, :, :, :end], self.fmt)
+        values = dequantize(*quantize(self.v[layer, :, :, :end], self.fmt), self.fmt)
+        lengths = torch.full((q.shape[0],), end, dtype=torch.long)
+        return reference_attention(q, keys.to(q.dtype), values.to(q.dtype), lengths)
+
+    def finish_step(self):
+        self.seq_length += self._num_new
+
+
+def cache_perplexity(model, rows, cache, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """``perplexity``'s per-byte losses and argmax bytes through any object of the cache protocol."""
+    T = rows.shape[1]
+    logits = torch.cat([model(rows[:, i : i + step], cache) for i in range(0, T - 1, step)], dim=1)[:, : T - 1].float()
+    return F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none"), logits.argmax(-1)
+
+
+def outliers(args) -> None:
+    torch.set_num_threads(args.threads)
+    text = torch.frombuffer(bytearray(HELDOUT.read_bytes()), dtype=torch.uint8).long()
+    T = CONFIG.context_length
+    rows = text[: len(text) // T * T].view(-1, T)[: args.rows]
+    print(
+        f"held-out text: {rows.numel()} bytes in {rows.shape[0]} windows of {T}, steps of {args.step}; float32 model; "
+        f"keys of RoPE pair ({OUTLIER_PAIR}, {OUTLIER_PAIR + CONFIG.head_dim // 2}) scaled by s, queries by 1/s; "
+        f"{args.threads} thread(s)\n"
+    )
+    print(
+        "| s | largest / median key channel (RMS) | max abs logit change (full precision) | kv_dtype "
+        "| perplexity per byte | vs unquantized | top-1 agreement |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        original = load_model(torch.float32)
+        reference_logits = original(rows[:2, :-1], CausalTraining())
+        for s in args.scales:
+            model = with_outlier_keys(original, s)
+            change = (model(rows[:2, :-1], CausalTraining()) - reference_logits).abs().max().item()
+            ratio = key_outlier_ratio(model, rows[:2])
+            base = None
+            caches = [(kv_dtype or "none", None, kv_dtype) for kv_dtype in args.kv_dtypes]
+            caches += [(f"{fmt}, per-channel keys (KIVI, python_ref)", fmt, "kivi") for fmt in PER_CHANNEL_FORMATS]
+            for label, fmt, kind in caches:
+                if kind == "kivi":
+                    cache = PerChannelKeyCache(**model.kv_shape, batch_size=rows.shape[0], max_cache_len=T, fmt=fmt)
+                    nll, top1 = cache_perplexity(model, rows, cache, args.step)
+                else:
+                    nll, top1 = perplexity(model, rows, kind, torch.float32, args.step)
+                ppl = nll.mean().exp().item()
+                if base is None:
+                    base = (ppl, top1)
+                print(
+                    f"| {s:g} | {ratio:.1f} | {change:.1e} | {label} | {ppl:.4f} | {100 * (ppl / base[0] - 1):+.3f} % | "
+                    f"{100 * (top1 == base[1]).float().mean():.2f} % |",
+                    flush=True,
+                )
+                print(f"  [{time.perf_counter() - start:.0f}s] s={s:g} {label} done", file=sys.stderr, flush=True)
+
+
+PROBE_FORMATS = (None, "int8", "int8_rot", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot")
+PROBE_CHANNELS = (3, 40, 77, 100)  # the four outlier channels of every key
+
+
+def probe_keys(length: int, outlier: float, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (4, 32, 1, 128) bfloat16, keys and values (4, 8, length, 128) float32: keys with four
+    channels ``outlier`` times the others."""
+    k = torch.randn(4, 8, length, 128, generator=generator)
+    k[..., list(PROBE_CHANNELS)] *= outlier
+    v = torch.randn(4, 8, length, 128, generator=generator)
+    q = torch.randn(4, 32, 1, 128, generator=generator).bfloat16()
+    return q, k, v
+
+
+def attention64(q, k, v) -> torch.Tensor:
+    """Softmax attention of the last position in float64 (GQA: query head h reads KV head h // group)."""
+    B, H_q, _, D = q.shape
+    H_kv = k.shape[1]
+    q = q.double().view(B, H_kv, H_q // H_kv, D)
+    weights = torch.softmax(q @ k.double().transpose(-1, -2) / math.sqrt(D), dim=-1)
+    return (weights @ v.double()).view(B, H_q, 1, D)
+
+
+def probe_errors(length: int, outlier: float, seed: int = 0) -> dict[str, float]:
+    """Relative error (Frobenius norm) of one decode step's output against float64 attention over the
+    keys and values the caches are given (bfloat16), per cache format (None: the bfloat16 cache, whose
+    error is its arithmetic's): native ops for the formats, python_ref for the per-channel (KIVI) keys."""
+    q, k, v = probe_keys(length, outlier, torch.Generator().manual_seed(seed))
+    k16, v16 = k.bfloat16(), v.bfloat16()
+    exact = attention64(q, k16, v16)
+    lengths = torch.full((4,), length, dtype=torch.long)
+    errors = {}
+    for fmt in PROBE_FORMATS:
+        if fmt is None:
+            out, _ = kvcache_ext.decode_attention(q, k16, v16, lengths)
+        else:
+            base = code_format(fmt)
+            shape = (4, 8, length, 128)
+            codes = torch.zeros(data_shape(base, shape), dtype=torch.uint8).view(storage_dtype(base))
+            scales = torch.zeros(scale_shape(base, shape), dtype=scale_dtype(base))
+            cache = (codes, scales, codes.clone(), scales.clone())
+            rotate = rotates_keys(fmt)
+            kvcache_ext.append_kv_quantized(*cache, k16, v16, torch.zeros(4, dtype=torch.long), rotate_keys=rotate)
+            out, _ = kvcache_ext.decode_attention_quantized(q, *cache, lengths, rotate_keys=rotate)
+        errors[fmt or "bfloat16"] = ((out.double() - exact).norm() / exact.norm()).item()
+    for fmt in PER_CHANNEL_FORMATS:
+        keys = per_channel_keys(k16, fmt)
+        values = dequantize(*quantize(v16, fmt), fmt)
+        out = attention64(q, keys, values)
+        errors[f"{fmt}, per-channel keys (KIVI, python_ref)"] = ((out - exact).norm() / exact.norm()).item()
+    return errors
+
+
+def probe(args) -> None:
+    torch.set_num_threads(args.threads)
+    print(
+        f"decode-output relative error (Frobenius) vs float64 attention over the bfloat16 keys/values the caches "
+        f"are given: B=4, 8 KV "
+        f"heads, 32 query heads, D=128, L={args.length}, bfloat16 queries, keys with channels {PROBE_CHANNELS} "
+        f"scaled by s; {args.threads} thread(s)\n"
+    )
+    results = {s: probe_errors(args.length, s) for s in args.scales}
+    print("| kv_dtype | " + " | ".join(f"s = {s:g}" for s in args.scales) + " |")
+    print("|---|" + "---|" * len(args.scales))
+    for name in results[args.scales[0]]:
+        print(f"| {name} | " + " | ".join(f"{results[s][name]:.2e}" for s in args.scales) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -369,10 +583,31 @@ def main() -> None:
     g.add_argument("--rows", type=int, default=64, help="held-out windows of context_length bytes")
     g.add_argument("--step", type=int, default=16, help="bytes per teacher-forced step")
     g.add_argument("--threads", type=int, default=1)
+    o = commands.add_parser("outliers", help="every format on the model with outlier keys, s = 1, 10, 30, 100")
+    o.add_argument("--rows", type=int, default=16, help="held-out windows of context_length bytes")
+    o.add_argument("--step", type=int, default=16, help="bytes per teacher-forced step")
+    o.add_argument("--scales", type=float, nargs="+", default=list(OUTLIER_SCALES))
+    o.add_argument("--threads", type=int, default=1)
+    o.add_argument("--quick", action="store_true", help="a smoke test: 2 windows, s = 1 and 30, steps of 128")
+    pr = commands.add_parser("probe", help="the issue's synthetic outlier probe (decode-output error)")
+    pr.add_argument("--length", type=int, default=8192, help="cached tokens per row")
+    pr.add_argument("--scales", type=float, nargs="+", default=[8.0, 30.0])
+    pr.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.command == "evaluate" and args.quick:
         args.rows, args.prompts, args.new, args.step = 4, 2, 32, 64
-    {"train": train, "evaluate": evaluate, "key-granularity": key_granularity}[args.command](args)
+    if args.command == "outliers":
+        args.kv_dtypes = OUTLIER_KV_DTYPES
+        if args.quick:
+            args.rows, args.step, args.scales = 2, 128, [1.0, 30.0]
+    commands_by_name = {
+        "train": train,
+        "evaluate": evaluate,
+        "key-granularity": key_granularity,
+        "outliers": outliers,
+        "probe": probe,
+    }
+    commands_by_name[args.command](args)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 
 #include "capabilities.h"
 #include "elem_type.h"
+#include "key_rotation.h"
 #include "paged_blocks.h"
 
 namespace kvcache_ext {
@@ -442,6 +443,14 @@ inline void check_quantized_queries(const torch::stable::Tensor& q, int64_t H_kv
   check_query_heads(q.size(1), H_kv);
   STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
   check_softcap_and_sinks(softcap, sinks, q);
+}
+
+// The rotated-key formats' Walsh-Hadamard transform (key_rotation.h) needs a power-of-two head_dim.
+inline void check_rotated_head_dim(bool rotate_keys, int64_t head_dim) {
+  STD_TORCH_CHECK(!rotate_keys || rotation_head_dim_supported(head_dim),
+                  "rotated keys (rotate_keys, the *_rot formats) need head_dim a power of two (a Walsh-Hadamard "
+                  "transform), got ",
+                  head_dim);
 }
 
 }  // namespace kvcache_ext

@@ -36,6 +36,9 @@ inline bool head_dim_supported(int64_t head_dim) {
   return head_dim >= kHeadDimMultiple && head_dim <= kMaxHeadDim && head_dim % kHeadDimMultiple == 0;
 }
 
+constexpr const char* kKvFormatsJson =
+    "[\"int8\", \"fp8_e4m3\", \"int4\", \"int8_rot\", \"fp8_e4m3_rot\", \"int4_rot\"]";
+
 // The table as JSON, for one device type ("cpu" or "cuda"). Query heads per KV head (the GQA
 // group) and new tokens per call are unlimited on both devices.
 inline std::string capabilities_json(bool cuda) {
@@ -43,13 +46,13 @@ inline std::string capabilities_json(bool cuda) {
          "\"head_dim_multiple\": " + std::to_string(kHeadDimMultiple) +
          ", \"max_head_dim\": " + std::to_string(kMaxHeadDim) + ", \"max_length\": " + std::to_string(kMaxLength) +
          ", \"max_slots\": " + std::to_string(cuda ? kMaxSlotsCuda : kMaxSlotsCpu) + ", \"max_group\": null" +
-         // Quantized cache formats (python_ref/quantize.py) the kernels store and attend over:
-         // the same on both devices.
-         ", \"kv_formats\": [\"int8\", \"fp8_e4m3\", \"int4\"]" +
+         // Quantized cache formats (python_ref/quantize.py) the kernels store and attend over,
+         // the rotated-key ones (rotate_keys) included: the same on both devices.
+         ", \"kv_formats\": " + kKvFormatsJson +
          // Block sizes of paged pools the kernels take: the same on both devices.
          ", \"paged_max_block_size\": " + std::to_string(kMaxBlockSize) +
          // Quantized formats the paged kernels store and attend over: the same on both devices.
-         ", \"paged_kv_formats\": [\"int8\", \"fp8_e4m3\", \"int4\"]" +
+         ", \"paged_kv_formats\": " + kKvFormatsJson +
          // Widest latent cache row the latent kernel takes (0: none on this device).
          ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) + "}";
 }

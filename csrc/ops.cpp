@@ -70,16 +70,18 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // (int4). append_kv_quantized quantizes k_new/v_new [batch, kv_heads, num_new, head_dim]
   // (float32, bfloat16 or float16) into slot (lengths[b] + t) % slots, data and scales, exactly
   // as python_ref.quantize.quantize does; lengths and new_counts as for append_kv (only tokens
-  // t < new_counts[b] of row b are quantized and written).
+  // t < new_counts[b] of row b are quantized and written). rotate_keys (the "*_rot" formats):
+  // keys are stored as R k, R python_ref.quantize's fixed randomised Hadamard transform (head_dim a
+  // power of two), and the attention ops given rotate_keys attend with R q over them.
   m.def(
       "append_kv_quantized(Tensor(a!) k_data, Tensor(b!) k_scales, Tensor(c!) v_data, Tensor(d!) v_scales, "
-      "Tensor k_new, Tensor v_new, Tensor lengths, Tensor? new_counts=None) -> ()");
+      "Tensor k_new, Tensor v_new, Tensor lengths, Tensor? new_counts=None, bool rotate_keys=False) -> ()");
   // decode_attention over the values a quantized cache stands for, dequantized in registers:
   // python_ref.quantize.reference_quantized_attention. q (and out) float32, bfloat16 or float16.
   m.def(
       "decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, "
-      "Tensor lengths, int? window=None, float? scale=None, float? softcap=None, Tensor? sinks=None) "
-      "-> (Tensor, Tensor)");
+      "Tensor lengths, int? window=None, float? scale=None, float? softcap=None, Tensor? sinks=None, "
+      "bool rotate_keys=False) -> (Tensor, Tensor)");
 
   // The paged forms of the two quantized ops: pools of codes k_data/v_data [num_blocks, kv_heads,
   // block_size, head_dim] (head_dim / 2 bytes for int4) and scales k_scales/v_scales float32
@@ -90,11 +92,12 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // tables hold, the quantized kernel in its block-table address mode.
   m.def(
       "paged_append_kv_quantized(Tensor(a!) k_data, Tensor(b!) k_scales, Tensor(c!) v_data, Tensor(d!) v_scales, "
-      "Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths, Tensor? new_counts=None) -> ()");
+      "Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths, Tensor? new_counts=None, "
+      "bool rotate_keys=False) -> ()");
   m.def(
       "paged_decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, "
       "Tensor block_tables, Tensor lengths, int? window=None, float? scale=None, float? softcap=None, "
-      "Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+      "Tensor? sinks=None, bool rotate_keys=False) -> (Tensor out, Tensor lse)");
 
   // Latent (MLA) attention, python_ref.latent.reference_latent_attention: the cache [batch, kv_heads,
   // slots, key_dim] holds each token's latent once for every query head of its group (DeepSeek:

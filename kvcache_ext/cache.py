@@ -22,7 +22,9 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
     ring of ``W + chunk_size - 1`` slots (a longer step is taken ``chunk_size`` tokens at a time), with
     ``sink_tokens`` first tokens kept besides it (StreamingLLM). ``dtype`` is that of q, k, v and the
     output. ``kv_dtype`` (None: keys/values stored in ``dtype``) stores them quantized, ``"int8"``,
-    ``"fp8_e4m3"`` (or ``"fp8"``) or ``"int4"`` (``python_ref/quantize.py``); sink tokens stay in
+    ``"fp8_e4m3"`` (or ``"fp8"``) or ``"int4"``, or one of them with rotated keys, ``"int8_rot"``,
+    ``"fp8_e4m3_rot"``, ``"int4_rot"`` (a fixed randomised Hadamard transform spreads outlier key
+    channels before they are quantized; head_dim a power of two) (``python_ref/quantize.py``); sink tokens stay in
     ``dtype`` (few, and the ones attention leans on most). Every combination of these works, with
     rows that grow unevenly (``start_step(T, counts)``), every row operation (``reorder``, ``fork``,
     ``select``, ``repeat_interleave``, ``crop``, ``rewind``, ``reset_rows``) and ``save``/``load``.
@@ -212,8 +214,8 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
     def storage_kwargs(cls, meta: dict, path) -> dict:
         """The constructor arguments of a saved storage format, checked."""
         kv_dtype = meta.get("kv_dtype")
-        if kv_dtype is not None and kv_dtype not in quant.FORMATS:
-            raise ValueError(f"{path}: kv_dtype must be None or one of {quant.FORMATS}, got {kv_dtype!r}")
+        if kv_dtype is not None and kv_dtype not in quant.KV_FORMATS:
+            raise ValueError(f"{path}: kv_dtype must be None or one of {quant.KV_FORMATS}, got {kv_dtype!r}")
         value_dim = meta.get("value_dim")
         if value_dim is not None and (not isinstance(value_dim, int) or isinstance(value_dim, bool)):
             raise ValueError(f"{path}: value_dim must be None or an int, got {value_dim!r}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from python_ref.quantize import FORMATS
+from python_ref.quantize import KV_FORMATS
 
 from . import _native
 from ._native import CPU_ISAS  # noqa: F401 (part of this module's table of what runs)
@@ -135,7 +135,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         max_length=MAX_LENGTH,
         max_slots=MAX_LENGTH,
         max_group=None,
-        kv_formats=FORMATS,
+        kv_formats=KV_FORMATS,
         paged_block_sizes=(),
         paged_kv_formats=(),
     )

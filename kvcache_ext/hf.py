@@ -431,7 +431,8 @@ class NativeCache(Cache):
     layers hold ``max_cache_len`` slots; sliding-window layers (the config's ``layer_types``, or
     its ``sliding_window``) hold ``min(max_cache_len, sliding_window + chunk_size - 1)``, a ring
     buffer (see :class:`NativeCacheLayer`). Call :meth:`reset` before reusing it for a new prompt.
-    ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``, ``"int4"``; None: the model's dtype) stores keys
+    ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``, ``"int4"``, or ``"int8_rot"``, ``"fp8_e4m3_rot"``,
+    ``"int4_rot"`` with rotated keys; None: the model's dtype) stores keys
     and values quantized, as ``KVCache(kv_dtype=...)`` does. The model must use
     ``attn_implementation="kvcache_ext"``.
     """

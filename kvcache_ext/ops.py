@@ -61,8 +61,8 @@ _CPU_TABLE, _CUDA_TABLE = capabilities("cpu"), capabilities("cuda")
 _CPU_NATIVE, _CUDA_NATIVE = _CPU_TABLE.native, _CUDA_TABLE.native
 _CPU_PAGED = _CPU_NATIVE and _CPU_TABLE.paged_block_sizes == PAGED_BLOCK_SIZES
 _CUDA_PAGED = _CUDA_NATIVE and _CUDA_TABLE.paged_block_sizes == PAGED_BLOCK_SIZES
-_CPU_PAGED_QUANTIZED = _CPU_PAGED and set(_CPU_TABLE.paged_kv_formats) == set(quant.FORMATS)
-_CUDA_PAGED_QUANTIZED = _CUDA_PAGED and set(_CUDA_TABLE.paged_kv_formats) == set(quant.FORMATS)
+_CPU_PAGED_QUANTIZED = _CPU_PAGED and set(_CPU_TABLE.paged_kv_formats) == set(quant.KV_FORMATS)
+_CUDA_PAGED_QUANTIZED = _CUDA_PAGED and set(_CUDA_TABLE.paged_kv_formats) == set(quant.KV_FORMATS)
 _CPU_LATENT, _CUDA_LATENT = (
     _CPU_NATIVE and _CPU_TABLE.latent_max_key_dim > 0,
     _CUDA_NATIVE and _CUDA_TABLE.latent_max_key_dim > 0,
@@ -375,7 +375,10 @@ if _native.available:
 # scale arguments on append_kv/decode_attention: their arguments differ in kind (the cache holds
 # codes, not values; q and k_new keep a float dtype the cache does not have), so each op's schema
 # says exactly what it takes, the plain ops and their fakes stay as they are, and the format
-# follows from the data dtype (int8, float8_e4m3fn, uint8 = packed int4).
+# follows from the data dtype (int8, float8_e4m3fn, uint8 = packed int4). Every quantized op takes
+# rotate_keys (default False): True for a cache of a rotated-key format ("int4_rot", ...), whose
+# codes are those of the rotated keys R k (python_ref/quantize.py); the append rotates the keys and
+# the attention the queries, in the native op (or python_ref's reference where none runs).
 _KV_FORMAT_OF_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.uint8: "int4"}
 
 
@@ -387,11 +390,15 @@ def kv_format_of(data: torch.Tensor) -> str:
     return fmt
 
 
-def check_quantized_cache(k_data, k_scales, v_data, v_scales, dims="batch, kv_heads, slots") -> tuple[str, int]:
+def check_quantized_cache(
+    k_data, k_scales, v_data, v_scales, dims="batch, kv_heads, slots", rotate_keys=False
+) -> tuple[str, int]:
     """Shapes, dtypes, layout and device of a quantized cache (or, with ``dims`` "num_blocks,
-    kv_heads, block_size", of a paged pool) against the capability table; returns its format and
-    head_dim."""
-    fmt = kv_format_of(k_data)
+    kv_heads, block_size", of a paged pool) against the capability table, and ``rotate_keys``;
+    returns its format (a rotated one with ``rotate_keys``) and head_dim."""
+    if not isinstance(rotate_keys, bool):
+        raise TypeError(f"rotate_keys must be True or False, got {rotate_keys!r}")
+    fmt = quant.with_rotation(kv_format_of(k_data), rotate_keys)
     if k_data.dim() != 4:
         raise ValueError(f"k_data must be ({dims}, head_dim bytes), got shape {tuple(k_data.shape)}")
     if v_data.shape != k_data.shape or v_data.dtype != k_data.dtype:
@@ -404,7 +411,7 @@ def check_quantized_cache(k_data, k_scales, v_data, v_scales, dims="batch, kv_he
             f"the {table.kernels} on {k_data.device.type} stores kv formats {table.kv_formats}, not {fmt!r}"
         )
     B, H, S, row = k_data.shape
-    head_dim = 2 * row if fmt == "int4" else row
+    head_dim = 2 * row if quant.code_format(fmt) == "int4" else row
     table.check_head_dim(head_dim)
     quant.check_head_dim(fmt, head_dim)
     table.check_slots(S)
@@ -415,7 +422,7 @@ def check_quantized_cache(k_data, k_scales, v_data, v_scales, dims="batch, kv_he
                 f"{name} must be {quant.scale_dtype(fmt)} of shape {expected_scales} for {fmt}, got "
                 f"{t.dtype} of shape {tuple(t.shape)}"
             )
-        if fmt == "int4" and t.shape[3] > 1 and t.stride(3) != 1:
+        if quant.code_format(fmt) == "int4" and t.shape[3] > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} needs contiguous groups (last dimension)")
     if k_data.stride(3) != 1 or v_data.stride(3) != 1:
         raise ValueError("k_data and v_data need a contiguous last dimension")
@@ -427,10 +434,12 @@ def check_quantized_cache(k_data, k_scales, v_data, v_scales, dims="batch, kv_he
     return fmt, head_dim
 
 
-def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
+def check_append_kv_quantized(
+    k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None, rotate_keys=False
+) -> None:
     """Every check of :func:`append_kv_quantized`'s arguments (values of ``lengths`` and
     ``new_counts`` as :func:`check_length_values` checks them)."""
-    _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
+    _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales, rotate_keys=rotate_keys)
     B, H, S = k_data.shape[:3]
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != D:
@@ -454,11 +463,11 @@ def check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, 
 
 
 def check_decode_attention_quantized(
-    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
+    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None, rotate_keys=False
 ) -> None:
     """Every check of :func:`decode_attention_quantized`'s arguments (values of ``lengths`` as
     :func:`check_length_values` checks them)."""
-    _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales)
+    _, D = check_quantized_cache(k_data, k_scales, v_data, v_scales, rotate_keys=rotate_keys)
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
     check_queries(q, k_data.shape[0], k_data.shape[1], k_data.shape[2], D, k_data.device, window, scale, softcap, sinks)
@@ -466,37 +475,46 @@ def check_decode_attention_quantized(
     check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
 
 
-def append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
+def append_kv_quantized(
+    k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None, rotate_keys=False
+) -> None:
     """Quantize ``k_new``/``v_new`` ``(B, H_kv, T, D)`` into the cache at slots ``(lengths + t) % S``:
-    codes into ``*_data``, scales into ``*_scales``, exactly ``python_ref.quantize.quantize``.
+    codes into ``*_data``, scales into ``*_scales``, exactly ``python_ref.quantize.quantize``
+    (keys rotated first with ``rotate_keys``: ``quantize_keys`` of the rotated format).
     ``new_counts`` as for :func:`append_kv`: only tokens ``t < new_counts[b]`` of row ``b`` are
     quantized and written; the other slots keep their bytes."""
-    check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
-    run_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
+    check_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts, rotate_keys)
+    run_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts, rotate_keys)
 
 
-def run_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
+def run_append_kv_quantized(
+    k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None, rotate_keys=False
+) -> None:
     """:func:`append_kv_quantized` on arguments that passed :func:`check_append_kv_quantized`."""
     if (k_data.is_cpu and _CPU_NATIVE) or (k_data.is_cuda and _CUDA_NATIVE):
-        _append_kv_quantized_op(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
+        _append_kv_quantized_op(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts, rotate_keys)
     else:
-        quant.append_quantized_to_slots(
-            k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, kv_format_of(k_data), new_counts
-        )
+        fmt = quant.with_rotation(kv_format_of(k_data), rotate_keys)
+        quant.append_quantized_to_slots(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, fmt, new_counts)
 
 
 def decode_attention_quantized(
-    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
+    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None, rotate_keys=False
 ):
     """``decode_attention`` over a quantized cache, dequantized in the kernel's registers:
     ``python_ref.quantize.reference_quantized_attention``. Returns ``(out, lse)`` like
-    ``decode_attention`` (``out`` in q's dtype)."""
-    check_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window, scale, softcap, sinks)
-    return run_decode_attention_quantized(q, k_data, k_scales, v_data, v_scales, lengths, window, scale, softcap, sinks)
+    ``decode_attention`` (``out`` in q's dtype). ``rotate_keys``: the cache holds rotated keys, and
+    the rotated queries attend over them."""
+    check_decode_attention_quantized(
+        q, k_data, k_scales, v_data, v_scales, lengths, window, scale, softcap, sinks, rotate_keys
+    )
+    return run_decode_attention_quantized(
+        q, k_data, k_scales, v_data, v_scales, lengths, window, scale, softcap, sinks, rotate_keys
+    )
 
 
 def run_decode_attention_quantized(
-    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
+    q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None, rotate_keys=False
 ):
     """:func:`decode_attention_quantized` on arguments that passed :func:`check_decode_attention_quantized`."""
     if (k_data.is_cpu and _CPU_NATIVE) or (k_data.is_cuda and _CUDA_NATIVE):
@@ -511,6 +529,7 @@ def run_decode_attention_quantized(
             None if scale is None else float(scale),
             None if softcap is None else float(softcap),
             None if sinks is None else sinks.float(),
+            rotate_keys,
         )
     out, lse = quant.reference_quantized_attention(
         q,
@@ -519,7 +538,7 @@ def run_decode_attention_quantized(
         v_data,
         v_scales,
         lengths,
-        kv_format_of(k_data),
+        quant.with_rotation(kv_format_of(k_data), rotate_keys),
         window,
         scale,
         return_lse=True,
@@ -532,13 +551,25 @@ def run_decode_attention_quantized(
 if _native.available:
 
     @torch.library.register_fake("kvcache_ext::append_kv_quantized")
-    def _append_kv_quantized_fake(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None):
+    def _append_kv_quantized_fake(
+        k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts=None, rotate_keys=False
+    ):
         _check_one_device(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, new_counts)
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention_quantized")
     def _decode_attention_quantized_fake(
-        q, k_data, k_scales, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
+        q,
+        k_data,
+        k_scales,
+        v_data,
+        v_scales,
+        lengths,
+        window=None,
+        scale=None,
+        softcap=None,
+        sinks=None,
+        rotate_keys=False,
     ):
         _check_one_device(q, k_data, k_scales, v_data, v_scales, lengths, sinks)
         return _attention_outputs_like(q)
@@ -667,57 +698,71 @@ if _native.available:
 # (capabilities().paged_kv_formats), python_ref's paged quantized reference runs.
 
 
-def check_quantized_pool(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
+def check_quantized_pool(k_data, k_scales, v_data, v_scales, rotate_keys=False) -> tuple[str, int]:
     """Shapes, dtypes, block size, head_dim, layout and device of a quantized pool against the
-    capability table; returns its format and head_dim."""
-    fmt, head_dim = check_quantized_cache(k_data, k_scales, v_data, v_scales, "num_blocks, kv_heads, block_size")
+    capability table, and ``rotate_keys``; returns its format and head_dim."""
+    fmt, head_dim = check_quantized_cache(
+        k_data, k_scales, v_data, v_scales, "num_blocks, kv_heads, block_size", rotate_keys
+    )
     if k_data.shape[2] not in PAGED_BLOCK_SIZES:
         raise ValueError(f"block_size (k_data's dimension 2) must be one of {PAGED_BLOCK_SIZES}, got {k_data.shape[2]}")
     return fmt, head_dim
 
 
 def check_paged_append_kv_quantized(
-    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None, rotate_keys=False
 ) -> None:
     """Every check :func:`paged_append_kv_quantized` makes in Python (values: as for
     :func:`check_paged_append_kv`)."""
-    check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    check_quantized_pool(k_data, k_scales, v_data, v_scales, rotate_keys)
     paged.check_paged_append_quantized_arguments(
         k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
     )
 
 
 def run_paged_append_kv_quantized(
-    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None, rotate_keys=False
 ) -> None:
     """:func:`paged_append_kv_quantized` on arguments that passed :func:`check_paged_append_kv_quantized`."""
     if (k_data.is_cpu and _CPU_PAGED_QUANTIZED) or (k_data.is_cuda and _CUDA_PAGED_QUANTIZED):
         _paged_append_kv_quantized_op(
-            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts, rotate_keys
         )
     else:
         paged.paged_append_quantized_reference(
-            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
+            k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts, rotate_keys
         )
 
 
 def paged_append_kv_quantized(
-    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None, rotate_keys=False
 ) -> None:
     """:func:`paged_append_kv` into a quantized pool: token ``t < new_counts[b]`` of row ``b`` is
     quantized into codes and scales at position ``lengths[b] + t`` through the block tables, exactly
     as :func:`append_kv_quantized` quantizes (``python_ref.quantize.quantize``). Same refusals as
-    :func:`paged_append_kv`, before anything is written."""
-    check_paged_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts)
-    run_paged_append_kv_quantized(k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts)
+    :func:`paged_append_kv`, before anything is written. ``rotate_keys`` as for :func:`append_kv_quantized`."""
+    args = (k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts, rotate_keys)
+    check_paged_append_kv_quantized(*args)
+    run_paged_append_kv_quantized(*args)
 
 
 def check_paged_decode_attention_quantized(
-    q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+    q,
+    k_data,
+    k_scales,
+    v_data,
+    v_scales,
+    block_tables,
+    lengths,
+    window=None,
+    scale=None,
+    softcap=None,
+    sinks=None,
+    rotate_keys=False,
 ) -> None:
     """Every check :func:`paged_decode_attention_quantized` makes in Python (values: as for
     :func:`check_paged_decode_attention`)."""
-    _, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    _, D = check_quantized_pool(k_data, k_scales, v_data, v_scales, rotate_keys)
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
     if q.dim() != 4:
@@ -729,7 +774,18 @@ def check_paged_decode_attention_quantized(
 
 
 def run_paged_decode_attention_quantized(
-    q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+    q,
+    k_data,
+    k_scales,
+    v_data,
+    v_scales,
+    block_tables,
+    lengths,
+    window=None,
+    scale=None,
+    softcap=None,
+    sinks=None,
+    rotate_keys=False,
 ):
     """:func:`paged_decode_attention_quantized` on arguments that passed
     :func:`check_paged_decode_attention_quantized`."""
@@ -746,6 +802,7 @@ def run_paged_decode_attention_quantized(
             None if scale is None else float(scale),
             None if softcap is None else float(softcap),
             None if sinks is None else sinks.float(),
+            rotate_keys,
         )
     out, lse = paged.paged_quantized_attention_reference(
         q,
@@ -760,36 +817,56 @@ def run_paged_decode_attention_quantized(
         return_lse=True,
         softcap=softcap,
         sinks=sinks,
+        rotate_keys=rotate_keys,
     )
     return out, lse.float()
 
 
 def paged_decode_attention_quantized(
-    q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+    q,
+    k_data,
+    k_scales,
+    v_data,
+    v_scales,
+    block_tables,
+    lengths,
+    window=None,
+    scale=None,
+    softcap=None,
+    sinks=None,
+    rotate_keys=False,
 ):
     """:func:`paged_decode_attention` over a quantized pool, dequantized in the kernel's registers:
     ``python_ref.paged.paged_quantized_attention_reference``. ``q`` float32, bfloat16 or float16;
-    returns ``(out, lse)`` (``out`` in q's dtype)."""
-    check_paged_decode_attention_quantized(
-        q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window, scale, softcap, sinks
-    )
-    return run_paged_decode_attention_quantized(
-        q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window, scale, softcap, sinks
-    )
+    returns ``(out, lse)`` (``out`` in q's dtype). ``rotate_keys`` as for :func:`decode_attention_quantized`."""
+    args = (q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window, scale, softcap, sinks, rotate_keys)
+    check_paged_decode_attention_quantized(*args)
+    return run_paged_decode_attention_quantized(*args)
 
 
 if _native.available:
 
     @torch.library.register_fake("kvcache_ext::paged_append_kv_quantized")
     def _paged_append_kv_quantized_fake(
-        k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+        k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None, rotate_keys=False
     ):
         _check_one_device(k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts)
         return None
 
     @torch.library.register_fake("kvcache_ext::paged_decode_attention_quantized")
     def _paged_decode_attention_quantized_fake(
-        q, k_data, k_scales, v_data, v_scales, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
+        q,
+        k_data,
+        k_scales,
+        v_data,
+        v_scales,
+        block_tables,
+        lengths,
+        window=None,
+        scale=None,
+        softcap=None,
+        sinks=None,
+        rotate_keys=False,
     ):
         _check_one_device(q, k_data, k_scales, v_data, v_scales, block_tables, lengths, sinks)
         return _attention_outputs_like(q)

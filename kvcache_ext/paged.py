@@ -44,7 +44,8 @@ class PagedKVCache(StorageAttributes):
     ``reset()`` frees every sequence (cached prefixes stay findable).
 
     ``kv_dtype`` (None: keys/values stored in ``dtype``) stores them quantized, ``"int8"``,
-    ``"fp8_e4m3"`` or ``"int4"`` (``python_ref/quantize.py``), as ``KVCache(kv_dtype=...)`` does: then
+    ``"fp8_e4m3"`` or ``"int4"``, or with rotated keys ``"int8_rot"``, ``"fp8_e4m3_rot"``, ``"int4_rot"``
+    (``python_ref/quantize.py``), as ``KVCache(kv_dtype=...)`` does: then
     ``k``/``v`` hold the codes, ``(num_layers, num_blocks, kv_heads, block_size, head_dim)`` (head_dim / 2
     bytes for int4), and ``k_scale``/``v_scale`` their scales, which copy-on-write copies with them;
     ``dtype`` stays that of q, k, v and the attention output.

@@ -290,7 +290,8 @@ def _row_gather(T, block_size, block_tables, lengths, window):
 # tables, lengths and new_counts mean what they mean above; the append quantizes with
 # ``quantize.quantize`` and the attention is ``quantize.reference_quantized_attention`` on the
 # gathered codes and scales, so a paged quantized pool and a contiguous quantized cache holding the
-# same codes agree by construction.
+# same codes agree by construction. ``rotate_keys``: the pool holds rotated keys (the *_rot formats,
+# ``quantize.quantize_keys``), as the op argument of that name says.
 
 
 def check_quantized_pool(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
@@ -341,7 +342,7 @@ def check_paged_append_quantized_arguments(
 
 
 def paged_append_quantized_reference(
-    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None
+    k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts=None, rotate_keys=False
 ) -> None:
     """:func:`paged_append_reference` into a quantized pool: token ``t < new_counts[b]`` of row ``b``
     is quantized (``quantize.quantize``) into codes and scales at position ``lengths[b] + t``, in place.
@@ -349,11 +350,16 @@ def paged_append_quantized_reference(
     check_paged_append_quantized_arguments(
         k_data, k_scales, v_data, v_scales, k_new, v_new, block_tables, lengths, new_counts
     )
-    fmt, _ = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    fmt, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    fmt = quantize.with_rotation(fmt, rotate_keys)
+    quantize.check_head_dim(fmt, D)
     counts = _check_append_values(k_data, k_new, block_tables, lengths, new_counts)
     rows, t, blocks, offsets = _written_slots(k_data, k_new, block_tables, lengths, counts)
-    for data, scales, new in ((k_data, k_scales, k_new), (v_data, v_scales, v_new)):
-        codes, new_scales = quantize.quantize(new[rows, :, t], fmt)  # (tokens, H_kv, ...)
+    for data, scales, new, quantizer in (
+        (k_data, k_scales, k_new, quantize.quantize_keys),
+        (v_data, v_scales, v_new, quantize.quantize),
+    ):
+        codes, new_scales = quantizer(new[rows, :, t], fmt)  # (tokens, H_kv, ...)
         _bytes(data)[blocks, :, offsets] = _bytes(codes)
         scales[blocks, :, offsets] = new_scales
 
@@ -371,11 +377,14 @@ def paged_quantized_attention_reference(
     return_lse=False,
     softcap=None,
     sinks=None,
+    rotate_keys=False,
 ):
     """:func:`paged_attention_reference` over a quantized pool: the codes and scales of the positions
     some query sees are gathered into the contiguous quantized layout (slot ``p`` holds position
     ``p``; the others hold zero codes and scales), then ``quantize.reference_quantized_attention``."""
     fmt, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
+    fmt = quantize.with_rotation(fmt, rotate_keys)
+    quantize.check_head_dim(fmt, D)
     _check_queries(q, k_data.shape[1], D, k_data.device, block_tables, lengths, window)
     _check_attention_values(q, k_data, block_tables, lengths, window)
     gather = _row_gather(q.shape[2], k_data.shape[2], block_tables, lengths, window)

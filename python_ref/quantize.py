@@ -42,50 +42,133 @@ be a multiple of 32), two values per byte::
 
 ``round`` is round-half-to-even. Non-finite inputs give unspecified bytes.
 
+Rotated keys: ``"int8_rot"``, ``"fp8_e4m3_rot"``, ``"int4_rot"`` store the codes of the format
+without the suffix (same dtypes, shapes and bytes), but of ``R k`` instead of the key ``k``, with
+``R`` a fixed randomised Hadamard transform (QuaRot's): ``R x = H (s * x) / sqrt(D)``, ``s`` the
+``D`` signs of :func:`rotation_signs` (fixed, seeded: the same for every cache, layer and head),
+``H`` the unnormalised Walsh-Hadamard matrix (``D`` must be a power of two; others are refused).
+``R`` is orthogonal, so the attention over rotated keys uses the rotated query ``R q`` (in
+float32, whatever q's dtype) and ``(R q) . (R k) = q . k``: the scores, and so the output, are
+those of the unrotated cache but for quantization error. A key channel far larger than the rest
+(trained models' outliers) is spread over all ``D`` channels by ``R``, so a per-token or per-group
+scale no longer spends its range on it. Values are stored unrotated. :func:`rotate` is the exact
+float32 arithmetic: the signs flip signs (exact); then for ``h = 1, 2, 4, ..., D / 2`` every
+``i`` with bit ``h`` clear takes ``(y[i], y[i + h]) <- (y[i] + y[i + h], y[i] - y[i + h])``;
+then every value is multiplied by ``float32(1 / sqrt(D))``. The native kernels compute exactly
+these operations, so a rotated append is bit for bit this reference's.
+
+Per-channel key scales (KIVI; a reference format only, no native kernel): the keys of positions
+``[G g, G g + G)`` of a row (``G = KIVI_GROUP = 32``) form group ``g``; once it is complete, each
+channel's ``G`` values of the group are quantized as one vector of the code format (:func:`quantize`
+along the positions: int8/fp8 one float32 scale, int4 one float16 scale per channel per group, the
+same codes), while the keys of the newest, incomplete group stay in full precision (float32) until
+it fills. Values are quantized per token as the code format stores them. A channel far larger than
+the rest then gets its own scales and costs the others nothing; :func:`per_channel_keys` is the
+values such a cache attends over.
+
 Bytes per cached vector with D = 128 (keys or values), against bfloat16's 256: int8 132
 (0.516x), fp8 132 (0.516x), int4 72 (0.281x).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .attention import reference_attention
 from .caches import written_slots
 
-FORMATS = ("int8", "fp8_e4m3", "int4")
+FORMATS = ("int8", "fp8_e4m3", "int4")  # the code formats
+# The rotated-key formats and the code format each stores.
+ROTATED_FORMATS = {"int8_rot": "int8", "fp8_e4m3_rot": "fp8_e4m3", "int4_rot": "int4"}
+KV_FORMATS = FORMATS + tuple(ROTATED_FORMATS)  # every quantized format a cache stores
 INT4_GROUP = 32  # values per int4 scale
 _FP16_MAX = 65504.0
+ROTATION_SEED = 0x6B76636163686521  # fixed: the signs of R are part of the rotated formats
+_U64 = 2**64 - 1
+
+
+def code_format(fmt: str) -> str:
+    """The code format a format stores (itself, or the one a rotated format rotates keys into)."""
+    return ROTATED_FORMATS.get(_checked(fmt), fmt)
+
+
+def rotates_keys(fmt: str) -> bool:
+    """Whether format ``fmt`` stores rotated keys (``R k``, see the specification)."""
+    return _checked(fmt) in ROTATED_FORMATS
+
+
+def with_rotation(fmt: str, rotate_keys: bool) -> str:
+    """The format storing code format ``fmt``'s codes, of rotated keys if ``rotate_keys``."""
+    return fmt + "_rot" if rotate_keys else fmt
+
+
+def rotation_signs(head_dim: int) -> torch.Tensor:
+    """The signs ``s`` of the rotation, float32 ``(head_dim,)`` of +-1: sign ``d`` is -1 where the top
+    bit of the ``d + 1``-th output of splitmix64 seeded with ``ROTATION_SEED`` is set."""
+    signs, state = [], ROTATION_SEED
+    for _ in range(head_dim):
+        state = (state + 0x9E3779B97F4A7C15) & _U64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+        signs.append(-1.0 if (z ^ (z >> 31)) >> 63 else 1.0)
+    return torch.tensor(signs, dtype=torch.float32)
+
+
+def check_rotation_head_dim(head_dim: int) -> None:
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"rotated keys (the *_rot formats) need head_dim a power of two (a Walsh-Hadamard transform), got {head_dim}"
+        )
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``R x`` along the last dimension, float32, with the specification's exact operations."""
+    D = x.shape[-1]
+    check_rotation_head_dim(D)
+    y = x.float() * rotation_signs(D).to(x.device)
+    h = 1
+    while h < D:
+        pairs = y.unflatten(-1, (D // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return y * torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32, device=x.device)
 
 
 def storage_dtype(fmt: str) -> torch.dtype:
     """The dtype of a format's ``data`` tensor."""
-    return {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}[_checked(fmt)]
+    return {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}[code_format(fmt)]
 
 
 def scale_dtype(fmt: str) -> torch.dtype:
-    return {"int8": torch.float32, "fp8_e4m3": torch.float32, "int4": torch.float16}[_checked(fmt)]
+    return {"int8": torch.float32, "fp8_e4m3": torch.float32, "int4": torch.float16}[code_format(fmt)]
 
 
 def data_shape(fmt: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of the ``data`` tensor that stores values of ``shape`` (last dimension head_dim)."""
     *lead, D = shape
-    return (*lead, D // 2) if _checked(fmt) == "int4" else (*lead, D)
+    return (*lead, D // 2) if code_format(fmt) == "int4" else (*lead, D)
 
 
 def scale_shape(fmt: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of the ``scales`` tensor for values of ``shape`` (last dimension head_dim)."""
     *lead, D = shape
-    return (*lead, D // INT4_GROUP) if _checked(fmt) == "int4" else tuple(lead)
+    return (*lead, D // INT4_GROUP) if code_format(fmt) == "int4" else tuple(lead)
 
 
 def check_head_dim(fmt: str, head_dim: int) -> None:
-    if _checked(fmt) == "int4" and head_dim % INT4_GROUP:
+    if code_format(fmt) == "int4" and head_dim % INT4_GROUP:
         raise ValueError(f"int4 needs head_dim a multiple of {INT4_GROUP} (one scale per group), got {head_dim}")
+    if rotates_keys(fmt):
+        check_rotation_head_dim(head_dim)
 
 
 def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``(..., D)`` in float32/bfloat16/float16 -> ``(data, scales)`` of format ``fmt``."""
+    """``x`` ``(..., D)`` in float32/bfloat16/float16 -> ``(data, scales)``, the codes of ``fmt``'s
+    code format (no rotation: see :func:`quantize_keys`)."""
+    fmt = code_format(fmt)
     check_head_dim(fmt, x.shape[-1])
     x = x.float()
     if fmt == "int4":
@@ -103,24 +186,44 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scales
 
 
+def quantize_keys(k: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``(..., D)`` -> ``(data, scales)`` as a cache of format ``fmt`` stores them: the codes of
+    ``R k`` for a rotated format, of ``k`` otherwise."""
+    return quantize(rotate(k) if rotates_keys(fmt) else k, fmt)
+
+
 def append_quantized_to_slots(k_data, k_scales, v_data, v_scales, k_new, v_new, lengths, fmt: str, counts=None) -> None:
     """Quantize ``k_new``/``v_new`` ``(B, H_kv, T, D)`` (:func:`quantize`) into a quantized cache of
     format ``fmt`` in place: codes into ``*_data``, scales into ``*_scales``, token ``t`` of row ``b`` at
     slot ``(lengths[b] + t) % S`` (the semantics of the native ``append_kv_quantized``); with
-    ``counts`` ``(B,)``, only the tokens ``t < counts[b]``."""
+    ``counts`` ``(B,)``, only the tokens ``t < counts[b]``. Keys as :func:`quantize_keys` stores them."""
     rows, tokens, slots = written_slots(lengths, counts, k_new.shape[0], k_new.shape[2], k_data.shape[2])
-    for data, scales, new in ((k_data, k_scales, k_new), (v_data, v_scales, v_new)):
-        codes, new_scales = quantize(new[rows, :, tokens], fmt)  # (tokens, H_kv, ...)
+    for data, scales, new, quantizer in ((k_data, k_scales, k_new, quantize_keys), (v_data, v_scales, v_new, quantize)):
+        codes, new_scales = quantizer(new[rows, :, tokens], fmt)  # (tokens, H_kv, ...)
         # Through bytes: indexed writes into float8 tensors are not implemented everywhere.
         data.view(torch.uint8)[rows, :, slots] = codes.view(torch.uint8)
         scales[rows, :, slots] = new_scales
 
 
+KIVI_GROUP = 32  # positions per per-channel key scale
+
+
+def per_channel_keys(keys: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The keys ``(..., L, D)`` (positions along dimension -2) as a per-channel-scaled cache of code
+    format ``fmt`` holds them (the specification's KIVI format), float32: complete groups of
+    ``KIVI_GROUP`` positions dequantized per channel, the newest incomplete group exact."""
+    keys = keys.float()
+    complete = keys.shape[-2] // KIVI_GROUP * KIVI_GROUP
+    groups = keys[..., :complete, :].unflatten(-2, (-1, KIVI_GROUP)).transpose(-1, -2)  # (..., groups, D, G)
+    stored = dequantize(*quantize(groups, fmt), fmt).transpose(-1, -2).flatten(-3, -2)
+    return torch.cat([stored, keys[..., complete:, :]], dim=-2)
+
+
 def dequantize(data: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values that ``(data, scales)`` of format ``fmt`` stand for, exactly (in float32 or
-    float64), then cast to ``dtype``."""
+    float64), then cast to ``dtype`` (a rotated format's keys: the rotated keys ``R k``)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    if _checked(fmt) == "int4":
+    if code_format(fmt) == "int4":
         groups = data.unflatten(-1, (-1, INT4_GROUP // 2))  # (..., D / 32, 16)
         nibbles = torch.cat([groups & 15, groups >> 4], dim=-1).to(wide) - 8  # (..., D / 32, 32)
         return (nibbles * scales.to(wide).unsqueeze(-1)).flatten(-2).to(dtype)
@@ -141,7 +244,24 @@ def reference_quantized_attention(
     softcap=None,
     sinks=None,
 ):
-    """``reference_attention`` of ``q`` over the values a quantized cache stands for (float32)."""
+    """``reference_attention`` of ``q`` over the values a quantized cache stands for (float32); a
+    rotated format's with the rotated query ``R q`` (float32), the output in q's dtype."""
+    if rotates_keys(fmt):
+        out = reference_quantized_attention(
+            rotate(q),
+            k_data,
+            k_scales,
+            v_data,
+            v_scales,
+            lengths,
+            code_format(fmt),
+            window,
+            scale,
+            True,
+            softcap,
+            sinks,
+        )
+        return (out[0].to(q.dtype), out[1]) if return_lse else out[0].to(q.dtype)
     return reference_attention(
         q,
         dequantize(k_data, k_scales, fmt),
@@ -156,6 +276,6 @@ def reference_quantized_attention(
 
 
 def _checked(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise ValueError(f"kv format must be one of {FORMATS}, got {fmt!r}")
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"kv format must be one of {KV_FORMATS}, got {fmt!r}")
     return fmt

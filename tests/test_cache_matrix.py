@@ -26,7 +26,7 @@ pytestmark = [
 ]
 
 LAYERS, BATCH, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 3, 2, 4, 32
-FORMATS = [None, "int8", "fp8_e4m3", "int4"]
+FORMATS = [None, "int8", "fp8_e4m3", "int4", "int8_rot", "fp8_e4m3_rot", "int4_rot"]
 MODES = {
     "capacity": dict(max_cache_len=24),
     "window": dict(window=6, chunk_size=4),

@@ -98,6 +98,7 @@ def emulator():
     lib.emu_set_seed.argtypes = [ctypes.c_uint64]
     lib.emu_last_partial_lse.restype = ctypes.c_int64
     lib.emu_last_partial_lse.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.emu_set_rotate_keys.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -769,6 +770,52 @@ def test_append_kv_quantized_stores_only_the_counted_tokens(emulator, fmt):
     emulated_append_quantized(emulator, fmt, cache, k_new, v_new, lengths, max_blocks=3, counts=counts_view)
     for name, got, want in zip(("k_data", "k_scales", "v_data", "v_scales"), cache, expected):
         assert torch.equal(bits(got), bits(want)), f"{name} differs from python_ref.quantize"
+
+
+# ---- rotated keys (the *_rot formats) -------------------------------------------------------------
+@pytest.mark.parametrize("fmt", qref.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("D", [16, 32, 128, 256])
+def test_rotated_append_is_bit_identical_to_the_reference(emulator, fmt, dtype, D):
+    # Keys are rotated in the warp (shuffle stages below 32, register stages above) before they are
+    # quantized, values are not: python_ref.quantize's append of the rotated format, bit for bit.
+    if fmt == "int4" and D % 32:
+        pytest.skip("int4 needs head_dim a multiple of 32")
+    B, H, S, T = 2, 2, 6, 4
+    g = torch.Generator().manual_seed(D + T)
+    cache = list(quantized_cache(fmt, B, H, S, D, g)) + list(quantized_cache(fmt, B, H, S, D, g))
+    k_new = awkward_values(B, H, T, D, dtype, g)
+    finite = torch.finfo(dtype).max / 64  # rotated and scaled in float32; inputs stay finite in their dtype
+    k_new[..., 5] = (k_new[..., 5].float() * 30).clamp(-finite, finite).to(dtype)  # an outlier channel
+    v_new = awkward_values(B, T, H, D, dtype, g).transpose(1, 2)
+    lengths, counts = torch.tensor([3, 2 * S + 1]), torch.tensor([4, 2])
+    expected = [t.clone() for t in cache]
+    qref.append_quantized_to_slots(*expected, k_new, v_new, lengths, fmt + "_rot", counts)
+    emulator.emu_set_rotate_keys(1)
+    try:
+        emulated_append_quantized(emulator, fmt, cache, k_new, v_new, lengths, max_blocks=3, counts=counts)
+    finally:
+        emulator.emu_set_rotate_keys(0)
+    for name, got, want in zip(("k_data", "k_scales", "v_data", "v_scales"), cache, expected):
+        assert torch.equal(bits(got), bits(want)), f"{name} differs from python_ref.quantize's rotated append"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("D", [8, 64, 256])
+def test_rotated_queries_are_bit_identical_to_the_reference(emulator, dtype, D):
+    # The binding's pre-kernel of a rotated-key attention: R q in float32, contiguous, from strided
+    # q; its output is what the (tested) quantized attention kernel reads as float32 queries.
+    B, H, T = 2, 3, 5
+    g = torch.Generator().manual_seed(D)
+    q = (torch.randn(B, T, H, D, generator=g) * 4).to(dtype).transpose(1, 2)
+    guarded_q = Guarded(q)
+    out = Guarded(torch.zeros(B, H, T, D))
+    status = emulator.emu_rotate_queries(
+        ELEM[dtype], ptr(guarded_q.view), int64s(list(q.stride())), ptr(out.view), int64s([B, H, T, D]), 2
+    )
+    assert status == 0, take_error(emulator)
+    assert guarded_q.unchanged() and out.guards_intact()
+    assert torch.equal(out.view.view(torch.int32), qref.rotate(q).contiguous().view(torch.int32))
 
 
 # ---- quantized decode attention -----------------------------------------------------------------

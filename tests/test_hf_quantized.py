@@ -16,7 +16,7 @@ khf = pytest.importorskip("kvcache_ext.hf")
 
 from python_ref import quantize as quant  # noqa: E402
 
-FORMATS = ["int8", "fp8_e4m3", "int4"]
+FORMATS = ["int8", "fp8_e4m3", "int4", "int4_rot"]
 NEW_TOKENS, PROMPT_LEN, PAD = 8, 9, 0
 _batch = partial(left_padded_batch, prompt_len=PROMPT_LEN, pad=PAD)
 # head_dim 32: int4 keeps one scale per 32 values
@@ -51,7 +51,7 @@ def _bytes(t):
 @pytest.mark.parametrize("batch", [1, 3])  # 1: the prompt is appended by the op; 3: padded, scattered
 def test_stored_codes_are_the_reference_quantizers(model, fmt, batch):
     """After the prompt every layer holds quantize(keys) and quantize(values) of what the
-    unquantized cache holds: same slots, same bytes. (Attention over the prompt reads the prompt's
+    unquantized cache holds (quantize_keys: rotated for a *_rot format): same slots, same bytes. (Attention over the prompt reads the prompt's
     own keys, so both caches see the same keys in every layer; later steps differ by design.)"""
     ids, mask = _batch(batch)
     plain, quantized = _cache(model), _cache(model, fmt)
@@ -61,8 +61,11 @@ def test_stored_codes_are_the_reference_quantizers(model, fmt, batch):
     for layer, q_layer in zip(plain.layers, quantized.layers):
         assert torch.equal(layer.lengths, q_layer.lengths)
         held = min(int(layer.lengths.max()), layer.slots)
-        for name, scales in (("keys", "key_scales"), ("values", "value_scales")):
-            codes, expected_scales = quant.quantize(getattr(layer, name)[:, :, :held], fmt)
+        for name, scales, quantizer in (
+            ("keys", "key_scales", quant.quantize_keys),  # rotated first for a *_rot format
+            ("values", "value_scales", quant.quantize),
+        ):
+            codes, expected_scales = quantizer(getattr(layer, name)[:, :, :held], fmt)
             for row, length in enumerate(layer.lengths.tolist()):
                 real = slice(0, min(length, held))  # slots a row never wrote hold nothing to compare
                 assert torch.equal(_bytes(getattr(q_layer, name)[row, :, real]), _bytes(codes[row, :, real])), name
@@ -84,7 +87,7 @@ def test_quantized_cache_is_smaller_and_generates(model, fmt):
         sum(t.nbytes for t in (layer.keys, layer.values, layer.key_scales, layer.value_scales))
         for layer in quantized.layers
     )
-    assert quantized_bytes < plain_bytes / (3 if fmt == "int4" else 1.9)
+    assert quantized_bytes < plain_bytes / (3 if quant.code_format(fmt) == "int4" else 1.9)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -11,7 +11,7 @@ from paged_cases import pool_state
 import kvcache_ext
 from kvcache_ext import BlockPool, Engine, KVCache, PagedKVCache, PoolExhaustedError
 from python_ref import build_gpt2, build_llama, generate, reference_attention
-from python_ref.quantize import FORMATS, data_shape, scale_dtype, scale_shape, storage_dtype
+from python_ref.quantize import KV_FORMATS, data_shape, scale_dtype, scale_shape, storage_dtype
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -416,7 +416,7 @@ QUANTIZABLE_MODELS = {
 }
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", KV_FORMATS)
 @pytest.mark.parametrize("model_name,block_size", [("gpt2", 4), ("llama", 8)])
 def test_generate_gives_the_tokens_of_the_contiguous_quantized_cache(fmt, model_name, block_size):
     model = QUANTIZABLE_MODELS[model_name]()

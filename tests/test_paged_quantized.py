@@ -17,7 +17,16 @@ from python_ref import (
     paged_append_quantized_reference,
     paged_quantized_attention_reference,
 )
-from python_ref.quantize import FORMATS, data_shape, dequantize, quantize, scale_dtype, scale_shape, storage_dtype
+from python_ref.quantize import (
+    FORMATS,
+    KV_FORMATS,
+    data_shape,
+    dequantize,
+    quantize,
+    scale_dtype,
+    scale_shape,
+    storage_dtype,
+)
 
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
@@ -314,8 +323,8 @@ def test_capabilities_state_the_paged_formats():
     # Both devices' kernels store and attend over every format in paged pools (the CUDA ones are
     # tested under emulation in test_cuda_emulation.py and on a GPU in test_cuda.py); kernel_table:
     # what the CUDA library supports, whether or not it is loaded here.
-    assert kvcache_ext.capabilities("cpu").paged_kv_formats == FORMATS
-    assert kernel_table("cuda").paged_kv_formats == FORMATS
+    assert kvcache_ext.capabilities("cpu").paged_kv_formats == KV_FORMATS
+    assert kernel_table("cuda").paged_kv_formats == KV_FORMATS
 
 
 def test_a_quantized_paged_step_compiles_without_graph_breaks():

@@ -47,7 +47,7 @@ def test_resumed_generation_equals_an_uninterrupted_one(tmp_path, model_name, ca
     assert torch.equal(greedy(model, tokens, loaded, REST), uninterrupted)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4", "int4_rot"])
 @pytest.mark.parametrize("cache_kwargs", [dict(max_cache_len=32), dict(window=4, chunk_size=2)])
 def test_quantized_cache_resumes_from_its_codes_and_scales(tmp_path, kv_dtype, cache_kwargs):
     """A quantized cache saves its codes and their scales: the loaded cache holds the same bytes and

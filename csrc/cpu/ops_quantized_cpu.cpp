@@ -1,6 +1,8 @@
 // CPU implementations of the quantized-cache ops catalogued in csrc/ops.cpp, contiguous and paged:
 // every check before any byte is written (paged_rows.h's for block tables, as the plain paged ops
-// do), the quantizer (bit for bit python_ref/quantize.py) and the launch of the quantized
+// do), the quantizer (bit for bit python_ref/quantize.py, the rotated keys of the *_rot formats
+// included: key_rotation.h rotates keys before they are quantized and queries before the kernel
+// sees them, so the kernels themselves are the unrotated formats') and the launch of the quantized
 // decode-attention kernel, in either address mode, on the shared thread schedule.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -145,9 +147,10 @@ float element_as_float(const void* base, ElemType elem, int64_t index) {
 // Quantizes token t < count(b) of k_new/v_new [batch, kv_heads, num_new, head_dim] of every row b
 // into data/scales [outer, kv_heads, slots, ...] at (outer, slot) = place(b, t): the row and a
 // ring slot for a cache, a block and an offset for a paged pool. The places are all distinct.
+// rotate_keys: keys are quantized as R k (key_rotation.h), values as they come.
 template <typename CountOf, typename Place>
-void quantize_into(KvFormat format, int64_t D, Tensor& k_data, Tensor& k_scales, Tensor& v_data, Tensor& v_scales,
-                   const Tensor& k_new, const Tensor& v_new, CountOf count_of, Place place) {
+void quantize_into(KvFormat format, bool rotate_keys, int64_t D, Tensor& k_data, Tensor& k_scales, Tensor& v_data,
+                   Tensor& v_scales, const Tensor& k_new, const Tensor& v_new, CountOf count_of, Place place) {
   const int64_t B = k_new.size(0), H = k_new.size(1), T = k_new.size(2);
   const ElemType elem = elem_type_of(k_new, "k_new");
   const int64_t scale_size = format == KvFormat::kInt4 ? 2 : 4;
@@ -176,12 +179,14 @@ void quantize_into(KvFormat format, int64_t D, Tensor& k_data, Tensor& k_scales,
       0, 2 * B * H, std::max<int64_t>(1, 1024 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t end) {
         float x[kMaxHeadDim];
         for (int64_t item = begin; item < end; ++item) {
-          const Side& side = sides[item / (B * H)];
+          const bool keys = item < B * H;
+          const Side& side = sides[keys ? 0 : 1];
           const int64_t b = (item % (B * H)) / H, h = item % H;
           for (int64_t t = 0, count = count_of(b); t < count; ++t) {
             const auto [outer, slot] = place(b, t);
             const int64_t src = b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2];
             for (int64_t d = 0; d < D; ++d) x[d] = element_as_float(side.src, elem, src + d * side.src_stride[3]);
+            if (keys && rotate_keys) rotate_in_place(x, D);
             char* data = side.data + outer * side.data_stride[0] + h * side.data_stride[1] + slot * side.data_stride[2];
             char* scales =
                 side.scales +
@@ -193,8 +198,9 @@ void quantize_into(KvFormat format, int64_t D, Tensor& k_data, Tensor& k_scales,
 }
 
 void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
-                         Tensor lengths, std::optional<Tensor> new_counts) {
+                         Tensor lengths, std::optional<Tensor> new_counts, bool rotate_keys) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  check_rotated_head_dim(rotate_keys, D);
   const int64_t S = k_data.size(2);
   const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
   check_cpu_tensor(k_new, "k_new");
@@ -202,7 +208,7 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
   const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
   const std::vector<int64_t> count = row_new_counts(new_counts, k_data.size(0), T);
   quantize_into(
-      format, D, k_data, k_scales, v_data, v_scales, k_new, v_new, [&](int64_t b) { return count[b]; },
+      format, rotate_keys, D, k_data, k_scales, v_data, v_scales, k_new, v_new, [&](int64_t b) { return count[b]; },
       [&](int64_t b, int64_t t) {
         return std::pair{b, (len[b] % S + t) % S};  // len[b] + t could exceed int64
       });
@@ -219,8 +225,10 @@ std::tuple<KvFormat, int64_t, int64_t> check_quantized_pool(const Tensor& k_data
 }
 
 void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new,
-                               Tensor v_new, Tensor block_tables, Tensor lengths, std::optional<Tensor> new_counts) {
+                               Tensor v_new, Tensor block_tables, Tensor lengths, std::optional<Tensor> new_counts,
+                               bool rotate_keys) {
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
+  check_rotated_head_dim(rotate_keys, D);
   const int64_t num_blocks = k_data.size(0);
   const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
   check_cpu_tensor(k_new, "k_new");
@@ -233,7 +241,7 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
   const PagedRows written = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
   const int64_t in_block = (int64_t{1} << shift) - 1;
   quantize_into(
-      format, D, k_data, k_scales, v_data, v_scales, k_new, v_new,
+      format, rotate_keys, D, k_data, k_scales, v_data, v_scales, k_new, v_new,
       [&](int64_t b) { return written.end[b] - written.first[b]; },
       [&](int64_t b, int64_t t) {
         const int64_t pos = written.first[b] + t;
@@ -261,11 +269,13 @@ struct QuantizedAddressing {
 };
 
 // Launches the quantized kernel over checked arguments: len holds each row's checked length.
-std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat format, int64_t D, const Tensor& k_data,
-                                                   const Tensor& k_scales, const Tensor& v_data, const Tensor& v_scales,
-                                                   const std::vector<int64_t>& len, const QuantizedAddressing& at,
-                                                   std::optional<int64_t> window, float scale,
-                                                   std::optional<double> softcap, const std::optional<Tensor>& sinks) {
+// rotate_keys: the cache holds rotated keys, so the kernel gets the rotated queries R q.
+std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat format, bool rotate_keys, int64_t D,
+                                                   const Tensor& k_data, const Tensor& k_scales, const Tensor& v_data,
+                                                   const Tensor& v_scales, const std::vector<int64_t>& len,
+                                                   const QuantizedAddressing& at, std::optional<int64_t> window,
+                                                   float scale, std::optional<double> softcap,
+                                                   const std::optional<Tensor>& sinks) {
   const ElemType elem = elem_type_of(q, "q");
   const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
   // The queries widened to float once (they are a few KB; the cache is what is large).
@@ -277,6 +287,8 @@ std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat for
         for (int64_t d = 0; d < D; ++d, ++out)
           q_float[out] =
               element_as_float(q_base, elem, b * q.stride(0) + h * q.stride(1) + i * q.stride(2) + d * q.stride(3));
+  if (rotate_keys)
+    for (size_t row = 0; row < q_float.size(); row += static_cast<size_t>(D)) rotate_in_place(q_float.data() + row, D);
 
   QuantizedProblem p{};
   p.elem = elem;
@@ -311,8 +323,9 @@ std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat for
 std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
                                                       Tensor v_scales, Tensor lengths, std::optional<int64_t> window,
                                                       std::optional<double> scale, std::optional<double> softcap,
-                                                      std::optional<Tensor> sinks) {
+                                                      std::optional<Tensor> sinks, bool rotate_keys) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  check_rotated_head_dim(rotate_keys, D);
   STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
   check_cpu_tensor(q, "q");
   const int64_t B = k_data.size(0), S = k_data.size(2);
@@ -322,16 +335,17 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
   check_new_tokens_fit(q.size(2), S);
   const float checked = checked_scale(scale, D);
   const std::vector<int64_t> len = row_lengths(lengths, q.size(2), "the tokens of each row, the new ones included");
-  return run_quantized_attention(q, format, D, k_data, k_scales, v_data, v_scales, len, {S, nullptr, 0, 0}, window,
-                                 checked, softcap, sinks);
+  return run_quantized_attention(q, format, rotate_keys, D, k_data, k_scales, v_data, v_scales, len, {S, nullptr, 0, 0},
+                                 window, checked, softcap, sinks);
 }
 
 std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
                                                             Tensor v_scales, Tensor block_tables, Tensor lengths,
                                                             std::optional<int64_t> window, std::optional<double> scale,
-                                                            std::optional<double> softcap,
-                                                            std::optional<Tensor> sinks) {
+                                                            std::optional<double> softcap, std::optional<Tensor> sinks,
+                                                            bool rotate_keys) {
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
+  check_rotated_head_dim(rotate_keys, D);
   STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
                   shape_of(q));
   check_cpu_tensor(q, "q");
@@ -342,7 +356,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   check_row_vector(lengths, B, "lengths");
   const float checked = checked_scale(scale, D);
   const PagedRows read = paged_read_rows(block_tables, lengths, T, window, shift, k_data.size(0));
-  return run_quantized_attention(q, format, D, k_data, k_scales, v_data, v_scales, read.end,
+  return run_quantized_attention(q, format, rotate_keys, D, k_data, k_scales, v_data, v_scales, read.end,
                                  {block_tables.size(1) << shift, read.ids.data(), read.width, shift}, window, checked,
                                  softcap, sinks);
 }

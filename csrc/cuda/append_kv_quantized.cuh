@@ -16,12 +16,13 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "key_rotation.cuh"
 
 namespace kvcache_ext::cuda {
 
 constexpr int kQuantizeThreads = 128;  // 4 warps: 4 vectors per block at a time
 constexpr int kQuantizeMaxBlocks = 65535;
-constexpr int kMaxValuesPerLane = kMaxHeadDim / 32;
+constexpr int kMaxValuesPerLane = kRotationValuesPerLane;  // kMaxHeadDim / 32
 
 __host__ __device__ __forceinline__ uint32_t float_bits(float f) {
   uint32_t u;
@@ -58,17 +59,6 @@ __host__ __device__ __forceinline__ uint8_t float_to_e4m3(float f) {
   if (a > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);
   if (a < 0x3c800000u) return static_cast<uint8_t>(sign | static_cast<uint8_t>(rintf(bits_float(a) * 0x1p9f)));
   return static_cast<uint8_t>(sign | static_cast<uint8_t>(((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3)));
-}
-
-template <typename E>
-__device__ __forceinline__ float source_to_float(const E& x) {
-  if constexpr (sizeof(E) == 4) {
-    return x;
-  } else if constexpr (std::is_same_v<E, __half>) {
-    return __half2float(x);
-  } else {
-    return __bfloat162float(x);
-  }
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -126,8 +116,9 @@ __global__ void __launch_bounds__(kQuantizeThreads) append_kv_quantized_kernel(c
 #pragma unroll
     for (int i = 0; i < kMaxValuesPerLane; ++i) {
       const int d = lane + 32 * i;
-      x[i] = d < D ? source_to_float(x_row[d * ss[3]]) : 0.0f;
+      x[i] = d < D ? widen_to_float(x_row[d * ss[3]]) : 0.0f;
     }
+    if (side == 0 && p.rotate_keys) warp_rotate(x, lane, D);  // the whole warp: one vector
 
     if constexpr (F == KvFormat::kInt4) {
       // Group i is values [32 i, 32 i + 32): exactly the warp's i-th value. Byte 16 i + l holds
@@ -188,7 +179,8 @@ cudaError_t dispatch_append_kv_quantized(const AppendKvQuantizedParams& p, Launc
                                          int64_t max_blocks = kQuantizeMaxBlocks) {
   const int64_t vectors = 2 * p.batch * p.kv_heads * p.num_new;
   if (vectors == 0) return cudaSuccess;
-  if (!head_dim_supported(p.head_dim) || (p.format == KvFormat::kInt4 && p.head_dim % kInt4Group != 0))
+  if (!head_dim_supported(p.head_dim) || (p.format == KvFormat::kInt4 && p.head_dim % kInt4Group != 0) ||
+      (p.rotate_keys && !rotation_head_dim_supported(p.head_dim)))
     return cudaErrorInvalidValue;
   AppendQuantizedKernel kernel = nullptr;
   switch (p.elem) {

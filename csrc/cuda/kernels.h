@@ -100,9 +100,25 @@ struct AppendKvQuantizedParams {
   const int64_t* block_ids;  // [batch, blocks_per_row]
   int64_t blocks_per_row;
   int block_shift;
+  // The rotated-key formats: keys are quantized as R k (key_rotation.h), values as they come.
+  bool rotate_keys;
 };
 
 cudaError_t launch_append_kv_quantized(const AppendKvQuantizedParams& p, cudaStream_t stream);
+
+// ---- rotated queries --------------------------------------------------------------------------
+// out = R q (key_rotation.h) in float32 for every query row of q [batch, heads, num_new, head_dim]
+// (float32/bfloat16/float16, strides in elements), out contiguous: what the quantized attention
+// over a rotated-key cache reads as its queries. head_dim a power of two.
+struct RotateQueriesParams {
+  const void* q;
+  int64_t q_stride[4];
+  float* out;
+  int64_t batch, heads, num_new, head_dim;
+  ElemType elem;  // of q
+};
+
+cudaError_t launch_rotate_queries(const RotateQueriesParams& p, cudaStream_t stream);
 
 // ---- decode_attention -------------------------------------------------------------------------
 // A row whose length is below num_new or above kMaxLength (invalid, but only the device can see

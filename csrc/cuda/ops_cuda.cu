@@ -225,8 +225,9 @@ AppendKvQuantizedParams quantized_append_params(Tensor& k_data, Tensor& k_scales
 }
 
 void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new, Tensor v_new,
-                         Tensor lengths, std::optional<Tensor> new_counts) {
+                         Tensor lengths, std::optional<Tensor> new_counts, bool rotate_keys) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  check_rotated_head_dim(rotate_keys, D);
   const int64_t T = check_quantized_new_tokens(k_data, D, k_new, v_new);
   check_on_device(k_new, "k_new", k_data);
   check_on_device(v_new, "v_new", k_data);
@@ -238,6 +239,7 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
   if (T == 0 || B == 0 || H == 0) return;
 
   AppendKvQuantizedParams p = quantized_append_params(k_data, k_scales, v_data, v_scales, k_new, v_new, format, D);
+  p.rotate_keys = rotate_keys;
   p.lengths = lengths.const_data_ptr<int64_t>();
   p.lengths_stride = lengths.stride(0);
   // Values are the kernel's to check (a row with a count outside [0, num_new] is left alone).
@@ -246,6 +248,33 @@ void append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v
   p.slots = k_data.size(2);
   torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
   STD_CUDA_CHECK(launch_append_kv_quantized(p, current_stream(k_data.get_device_index())));
+}
+
+// The queries a quantized attention's kernel reads: q itself, or for a rotated-key cache R q in
+// float32 (key_rotation.cuh), contiguous, on q's device and the current stream.
+Tensor kernel_queries(const Tensor& q, bool rotate_keys) {
+  if (!rotate_keys) return q;
+  Tensor rotated =
+      torch::stable::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, ScalarType::Float, std::nullopt, q.device());
+  RotateQueriesParams r{};
+  r.q = q.const_data_ptr();
+  for (int i = 0; i < 4; ++i) r.q_stride[i] = q.stride(i);
+  r.out = rotated.mutable_data_ptr<float>();
+  r.batch = q.size(0), r.heads = q.size(1), r.num_new = q.size(2), r.head_dim = q.size(3);
+  r.elem = elem_type_of(q, "q");
+  STD_CUDA_CHECK(launch_rotate_queries(r, current_stream(q.get_device_index())));
+  return rotated;
+}
+
+// The attention's (out, lse) for the caller's q: the kernel ran on kernel_queries(q), whose float32
+// output a rotated-key attention converts to q's dtype.
+std::tuple<Tensor, Tensor> in_query_dtype(std::tuple<Tensor, Tensor> result, const Tensor& q) {
+  Tensor& out = std::get<0>(result);
+  if (out.scalar_type() == q.scalar_type()) return result;
+  Tensor converted = torch::stable::empty({out.size(0), out.size(1), out.size(2), out.size(3)}, q.scalar_type(),
+                                          std::nullopt, q.device());
+  torch::stable::copy_(converted, out);
+  return {converted, std::get<1>(result)};
 }
 
 // A quantized attention's tensors and options (a cache's or a pool's: dimension 0 of the data and
@@ -281,8 +310,9 @@ DecodeAttentionParams quantized_decode_params(const Tensor& q, KvFormat format, 
 std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
                                                       Tensor v_scales, Tensor lengths, std::optional<int64_t> window,
                                                       std::optional<double> scale, std::optional<double> softcap,
-                                                      std::optional<Tensor> sinks) {
+                                                      std::optional<Tensor> sinks, bool rotate_keys) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
+  check_rotated_head_dim(rotate_keys, D);
   STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
   check_on_device(q, "q", k_data);
   const int64_t B = k_data.size(0), S = k_data.size(2);
@@ -292,13 +322,15 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
   check_new_tokens_fit(q.size(2), S);
   const float scale_value = checked_scale(scale, D);
 
-  DecodeAttentionParams p =
-      quantized_decode_params(q, format, D, k_data, k_scales, v_data, v_scales, window, scale_value, softcap, sinks);
+  torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
+  const Tensor queries = kernel_queries(q, rotate_keys);
+  DecodeAttentionParams p = quantized_decode_params(queries, format, D, k_data, k_scales, v_data, v_scales, window,
+                                                    scale_value, softcap, sinks);
   p.lengths = lengths.const_data_ptr<int64_t>();
   p.lengths_stride = lengths.stride(0);
   p.slots = S;
   choose_decode_loads(p, 1);  // data strides count bytes
-  return plan_and_launch_decode(p, q, k_data.get_device_index());
+  return in_query_dtype(plan_and_launch_decode(p, queries, k_data.get_device_index()), q);
 }
 
 // ---- paged pools ----------------------------------------------------------------------------
@@ -456,8 +488,10 @@ std::tuple<KvFormat, int64_t, int64_t> check_quantized_pool(const Tensor& k_data
 }
 
 void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor k_new,
-                               Tensor v_new, Tensor block_tables, Tensor lengths, std::optional<Tensor> new_counts) {
+                               Tensor v_new, Tensor block_tables, Tensor lengths, std::optional<Tensor> new_counts,
+                               bool rotate_keys) {
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
+  check_rotated_head_dim(rotate_keys, D);
   const int64_t num_blocks = k_data.size(0), H = k_data.size(1);
   const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
   const int64_t B = k_new.size(0);
@@ -476,6 +510,7 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
   const Tensor checked = device_copy_of_checked(rows, true, k_data);
 
   AppendKvQuantizedParams p = quantized_append_params(k_data, k_scales, v_data, v_scales, k_new, v_new, format, D);
+  p.rotate_keys = rotate_keys;
   p.lengths = checked.const_data_ptr<int64_t>();
   p.lengths_stride = 1;
   p.counts = p.lengths + B;  // the checked counts (every row has one: T where none was given)
@@ -489,9 +524,10 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
 std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data,
                                                             Tensor v_scales, Tensor block_tables, Tensor lengths,
                                                             std::optional<int64_t> window, std::optional<double> scale,
-                                                            std::optional<double> softcap,
-                                                            std::optional<Tensor> sinks) {
+                                                            std::optional<double> softcap, std::optional<Tensor> sinks,
+                                                            bool rotate_keys) {
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
+  check_rotated_head_dim(rotate_keys, D);
   STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
                   shape_of(q));
   check_on_device(q, "q", k_data);
@@ -511,8 +547,9 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   const PagedRows rows = checked_attention_rows(block_tables, lengths, T, window, shift, k_data.size(0));
   const Tensor checked = device_copy_of_checked(rows, false, k_data);
 
-  DecodeAttentionParams p =
-      quantized_decode_params(q, format, D, k_data, k_scales, v_data, v_scales, window, scale_value, softcap, sinks);
+  const Tensor queries = kernel_queries(q, rotate_keys);
+  DecodeAttentionParams p = quantized_decode_params(queries, format, D, k_data, k_scales, v_data, v_scales, window,
+                                                    scale_value, softcap, sinks);
   p.lengths = checked.const_data_ptr<int64_t>();
   p.lengths_stride = 1;
   p.block_ids = p.lengths + B;
@@ -521,7 +558,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   // The table's used part holds every row: the plan's span and the kernel's positions stay in it.
   p.slots = rows.width << shift;
   choose_decode_loads(p, 1);  // data strides count bytes
-  return plan_and_launch_decode(p, q, k_data.get_device_index());
+  return in_query_dtype(plan_and_launch_decode(p, queries, k_data.get_device_index()), q);
 }
 
 }  // namespace

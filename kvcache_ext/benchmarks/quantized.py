@@ -1,4 +1,5 @@
-"""Decode attention over quantized caches (int8, fp8 e4m3, int4) against the bfloat16 cache.
+"""Decode attention over quantized caches (int8, fp8 e4m3, int4, each also with rotated keys)
+against the bfloat16 cache.
 
 One new bfloat16 query per row over a full cache, on the native kernels: ``decode_attention``
 over a bfloat16 cache and ``decode_attention_quantized`` over the same keys/values quantized
@@ -16,11 +17,11 @@ import pytest
 import torch
 
 import kvcache_ext
-from python_ref.quantize import quantize, reference_quantized_attention
+from python_ref.quantize import quantize, quantize_keys, reference_quantized_attention, rotates_keys
 
 from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases, median_seconds
 
-FORMATS = ("bfloat16", "int8", "fp8_e4m3", "int4")
+FORMATS = ("bfloat16", "int8", "int8_rot", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot")
 
 
 def quantized_cases(full: bool) -> list[KernelCase]:
@@ -52,7 +53,7 @@ def quantized_inputs(case, bench_settings) -> QuantizedInputs:
     k = random(case.batch, shape.kv_heads, case.context, shape.head_dim)
     v = random(case.batch, shape.kv_heads, case.context, shape.head_dim)
     lengths = torch.full((case.batch,), case.context, dtype=torch.long, device=device)
-    quantized = {fmt: (*quantize(k, fmt), *quantize(v, fmt)) for fmt in FORMATS[1:]}
+    quantized = {fmt: (*quantize_keys(k, fmt), *quantize(v, fmt)) for fmt in FORMATS[1:]}
     return QuantizedInputs(q, k, v, lengths, quantized, [])
 
 
@@ -65,8 +66,10 @@ def test_quantized_decode_attention(benchmark, measure, copy_bandwidth, quantize
         cache = (inputs.k, inputs.v)
         out = measure(lambda: kvcache_ext.decode_attention(inputs.q, *cache, inputs.lengths)[0])
     else:
-        cache = inputs.quantized[fmt]
-        out = measure(lambda: kvcache_ext.decode_attention_quantized(inputs.q, *cache, inputs.lengths)[0])
+        cache, rotate = inputs.quantized[fmt], rotates_keys(fmt)
+        out = measure(
+            lambda: kvcache_ext.decode_attention_quantized(inputs.q, *cache, inputs.lengths, rotate_keys=rotate)[0]
+        )
         expected = reference_quantized_attention(inputs.q, *cache, inputs.lengths, fmt)
         torch.testing.assert_close(out, expected, atol=2e-3, rtol=1.6e-2)
 

@@ -28,6 +28,9 @@ COLORS = {
     "int8": "tab:blue",
     "fp8_e4m3": "tab:green",
     "int4": "tab:red",
+    "int8_rot": "tab:cyan",
+    "fp8_e4m3_rot": "tab:olive",
+    "int4_rot": "tab:pink",
 }
 LABELS = {
     "native": "native",
@@ -40,8 +43,11 @@ LABELS = {
     "int8": "int8",
     "fp8_e4m3": "fp8 e4m3",
     "int4": "int4",
+    "int8_rot": "int8, rotated keys",
+    "fp8_e4m3_rot": "fp8 e4m3, rotated keys",
+    "int4_rot": "int4, rotated keys",
 }
-FORMAT_ORDER = ("bfloat16", "int8", "fp8_e4m3", "int4")
+FORMAT_ORDER = ("bfloat16", "int8", "int8_rot", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot")
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,18 @@ from python_ref import quantize as quant
 
 from ..capabilities import capabilities
 
-# The names the constructors accept: the formats and, for fp8, torch's dtype name too.
+# The names the constructors accept: the formats (python_ref.quantize.KV_FORMATS: the code formats
+# and their rotated-key variants "*_rot") and, for fp8, torch's dtype name too.
 KV_DTYPES = {
     "int8": "int8",
     "fp8_e4m3": "fp8_e4m3",
     "fp8": "fp8_e4m3",
     "float8_e4m3fn": "fp8_e4m3",
     "int4": "int4",
+    "int8_rot": "int8_rot",
+    "fp8_e4m3_rot": "fp8_e4m3_rot",
+    "fp8_rot": "fp8_e4m3_rot",
+    "int4_rot": "int4_rot",
     torch.int8: "int8",
     torch.float8_e4m3fn: "fp8_e4m3",
 }
@@ -27,7 +32,10 @@ def kv_format(kv_dtype) -> str | None:
         return None
     fmt = KV_DTYPES.get(kv_dtype) if isinstance(kv_dtype, (str, torch.dtype)) else None
     if fmt is None:
-        raise ValueError(f"kv_dtype must be None, 'int8', 'fp8_e4m3' (or 'fp8') or 'int4', got {kv_dtype!r}")
+        raise ValueError(
+            "kv_dtype must be None, 'int8', 'fp8_e4m3' (or 'fp8') or 'int4', or one of them with rotated keys"
+            f" ('int8_rot', 'fp8_e4m3_rot', 'int4_rot'), got {kv_dtype!r}"
+        )
     return fmt
 
 

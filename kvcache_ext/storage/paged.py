@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from python_ref import quantize as quant
+
 from .. import ops
 from ..capabilities import PAGED_BLOCK_SIZES
 from .layout import Layout
@@ -53,19 +55,20 @@ class PagedQuantizedLayout(Layout):
             head_dim,
             device,
         )
+        self.rotate_keys = quant.rotates_keys(kv_dtype)
 
     def check_append(self, k, v, block_tables, lengths, counts) -> None:
-        ops.check_paged_append_kv_quantized(*self.layer(0), k, v, block_tables, lengths, counts)
+        ops.check_paged_append_kv_quantized(*self.layer(0), k, v, block_tables, lengths, counts, self.rotate_keys)
 
     def append(self, layer, k, v, block_tables, lengths, counts) -> None:
-        ops.run_paged_append_kv_quantized(*self.layer(layer), k, v, block_tables, lengths, counts)
+        ops.run_paged_append_kv_quantized(*self.layer(layer), k, v, block_tables, lengths, counts, self.rotate_keys)
 
     def check_attention(self, q, block_tables, lengths, window, scale, softcap=None, sinks=None) -> None:
         ops.check_paged_decode_attention_quantized(
-            q, *self.layer(0), block_tables, lengths, window, scale, softcap, sinks
+            q, *self.layer(0), block_tables, lengths, window, scale, softcap, sinks, self.rotate_keys
         )
 
     def attention(self, layer, q, block_tables, lengths, window, scale, softcap=None, sinks=None):
         return ops.run_paged_decode_attention_quantized(
-            q, *self.layer(layer), block_tables, lengths, window, scale, softcap, sinks
+            q, *self.layer(layer), block_tables, lengths, window, scale, softcap, sinks, self.rotate_keys
         )

@@ -2,7 +2,8 @@
 (``python_ref.quantize.data_shape``: int8 or float8_e4m3fn ``(layers, batch, kv_heads, slots, D)``,
 int4 packed two per byte ``(..., D / 2)``) and their scales ``k_scale``/``v_scale``
 (``python_ref.quantize.scale_shape``), written by ``append_kv_quantized`` and dequantized in
-registers by ``decode_attention_quantized``."""
+registers by ``decode_attention_quantized``. A rotated-key format (``"int4_rot"``, ...) stores the
+same codes of rotated keys: its ops get ``rotate_keys=True``."""
 
 from __future__ import annotations
 
@@ -27,18 +28,23 @@ class QuantizedLayout(Layout):
             device,
         )
         capabilities(device).check_slots(slots)
+        self.rotate_keys = quant.rotates_keys(kv_dtype)
 
     def check_append(self, k, v, lengths, counts) -> None:
-        ops.check_append_kv_quantized(*self.layer(0), k, v, lengths, counts)
+        ops.check_append_kv_quantized(*self.layer(0), k, v, lengths, counts, self.rotate_keys)
 
     def append(self, layer, k, v, lengths, counts) -> None:
-        ops.run_append_kv_quantized(*self.layer(layer), k, v, lengths, counts)
+        ops.run_append_kv_quantized(*self.layer(layer), k, v, lengths, counts, self.rotate_keys)
 
     def check_attention(self, q, lengths, window, scale, softcap=None, sinks=None) -> None:
-        ops.check_decode_attention_quantized(q, *self.layer(0), lengths, window, scale, softcap, sinks)
+        ops.check_decode_attention_quantized(
+            q, *self.layer(0), lengths, window, scale, softcap, sinks, self.rotate_keys
+        )
 
     def attention(self, layer, q, lengths, window, scale, softcap=None, sinks=None):
-        return ops.run_decode_attention_quantized(q, *self.layer(layer), lengths, window, scale, softcap, sinks)
+        return ops.run_decode_attention_quantized(
+            q, *self.layer(layer), lengths, window, scale, softcap, sinks, self.rotate_keys
+        )
 
     def gather_rows(self, src_rows: torch.Tensor) -> None:
         """Row ``i`` becomes old row ``src_rows[i]``, in place, codes and scales."""

@@ -4,6 +4,7 @@
 #include "../../csrc/cuda/append_kv_quantized.cuh"
 #include "../../csrc/cuda/decode_attention.cu"  // plan_decode_attention, launch_decode_attention
 #include "../../csrc/cuda/decode_attention.cuh"
+#include "../../csrc/cuda/key_rotation.cuh"
 #include "../../csrc/paged_blocks.h"
 
 namespace kvcache_ext::cuda {
@@ -250,6 +251,10 @@ int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, con
 // then v_new's 4 (elements). new_counts: null (every token) or the caller's counts, which the
 // kernel checks as the binding leaves them. sizes: batch, kv_heads, num_new, slots, head_dim.
 // max_blocks: the grid cap.
+// Whether the emulated quantized appends rotate keys (the *_rot formats): emu_set_rotate_keys.
+static bool emulated_rotate_keys = false;
+void emu_set_rotate_keys(int rotate) { emulated_rotate_keys = rotate != 0; }
+
 static AppendKvQuantizedParams quantized_append_params(int format, int elem, void* k_data, void* k_scales, void* v_data,
                                                        void* v_scales, const int64_t* data_stride,
                                                        const int64_t* scale_stride, const void* k_new,
@@ -266,7 +271,24 @@ static AppendKvQuantizedParams quantized_append_params(int format, int elem, voi
   }
   p.format = static_cast<kvcache_ext::KvFormat>(format);
   p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  p.rotate_keys = emulated_rotate_keys;
   return p;
+}
+
+// The CUDA binding's query rotation of a rotated-key attention: out [batch, heads, num_new,
+// head_dim] float32 contiguous = R q. sizes: batch, heads, num_new, head_dim.
+int emu_rotate_queries(int elem, const void* q, const int64_t* q_stride, float* out, const int64_t* sizes,
+                       int64_t max_blocks) {
+  RotateQueriesParams p{};
+  p.q = q, p.out = out, p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q_stride[i];
+  p.batch = sizes[0], p.heads = sizes[1], p.num_new = sizes[2], p.head_dim = sizes[3];
+  return dispatch_rotate_queries(
+      p,
+      [&](RotateQueriesKernel kernel, int64_t blocks, int threads, const RotateQueriesParams& params) {
+        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
+      },
+      max_blocks);
 }
 
 static int emulate_append_kv_quantized(const AppendKvQuantizedParams& p, int64_t max_blocks) {
