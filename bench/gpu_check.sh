@@ -289,7 +289,8 @@ if ((GPU)); then
   if "$PYTHON" -c 'import pytest' 2>/dev/null; then
     # -p no:cacheprovider: nothing written into the tree; --rootdir: the repository's conftest.py.
     run_step tests 180 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rfE --durations=10 \
-      --rootdir "$REPO" --junitxml "$LOGS/tests.xml" "$REPO/tests/test_cuda.py"
+      --rootdir "$REPO" --junitxml "$LOGS/tests.xml" "$REPO/tests/test_cuda.py" \
+      "$REPO/tests/test_prefix_tiers.py::test_a_cuda_pools_host_tier_gives_the_same_tokens_and_hands_blocks_down"
   else
     progress "pytest is not installed: the self-contained checks replace tests/test_cuda.py"
     run_step checks 120 120 "$PYTHON" "$REPO/bench/cuda_bench.py" checks --json "$LOGS/checks.json"
