@@ -160,7 +160,8 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             first = slice(0, pieces[0][1])
             q, k, v = q[:, :, first], k[:, :, first], v[:, :, first]
         self.storage.check_append(k, v, rows.lengths, rows.piece_counts(*pieces[0]))
-        self.storage.check_attention(q, rows.lengths, rows.window, scale)
+        # Attention is checked on the lengths it runs on: the first piece's tokens included.
+        self.storage.check_attention(q, rows.piece_lengths(pieces[0][0]) + pieces[0][1], rows.window, scale)
         plan = []
         for offset, size in pieces:
             lengths = rows.piece_lengths(offset)

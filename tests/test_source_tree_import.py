@@ -49,3 +49,43 @@ def test_require_native_refuses_with_the_same_advice(unbuilt_clone):
     message = " ".join(run.stderr.split())
     assert "ImportError: kvcache_ext: KVCACHE_EXT_REQUIRE_NATIVE=1 but you are importing kvcache_ext" in message
     assert f"from the source tree at {unbuilt_clone}" in message and "`pip install .`" in message
+
+
+# A prefill then a decode step on the fallback, every kv_dtype, against python_ref's cache.
+FALLBACK_STEPS = """
+import torch, kvcache_ext
+from python_ref import PreallocatedCache
+from python_ref.quantize import KV_FORMATS
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, h, 4, 32, generator=g) for h in (4, 2, 2))
+for kv_dtype in (None, *KV_FORMATS):
+    cache = kvcache_ext.KVCache(1, 2, 2, 32, max_cache_len=8, kv_dtype=kv_dtype)
+    outs = []
+    for piece in (slice(0, 3), slice(3, 4)):
+        cache.start_step(piece.stop - piece.start)
+        outs.append(cache.attend(0, q[:, :, piece], k[:, :, piece], v[:, :, piece]))
+        cache.finish_step()
+    if kv_dtype is None:
+        ref = PreallocatedCache(1, 2, 2, 32, max_cache_len=8)
+        expected = []
+        for piece in (slice(0, 3), slice(3, 4)):
+            ref.start_step(piece.stop - piece.start)
+            expected.append(ref.attend(0, q[:, :, piece], k[:, :, piece], v[:, :, piece]))
+            ref.finish_step()
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(outs, expected))
+    assert outs[1].shape == (2, 4, 1, 32) and torch.isfinite(outs[1]).all(), kv_dtype
+print("ok")
+"""
+
+
+def test_a_cache_runs_its_steps_on_the_fallback(unbuilt_clone):
+    # The fallback's attention check once got the lengths before the step, so every step failed.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVCACHE_EXT_")}
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", FALLBACK_STEPS],
+        cwd=unbuilt_clone,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
