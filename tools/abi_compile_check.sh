@@ -101,10 +101,11 @@ compile_one() {  # compile_one OUT_DIR SOURCE (uses CXX_FLAGS/NVCC_FLAGS, INCLUD
     "$NVCC" -c "${NVCC_FLAGS[@]}" -I"$INCLUDE" "$src" -o "$obj" >"$log" 2>&1
   else
     "${CXX:-g++}" -c "${CXX_FLAGS[@]}" -I"$INCLUDE" "$src" -o "$obj" >"$log" 2>&1
-  fi || { echo "  ERROR $src"; sed 's/^/        /' "$log"; return 1; }
+  fi || { echo "  ERROR $src"; sed 's/^/        /' "$log"; touch "$obj.failed"; return 1; }
   # Warnings are shown by the real build too (-Wall); here only their count and the first lines.
   echo "  ok    $src ($((SECONDS - t0)) s$([[ -s "$log" ]] && echo ", $(grep -c 'warning:' "$log") warnings"))"
-  if [[ -s "$log" ]]; then grep -m 3 'warning:' "$log" | sed 's/^/        /'; fi
+  # (|| true: a log of notes only has no warning line, and grep's status would end this job)
+  if [[ -s "$log" ]]; then grep -m 3 'warning:' "$log" | sed 's/^/        /' || true; fi
   return 0
 }
 
@@ -115,16 +116,19 @@ check_release() {  # check_release VERSION
   local sources=("${CPU_SOURCES[@]}")
   [[ "${ABI_SKIP_CUDA:-0}" == 1 ]] || sources+=("${CUDA_SOURCES[@]}")
   say "torch $version headers: compiling ${#sources[@]} sources (CUDA archs: ${ARCHS})"
-  # At most JOBS compilers at a time; the slowest (the CUDA dtype files) first.
+  # At most JOBS compilers at a time; the slowest (the CUDA dtype files) first. A failure is told
+  # by the <object>.failed file compile_one leaves, not by `wait -n`'s status: a job that ends
+  # between `jobs` and `wait -n` makes `wait -n` return 127 with nothing failed.
   local ordered=()
   for src in "${sources[@]}"; do [[ $src == *.cu ]] && ordered+=("$src"); done
   for src in "${sources[@]}"; do [[ $src == *.cu ]] || ordered+=("$src"); done
   for src in "${ordered[@]}"; do
-    while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || failed=1; done
+    while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || true; done
     compile_one "$out" "$src" &
   done
-  while (($(jobs -rp | wc -l) > 0)); do wait -n || failed=1; done
-  ((failed == 0)) || { rm -rf "$out"; die "sources do not compile against torch $version's headers (see above)"; }
+  wait
+  failed="$(find "$out" -name '*.failed' | wc -l)"
+  ((failed == 0)) || { rm -rf "$out"; die "$failed sources do not compile against torch $version's headers (see above)"; }
 
   # Link like the extension (torch left undefined) and resolve every undefined symbol that is
   # not ours, the C/C++ runtime's or CUDA's against what this release exports.
