@@ -135,6 +135,27 @@ def test_attention_matches_the_float64_formula_over_the_dequantized_rows(isa, ca
     assert (out.double() - reference.double()).abs().max().item() <= 2 * torch_err + TOLERANCE[dtype]
 
 
+@FORMAT
+@ROPE
+def test_every_code_is_read_as_the_value_it_stands_for(isa, fmt, quantize_rope):
+    # One cached position: its softmax weight is 1, so the output is its c exactly as the kernel read
+    # it (float32); every code of the format but float8's NaN, times a scale that is not a power of two.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if fmt == "fp8_e4m3":
+        codes = codes[(codes & 0x7F) != 0x7F]
+    Dv = len(codes) // 8 * 8
+    c_data = codes[:Dv].view(quant.storage_dtype(fmt)).view(1, 1, 1, Dv)
+    c_scales = torch.tensor([[[0.37]]])
+    k_pe = c_data[..., :8].clone() if quantize_rope else torch.randn(1, 1, 1, 8)
+    k_pe_scales = torch.tensor([[[1.5]]]) if quantize_rope else None
+    q = torch.randn(1, 3, 1, Dv + 8)
+    out, lse = ops.latent_decode_attention_quantized(q, c_data, c_scales, k_pe, k_pe_scales, torch.tensor([1]))
+    expected = quant.dequantize(c_data, c_scales, fmt).expand(1, 3, 1, Dv)
+    assert torch.equal(out, expected)
+    rows = dequantize_latent(c_data, c_scales, k_pe, k_pe_scales, dtype=torch.float64)
+    torch.testing.assert_close(lse.double(), (q.double() @ rows[0, 0, 0]) / math.sqrt(Dv + 8), atol=1e-4, rtol=1e-5)
+
+
 def test_attention_reads_the_codes_the_append_wrote():
     # Append then attend, against the float formula over what quantize_latent gives.
     B, H_q, S, Dk, Dv, T = 2, 9, 24, 88, 64, 3
