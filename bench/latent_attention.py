@@ -150,7 +150,7 @@ def dtype_table(lengths, rounds):
 
 def quantized_memory_table():
     print("\nMemory per token and layer, quantized latents (bfloat16 queries):")
-    print("| model | storage | bytes (measured) | vs bf16 latent | vs expanded bf16 K/V |")
+    print("| model | storage | bytes (measured) | vs bf16 latent | expanded bf16 K/V / this |")
     print("|---|---|---|---|---|")
     for name in ("deepseek-v2-lite", "deepseek-v3"):
         cfg = MLA_CONFIGS[name]
@@ -158,11 +158,11 @@ def quantized_memory_table():
         expanded = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * dtype.itemsize
         shape = dict(max_cache_len=slots, dtype=dtype, value_dim=cfg.kv_lora_rank)
         plain = KVCache(1, 1, 1, cfg.latent_dim, **shape).bytes_allocated() // slots
-        print(f"| {name} | bf16 latent | {plain:,} B | 1.00x | {plain / expanded:.4f}x |")
+        print(f"| {name} | bf16 latent | {plain:,} B | 1.00x | {expanded / plain:.1f}x ({expanded:,} B) |")
         for label, fmt, quantize_rope in QUANTIZED_STORAGES:
             cache = KVCache(1, 1, 1, cfg.latent_dim, **shape, kv_dtype=fmt, quantize_rope=quantize_rope)
             per_token = cache.bytes_allocated() // slots
-            print(f"| {name} | {label} | {per_token:,} B | {per_token / plain:.3f}x | {per_token / expanded:.4f}x |")
+            print(f"| {name} | {label} | {per_token:,} B | {per_token / plain:.3f}x | {expanded / per_token:.1f}x |")
 
 
 def _storages(rows, Dv):
