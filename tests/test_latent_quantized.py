@@ -4,10 +4,15 @@ reference (every CPU copy, dtype, format, rotary part quantized or not, odd size
 512 + 64), bad input is refused with nothing written, and KVCache serves an MLA model's greedy tokens."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from test_latent_ops import latent_formula, plain_torch
+from test_source_tree_import import unbuilt_clone  # noqa: F401 (a fixture)
 
 from kvcache_ext import KVCache, capabilities, ops
 from python_ref import ConcatCache, generate
@@ -369,3 +374,45 @@ def test_unsupported_quantized_latent_caches_are_refused_at_construction(extra, 
 def test_quantize_rope_is_refused_on_ordinary_caches():
     with pytest.raises(ValueError, match="latent cache's"):
         KVCache(1, 1, 1, 64, max_cache_len=8, kv_dtype="int8", quantize_rope=True)
+
+
+# A prefill then a decode step of a quantized latent KVCache, run on the given kvcache_ext; the
+# outputs saved to argv[1].
+LATENT_STEPS = """
+import sys, torch, kvcache_ext
+g = torch.Generator().manual_seed(0)
+q, rows = torch.randn(2, 5, 4, 40, generator=g), torch.randn(2, 1, 4, 40, generator=g)
+outs = {}
+for fmt in ("int8", "fp8_e4m3"):
+    for quantize_rope in (False, True):
+        cache = kvcache_ext.KVCache(1, 2, 1, 40, max_cache_len=8, value_dim=32, kv_dtype=fmt, quantize_rope=quantize_rope)
+        for piece in (slice(0, 3), slice(3, 4)):
+            cache.start_step(piece.stop - piece.start)
+            out = cache.attend(0, q[:, :, piece], rows[:, :, piece], rows[:, :, piece])
+            cache.finish_step()
+            outs[f"{fmt}-{quantize_rope}-{piece.start}"] = out
+        outs[f"{fmt}-{quantize_rope}-codes"] = cache.slot_tensors()["c"].view(torch.uint8)
+torch.save(outs, sys.argv[1])
+print(kvcache_ext.native_available())
+"""
+
+
+def test_the_pure_pytorch_fallback_computes_what_the_native_ops_do(unbuilt_clone, tmp_path):  # noqa: F811
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVCACHE_EXT_")}
+    for where, root in (("fallback", unbuilt_clone), ("native", Path(__file__).resolve().parents[1])):
+        run = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", LATENT_STEPS, str(tmp_path / where)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.strip() == str(where == "native"), where
+    fallback, native = torch.load(tmp_path / "fallback"), torch.load(tmp_path / "native")
+    assert fallback.keys() == native.keys() and len(native) == 12
+    for name, out in native.items():
+        if name.endswith("codes"):
+            assert torch.equal(fallback[name], out), name
+        else:
+            torch.testing.assert_close(fallback[name], out, atol=1e-5, rtol=1e-5)
