@@ -177,6 +177,22 @@ def test_attention_reads_the_codes_the_append_wrote():
     assert (out.double() - exact).abs().max().item() <= 2 * torch_err + TOLERANCE[torch.bfloat16]
 
 
+def test_threads_and_splits_give_one_answer():
+    # A long row splits its positions over tasks; the merge must give the one-task answer.
+    q, cache, lengths, _ = _quantized_case((1, 8, 1, 2, 3000, 40, 32, [2999], None), torch.float32, "int8", False)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.latent_decode_attention_quantized(q, *cache, lengths)
+        torch.set_num_threads(max(2, previous))
+        split = ops.latent_decode_attention_quantized(q, *cache, lengths)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(split[0], alone[0], atol=1e-6, rtol=1e-5)
+    exact, _ = latent_formula(q, dequantize_latent(*cache, dtype=torch.float64), lengths, 32)
+    torch.testing.assert_close(split[0].double(), exact, atol=1e-5, rtol=1e-5)
+
+
 def test_views_of_layered_buffers_and_strided_queries(isa):
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 48, 3, 5, generator=g).transpose(1, 3)  # (2, 5, 3, 48), stride(3) != 1
