@@ -194,8 +194,8 @@ pool += [t.clone() for t in pool]  # int8 codes and scales of K, then of V
 table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
 calls = {"append_kv": (k2, v2, k[:, :, :3], v[:, :, :3], lengths, None),
          "decode_attention": (q, k, v, lengths, None, None, None, None),
-         "paged_append_kv_quantized": (*pool, k[:, :, :3], v[:, :, :3], table, lengths, None),
-         "paged_decode_attention_quantized": (q, *pool, table, lengths, None, None, None, None)}
+         "paged_append_kv_quantized": (*pool, k[:, :, :3], v[:, :, :3], table, lengths, None, False),
+         "paged_decode_attention_quantized": (q, *pool, table, lengths, None, None, None, None, False)}
 for op, args in calls.items():
     overload = getattr(torch.ops.kvcache_ext, op).default
     assert len(overload._schema.arguments) == len(args), f"{op}: update this check to the schema {overload._schema}"
