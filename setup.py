@@ -34,6 +34,7 @@ cpu_sources = [
     "csrc/cpu/ops_quantized_cpu.cpp",
     "csrc/cpu/quantized_baseline.cpp",
     "csrc/cpu/latent_attention_cpu.cpp",
+    "csrc/cpu/latent_append_quantized_cpu.cpp",
     "csrc/cpu/latent_attention_baseline.cpp",
 ]
 isas = ["baseline"]

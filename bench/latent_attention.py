@@ -3,7 +3,7 @@ attention at DeepSeek-V3's shape (128 heads, latents 576 wide, values 512), nati
 PyTorch.
 
     python bench/latent_attention.py [--lengths 4096 16384] [--batch 1] [--rounds 5] [--dtype bfloat16]
-                                     [--threads N] [--no-mqa] [--compare-dtypes]
+                                     [--threads N] [--no-mqa] [--compare-dtypes] [--quantized]
 
 Memory: bytes one token of one layer takes in a latent ``KVCache`` (measured from an allocated
 cache) against the expanded per-head keys (192 wide) and values (128) a cache without latents holds.
@@ -19,6 +19,14 @@ round, so load from other jobs weighs on all alike):
 ``--compare-dtypes`` instead times the kernel alone in float32, bfloat16 and float16, alternating
 round by round (the arithmetic is float32 for all; only the bytes read and their widening differ).
 
+``--quantized`` instead compares the quantized latent caches (``KVCache(value_dim=..., kv_dtype=...)``,
+c as int8/fp8_e4m3 codes with a scale per token, the rotary key k_pe in bfloat16 or quantized too)
+with the bfloat16 latent cache at DeepSeek-V3's shape: bytes per token and layer (measured from
+allocated caches) against the expanded K/V, the decode output's relative error against float64
+attention over the bfloat16 latents at ``--error-length`` (synthetic latents: c N(0, 1), k_pe N(0, 1)
+or, "outlier k_pe", each rotary channel scaled by 1 to 10), and the time of one decode call, the
+storages alternating round by round.
+
 GB/s counts the latent bytes the kernel must read once (``L * 576 * element size``); the copy line
 is ``copy_`` of the latents into a preallocated tensor of as many bytes (reads them once, writes
 them once).
@@ -33,7 +41,16 @@ import torch.nn.functional as F
 
 from kvcache_ext import KVCache, ops
 from kvcache_ext.benchmarks.common import cpu_model
+from python_ref.latent import quantize_latent
 from python_ref.mla import MLA_CONFIGS
+
+# The quantized latent storages compared with the bfloat16 latent cache: (name, kv_dtype, quantize_rope).
+QUANTIZED_STORAGES = (
+    ("int8, k_pe bf16", "int8", False),
+    ("int8, k_pe int8", "int8", True),
+    ("fp8, k_pe bf16", "fp8_e4m3", False),
+    ("fp8, k_pe fp8", "fp8_e4m3", True),
+)
 
 
 def seconds(fn):
@@ -131,6 +148,80 @@ def dtype_table(lengths, rounds):
         print(f"| {L} | " + " | ".join(f"{t[d] * 1e3:.1f} ms" for d in dtypes) + " |")
 
 
+def quantized_memory_table():
+    print("\nMemory per token and layer, quantized latents (bfloat16 queries):")
+    print("| model | storage | bytes (measured) | vs bf16 latent | expanded bf16 K/V / this |")
+    print("|---|---|---|---|---|")
+    for name in ("deepseek-v2-lite", "deepseek-v3"):
+        cfg = MLA_CONFIGS[name]
+        slots, dtype = 256, torch.bfloat16
+        expanded = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * dtype.itemsize
+        shape = dict(max_cache_len=slots, dtype=dtype, value_dim=cfg.kv_lora_rank)
+        plain = KVCache(1, 1, 1, cfg.latent_dim, **shape).bytes_allocated() // slots
+        print(f"| {name} | bf16 latent | {plain:,} B | 1.00x | {expanded / plain:.1f}x ({expanded:,} B) |")
+        for label, fmt, quantize_rope in QUANTIZED_STORAGES:
+            cache = KVCache(1, 1, 1, cfg.latent_dim, **shape, kv_dtype=fmt, quantize_rope=quantize_rope)
+            per_token = cache.bytes_allocated() // slots
+            print(f"| {name} | {label} | {per_token:,} B | {per_token / plain:.3f}x | {expanded / per_token:.1f}x |")
+
+
+def _storages(rows, Dv):
+    """The bfloat16 rows as each storage holds them: name -> the attention call over it."""
+    storages = {"bf16 latent": lambda q, lengths, scale: ops.latent_decode_attention(q, rows, lengths, Dv, None, scale)}
+    for label, fmt, quantize_rope in QUANTIZED_STORAGES:
+        parts = list(quantize_latent(rows, Dv, fmt, quantize_rope))
+        parts[2] = parts[2].contiguous()
+        storages[label] = lambda q, lengths, scale, parts=parts: ops.latent_decode_attention_quantized(
+            q, *parts, lengths, None, scale
+        )
+    return storages
+
+
+def quantized_error_table(L, seeds=3):
+    cfg = MLA_CONFIGS["deepseek-v3"]
+    H, Dk, Dv, scale = cfg.n_heads, cfg.latent_dim, cfg.kv_lora_rank, cfg.softmax_scale
+    print(f"\nDecode output relative error vs float64 at DeepSeek-V3's shape, L={L}, B=1, bfloat16 queries")
+    print(f"(||out - exact|| / ||exact|| over all heads, median of {seeds} synthetic draws):")
+    print("| latents | " + " | ".join(["bf16 latent"] + [s[0] for s in QUANTIZED_STORAGES]) + " |")
+    print("|---|" + "---|" * (1 + len(QUANTIZED_STORAGES)))
+    for data in ("gaussian", "outlier k_pe"):
+        errors = {}
+        for seed in range(seeds):
+            g = torch.Generator().manual_seed(seed)
+            q = torch.randn(1, H, 1, Dk, generator=g).bfloat16()
+            rows = torch.randn(1, 1, L, Dk, generator=g)
+            if data == "outlier k_pe":
+                rows[..., Dv:] *= torch.linspace(1, 10, Dk - Dv)
+            rows = rows.bfloat16()
+            exact_scores = torch.einsum("bhtd,bxld->bhtl", q.double(), rows.double()) * scale
+            exact = torch.softmax(exact_scores, dim=-1) @ rows[..., :Dv].double()
+            lengths = torch.tensor([L])
+            for name, attend in _storages(rows, Dv).items():
+                out = attend(q, lengths, scale)[0].double()
+                errors.setdefault(name, []).append(((out - exact).norm() / exact.norm()).item())
+        print(f"| {data} | " + " | ".join(f"{statistics.median(e):.2e}" for e in errors.values()) + " |")
+
+
+def quantized_time_table(lengths, rounds):
+    cfg = MLA_CONFIGS["deepseek-v3"]
+    H, Dk, Dv, scale = cfg.n_heads, cfg.latent_dim, cfg.kv_lora_rank, cfg.softmax_scale
+    print(f"\nDecode attention time at DeepSeek-V3's shape (H={H}, key_dim={Dk}, value_dim={Dv}), B=1, bf16 queries:")
+    names = ["bf16 latent"] + [s[0] for s in QUANTIZED_STORAGES]
+    print("| L | " + " | ".join(names) + " | int8 (k_pe bf16) / bf16 |")
+    print("|---|" + "---|" * (len(names) + 1))
+    g = torch.Generator().manual_seed(0)
+    for L in lengths:
+        q = torch.randn(1, H, 1, Dk, generator=g).bfloat16()
+        rows = torch.randn(1, 1, L, Dk, generator=g).bfloat16()
+        lengths_t = torch.tensor([L])
+        fns = {
+            name: (lambda attend=attend: attend(q, lengths_t, scale)) for name, attend in _storages(rows, Dv).items()
+        }
+        t = medians(fns, rounds)
+        ratio = t["int8, k_pe bf16"] / t["bf16 latent"]
+        print(f"| {L} | " + " | ".join(f"{t[n] * 1e3:.1f} ms" for n in names) + f" | {ratio:.2f}x |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
@@ -140,6 +231,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-mqa", action="store_true", help="skip SDPA over the latents (slow on the CPU)")
     parser.add_argument("--compare-dtypes", action="store_true", help="time the kernel alone in each dtype")
+    parser.add_argument("--quantized", action="store_true", help="compare the quantized latent caches with bf16")
+    parser.add_argument("--error-length", type=int, default=4096, help="context length of --quantized's errors")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -147,6 +240,10 @@ def main():
     print(f"CPU: {cpu_model()}, torch threads: {torch.get_num_threads()}, torch {torch.__version__}")
     if args.compare_dtypes:
         return dtype_table(args.lengths, args.rounds)
+    if args.quantized:
+        quantized_memory_table()
+        quantized_error_table(args.error_length)
+        return quantized_time_table(args.lengths, args.rounds)
     memory_table(dtype)
     attention_table(args.lengths, args.batch, args.rounds, dtype, not args.no_mqa)
 

@@ -54,7 +54,9 @@ inline std::string capabilities_json(bool cuda) {
          // Quantized formats the paged kernels store and attend over: the same on both devices.
          ", \"paged_kv_formats\": " + kKvFormatsJson +
          // Widest latent cache row the latent kernel takes (0: none on this device).
-         ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) + "}";
+         ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
+         // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).
+         ", \"latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") + "}";
 }
 
 }  // namespace kvcache_ext

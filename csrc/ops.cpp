@@ -110,4 +110,21 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   m.def(
       "latent_decode_attention(Tensor q, Tensor cache, Tensor lengths, int value_dim, int? window=None, "
       "float? scale=None) -> (Tensor out, Tensor lse)");
+
+  // Quantized latent caches (python_ref/latent.py, the layout specified in python_ref/quantize.py):
+  // c_data [batch, kv_heads, slots, value_dim] int8 or float8_e4m3fn codes of the latent c with
+  // c_scales [batch, kv_heads, slots] float32 (one per token); k_pe [batch, kv_heads, slots, rope]
+  // the rotary key, in q's dtype without k_pe_scales, or codes of c_data's dtype with k_pe_scales
+  // float32 (one per token). key_dim = value_dim + rope. The attention is latent_decode_attention's
+  // over the rows the codes stand for (python_ref.latent.reference_quantized_latent_attention),
+  // dequantized as the kernel reads them; the append quantizes latent_new [batch, kv_heads, num_new,
+  // key_dim] (float32, bfloat16 or float16; k_pe's dtype when it is unquantized) exactly as
+  // python_ref.latent.quantize_latent does, to slot (lengths[b] + t) % slots for t < new_counts[b]
+  // (append_kv's rules).
+  m.def(
+      "latent_decode_attention_quantized(Tensor q, Tensor c_data, Tensor c_scales, Tensor k_pe, "
+      "Tensor? k_pe_scales, Tensor lengths, int? window=None, float? scale=None) -> (Tensor out, Tensor lse)");
+  m.def(
+      "append_latent_quantized(Tensor(a!) c_data, Tensor(b!) c_scales, Tensor(c!) k_pe, Tensor(d!)? k_pe_scales, "
+      "Tensor latent_new, Tensor lengths, Tensor? new_counts=None) -> ()");
 }

@@ -4,7 +4,8 @@
 ``decode_attention`` are the ops behind it (``append_kv_quantized`` and
 ``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``; ``paged_append_kv`` and
 ``paged_decode_attention`` for block pools, their ``_quantized`` forms for quantized ones; ``latent_decode_attention`` behind
-``KVCache(value_dim=...)``, multi-head latent attention); ``capabilities(device)`` is the table of what the
+``KVCache(value_dim=...)``, multi-head latent attention, ``latent_decode_attention_quantized`` and
+``append_latent_quantized`` behind it with ``kv_dtype``); ``capabilities(device)`` is the table of what the
 kernels support. ``PagedKVCache`` keeps many sequences in one pool of blocks (shared
 copy-on-write, prompt prefixes cached, blocks released as they leave a sliding window);
 ``Engine`` serves many requests at once on it (continuous batching). Without a loadable native
@@ -22,7 +23,9 @@ from .ops import (
     decode_attention,
     decode_attention_quantized,
     gather_rows,
+    append_latent_quantized,
     latent_decode_attention,
+    latent_decode_attention_quantized,
     paged_append_kv,
     paged_append_kv_quantized,
     paged_decode_attention,
@@ -46,6 +49,8 @@ __all__ = [
     "paged_append_kv_quantized",
     "paged_decode_attention_quantized",
     "latent_decode_attention",
+    "latent_decode_attention_quantized",
+    "append_latent_quantized",
     "build_info",
     "capabilities",
     "Capabilities",

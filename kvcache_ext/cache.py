@@ -11,7 +11,14 @@ from python_ref.caches import check_step_tensors, merge_attention, sink_token_at
 from python_ref.row_state import RowOperations, RowState
 
 from .storage.layout import StorageAttributes
-from .storage import LatentLayout, check_kv_format, check_latent_format, contiguous_layout, kv_format
+from .storage import (
+    LatentLayout,
+    QuantizedLatentLayout,
+    check_kv_format,
+    check_latent_format,
+    contiguous_layout,
+    kv_format,
+)
 
 
 class KVCache(RowOperations, StorageAttributes, nn.Module):
@@ -33,7 +40,11 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
     key, ``head_dim`` wide, is stored once and its first ``value_dim`` columns are its value
     (:class:`kvcache_ext.storage.LatentLayout`; ``attend(layer, q, latents, latents)`` returns
     ``(B, H_q, T, value_dim)``), attended by the native ``latent_decode_attention``. DeepSeek:
-    ``kv_heads=1, head_dim=576, value_dim=512``. Not with ``kv_dtype`` or ``sink_tokens``.
+    ``kv_heads=1, head_dim=576, value_dim=512``. With ``kv_dtype`` ``"int8"`` or ``"fp8_e4m3"`` it
+    stores the latent ``c`` (the first ``value_dim`` columns) as codes with one scale per token and
+    the rotary key in ``dtype`` (FlashMLA's layout), or quantized too with ``quantize_rope=True``
+    (:class:`kvcache_ext.storage.QuantizedLatentLayout`, attended by
+    ``latent_decode_attention_quantized``). Not with ``sink_tokens``.
 
     The cache is the row state (:class:`python_ref.row_state.RowState`, ``rows``: ``lengths``,
     ``seq_length``, the ring's rules, the step in progress) over a storage layout
@@ -61,6 +72,7 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         sink_tokens: int = 0,
         kv_dtype: str | torch.dtype | None = None,
         value_dim: int | None = None,
+        quantize_rope: bool = False,
     ):
         super().__init__()
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
@@ -69,22 +81,34 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         fmt = kv_format(kv_dtype)
         if value_dim is None:
             check_kv_format(fmt, dtype, head_dim, device, "KVCache dtype")
+            if quantize_rope:
+                raise ValueError("quantize_rope is a latent cache's (value_dim) option")
         else:
-            check_latent_format(dtype, head_dim, value_dim, device)
-            if fmt is not None or sink_tokens:
-                raise ValueError(
-                    "a latent cache (value_dim) stores its latents in dtype, without sink tokens: "
-                    f"got kv_dtype={kv_dtype!r}, sink_tokens={sink_tokens}"
-                )
+            check_latent_format(dtype, head_dim, value_dim, device, fmt, quantize_rope)
+            if sink_tokens:
+                raise ValueError(f"a latent cache (value_dim) keeps no sink tokens, got sink_tokens={sink_tokens}")
         self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
         self.num_layers, self.kv_heads, self.head_dim, self.value_dim = num_layers, kv_heads, head_dim, value_dim
         if value_dim is None:
             self.storage = contiguous_layout(
                 fmt, num_layers, batch_size, kv_heads, self.rows.slots, head_dim, dtype, device
             )
-        else:
+        elif fmt is None:
             self.storage = LatentLayout(
                 num_layers, batch_size, kv_heads, self.rows.slots, head_dim, value_dim, dtype, device
+            )
+        else:
+            self.storage = QuantizedLatentLayout(
+                num_layers,
+                batch_size,
+                kv_heads,
+                self.rows.slots,
+                head_dim,
+                value_dim,
+                dtype,
+                fmt,
+                quantize_rope,
+                device,
             )
         if sink_tokens:
             # In dtype whatever kv_dtype is. One more slot than sink tokens: writes of later positions
@@ -209,7 +233,10 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         return {"sink_k": self.sink_k[..., : self.sink_tokens, :], "sink_v": self.sink_v[..., : self.sink_tokens, :]}
 
     def storage_meta(self) -> dict:
-        return {"dtype": saved_state.dtype_name(self.dtype), "kv_dtype": self.kv_dtype, "value_dim": self.value_dim}
+        meta = {"dtype": saved_state.dtype_name(self.dtype), "kv_dtype": self.kv_dtype, "value_dim": self.value_dim}
+        if getattr(self.storage, "quantize_rope", False):
+            meta["quantize_rope"] = True
+        return meta
 
     @classmethod
     def storage_kwargs(cls, meta: dict, path) -> dict:
@@ -220,7 +247,15 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         value_dim = meta.get("value_dim")
         if value_dim is not None and (not isinstance(value_dim, int) or isinstance(value_dim, bool)):
             raise ValueError(f"{path}: value_dim must be None or an int, got {value_dim!r}")
-        return {"dtype": saved_state.saved_dtype(meta["dtype"], path), "kv_dtype": kv_dtype, "value_dim": value_dim}
+        quantize_rope = meta.get("quantize_rope", False)
+        if not isinstance(quantize_rope, bool):
+            raise ValueError(f"{path}: quantize_rope must be true or false, got {quantize_rope!r}")
+        return {
+            "dtype": saved_state.saved_dtype(meta["dtype"], path),
+            "kv_dtype": kv_dtype,
+            "value_dim": value_dim,
+            "quantize_rope": quantize_rope,
+        }
 
     def save(self, path, fingerprint: str = "") -> None:
         """Write the cache to ``path`` as safetensors (no pickle): every layer's held slots (codes and

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from python_ref.latent import LATENT_FORMATS
 from python_ref.quantize import KV_FORMATS
 
 from . import _native
@@ -55,6 +56,9 @@ class Capabilities:
     # kernel takes on this device; 0: no latent kernel here, and latent_decode_attention runs
     # python_ref's latent reference (same semantics and checks).
     latent_max_key_dim: int = 0
+    # Quantized latent formats (python_ref/latent.py) the native latent kernel stores and attends
+    # over on this device; where it has no latent kernel, python_ref's reference serves them all.
+    latent_kv_formats: tuple[str, ...] = ()
 
     @property
     def native(self) -> bool:
@@ -121,6 +125,7 @@ def kernel_table(device_type: str) -> Capabilities:
         paged_block_sizes=tuple(size for size in PAGED_BLOCK_SIZES if size <= table["paged_max_block_size"]),
         paged_kv_formats=tuple(table["paged_kv_formats"]),
         latent_max_key_dim=table["latent_max_key_dim"],
+        latent_kv_formats=tuple(table["latent_kv_formats"]),
     )
 
 
@@ -138,6 +143,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         kv_formats=KV_FORMATS,
         paged_block_sizes=(),
         paged_kv_formats=(),
+        latent_kv_formats=LATENT_FORMATS,
     )
 
 
@@ -184,7 +190,8 @@ def readable_limits(table: Capabilities) -> dict[str, str]:
         "paged_kv_formats": ", ".join(paged_formats)
         if paged_formats
         else "none (python_ref's paged quantized reference runs)",
-        "latent": f"multiples of {m} from {m} to {table.latent_max_key_dim}"
+        "latent": f"multiples of {m} from {m} to {table.latent_max_key_dim}; quantized: "
+        + (", ".join(table.latent_kv_formats) or "none")
         if table.latent_max_key_dim
         else "none (python_ref's latent reference runs)",
     }

@@ -449,7 +449,10 @@ class NativeCache(Cache):
         latent = latent_widths(text_config)
         if latent is not None and fmt is not None:
             raise ValueError(
-                f"a latent (MLA) NativeCache stores its latents in the model's dtype, got kv_dtype={kv_dtype!r}"
+                f"a latent (MLA) NativeCache stores its latents in the model's dtype, got kv_dtype={kv_dtype!r}: "
+                "transformers attends the prompt over its own unquantized expansion, so a quantized latent cache "
+                "could not give transformers' tokens (kvcache_ext.KVCache(value_dim=..., kv_dtype=...) serves "
+                "quantized latents to python_ref's MLA model)"
             )
         window = getattr(text_config, "sliding_window", None)
         layer_types = getattr(text_config, "layer_types", None)

@@ -2,7 +2,8 @@
 
 Check once, run many. Every public op ``X`` (``append_kv``, ``decode_attention``, ``gather_rows``,
 ``append_kv_quantized``, ``decode_attention_quantized``, ``paged_append_kv``, ``paged_decode_attention``,
-``paged_append_kv_quantized``, ``paged_decode_attention_quantized``, ``latent_decode_attention``)
+``paged_append_kv_quantized``, ``paged_decode_attention_quantized``, ``latent_decode_attention``,
+``latent_decode_attention_quantized``, ``append_latent_quantized``)
 comes in three forms with one signature:
 
 * ``check_X(...)`` makes every check ``X`` makes of its arguments, in Python, and changes nothing:
@@ -45,6 +46,7 @@ from python_ref import reference_attention
 from python_ref import paged
 from python_ref import quantize as quant
 from python_ref.caches import append_to_slots
+from python_ref import latent as latent_ref
 from python_ref.latent import reference_latent_attention
 
 from . import _native
@@ -67,6 +69,8 @@ _CPU_LATENT, _CUDA_LATENT = (
     _CPU_NATIVE and _CPU_TABLE.latent_max_key_dim > 0,
     _CUDA_NATIVE and _CUDA_TABLE.latent_max_key_dim > 0,
 )
+_CPU_LATENT_QUANTIZED = _CPU_LATENT and set(_CPU_TABLE.latent_kv_formats) == set(latent_ref.LATENT_FORMATS)
+_CUDA_LATENT_QUANTIZED = _CUDA_LATENT and set(_CUDA_TABLE.latent_kv_formats) == set(latent_ref.LATENT_FORMATS)
 if _native.available:
     _append_kv_op = torch.ops.kvcache_ext.append_kv.default
     _decode_attention_op = torch.ops.kvcache_ext.decode_attention.default
@@ -78,6 +82,8 @@ if _native.available:
     _paged_append_kv_quantized_op = torch.ops.kvcache_ext.paged_append_kv_quantized.default
     _paged_decode_attention_quantized_op = torch.ops.kvcache_ext.paged_decode_attention_quantized.default
     _latent_decode_attention_op = torch.ops.kvcache_ext.latent_decode_attention.default
+    _latent_decode_attention_quantized_op = torch.ops.kvcache_ext.latent_decode_attention_quantized.default
+    _append_latent_quantized_op = torch.ops.kvcache_ext.append_latent_quantized.default
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -933,3 +939,146 @@ if _native.available:
         _check_one_device(q, cache, lengths)
         B, H_q, T, _ = q.shape
         return q.new_empty((B, H_q, T, value_dim)), q.new_empty((B, H_q, T), dtype=torch.float32)
+
+
+# ---- quantized latent caches -------------------------------------------------------------------
+# python_ref/latent.py (the layout specified in python_ref/quantize.py): c as int8/fp8_e4m3 codes
+# c_data (batch, kv_heads, slots, value_dim) with float32 c_scales (batch, kv_heads, slots), the
+# rotary key k_pe (batch, kv_heads, slots, key_dim - value_dim) in the queries' dtype, or codes of
+# c_data's dtype with its own k_pe_scales. Where the device has no quantized latent kernel
+# (capabilities().latent_kv_formats), python_ref's reference runs, with the same checks.
+_LATENT_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def check_quantized_latent_cache(c_data, c_scales, k_pe, k_pe_scales, dtype) -> tuple[int, int]:
+    """Shapes, dtypes, layout and device of a quantized latent cache whose unquantized k_pe (if any)
+    is in ``dtype``, against the capability table; returns ``(key_dim, value_dim)``."""
+    if c_data.dim() != 4:
+        raise ValueError(f"c_data must be (batch, kv_heads, slots, value_dim), got shape {tuple(c_data.shape)}")
+    if c_data.dtype not in _LATENT_CODE_DTYPES:
+        raise TypeError(f"c_data must be int8 (int8) or float8_e4m3fn (fp8_e4m3) codes, got {c_data.dtype}")
+    B, H, S, Dv = c_data.shape
+    device = c_data.device
+    table = capabilities(device)
+    fmt = latent_ref.latent_format(c_data)
+    if table.latent_max_key_dim and fmt not in table.latent_kv_formats:
+        raise TypeError(f"the {table.kernels} stores quantized latents {table.latent_kv_formats}, not {fmt!r}")
+    if dtype not in table.dtypes:
+        raise TypeError(f"the queries' dtype must be one of {table.dtypes}, got {dtype}")
+    if k_pe.dim() != 4 or tuple(k_pe.shape[:3]) != (B, H, S) or k_pe.shape[3] < 1:
+        raise ValueError(
+            f"k_pe must be (batch={B}, kv_heads={H}, slots={S}, rope >= 1), the rotary part, got {tuple(k_pe.shape)}"
+        )
+    expected = c_data.dtype if k_pe_scales is not None else dtype
+    if k_pe.dtype != expected:
+        why = "codes like c_data: it has scales" if k_pe_scales is not None else "the cache's dtype: it has no scales"
+        raise TypeError(f"k_pe must be {expected} ({why}), got {k_pe.dtype}")
+    for name, t in (("c_scales", c_scales), ("k_pe_scales", k_pe_scales)):
+        if t is not None and (tuple(t.shape) != (B, H, S) or t.dtype != torch.float32):
+            raise ValueError(
+                f"{name} must be float32 of shape {(B, H, S)} (one per token), got {t.dtype} of shape {tuple(t.shape)}"
+            )
+    Dk = Dv + k_pe.shape[3]
+    m, top = table.head_dim_multiple, table.latent_max_key_dim or 2**31 - 1
+    if Dk % m or not m <= Dk <= top:
+        raise ValueError(f"the latent cache's width (key_dim) must be a multiple of {m} from {m} to {top}, got {Dk}")
+    if Dv % m or Dv < m:
+        raise ValueError(f"value_dim (c_data's width) must be a multiple of {m}, at least {m}, got {Dv}")
+    table.check_slots(S)
+    if c_data.stride(3) != 1 or (k_pe.shape[3] > 1 and k_pe.stride(3) != 1):
+        raise ValueError("c_data and k_pe need a contiguous last dimension")
+    for name, t in (("c_data", c_data), ("c_scales", c_scales), ("k_pe", k_pe), ("k_pe_scales", k_pe_scales)):
+        if t is None:
+            continue
+        if t.device != device:
+            raise ValueError(f"{name} must be on c_data's device {device}, got {t.device}")
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} must not be an expanded view (writes would collide)")
+    return Dk, Dv
+
+
+def check_latent_decode_attention_quantized(
+    q, c_data, c_scales, k_pe, k_pe_scales, lengths, window=None, scale=None
+) -> None:
+    """Every check of :func:`latent_decode_attention_quantized`'s arguments (values of ``lengths``
+    as :func:`check_length_values` checks them)."""
+    Dk, _ = check_quantized_latent_cache(c_data, c_scales, k_pe, k_pe_scales, q.dtype)
+    B, H, S = c_data.shape[:3]
+    check_queries(q, B, H, S, Dk, c_data.device, window, scale, None, None)
+    check_lengths(lengths, B, c_data.device)
+    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
+
+
+def run_latent_decode_attention_quantized(q, c_data, c_scales, k_pe, k_pe_scales, lengths, window=None, scale=None):
+    """:func:`latent_decode_attention_quantized` on arguments that passed its check."""
+    if (c_data.is_cpu and _CPU_LATENT_QUANTIZED) or (c_data.is_cuda and _CUDA_LATENT_QUANTIZED):
+        return _latent_decode_attention_quantized_op(
+            q, c_data, c_scales, k_pe, k_pe_scales, lengths, window, None if scale is None else float(scale)
+        )
+    out, lse = latent_ref.reference_quantized_latent_attention(
+        q, c_data, c_scales, k_pe, k_pe_scales, lengths, window, scale, return_lse=True
+    )
+    return out, lse.float()
+
+
+def latent_decode_attention_quantized(q, c_data, c_scales, k_pe, k_pe_scales, lengths, window=None, scale=None):
+    """:func:`latent_decode_attention` over a quantized latent cache (codes ``c_data`` with
+    ``c_scales``, the rotary key ``k_pe`` in q's dtype or, with ``k_pe_scales``, as codes), the codes
+    dequantized as the kernel reads them: ``python_ref.latent.reference_quantized_latent_attention``.
+    Returns ``(out, lse)``: ``out`` ``(B, H_q, T, value_dim)`` in q's dtype, ``value_dim`` c_data's width."""
+    check_latent_decode_attention_quantized(q, c_data, c_scales, k_pe, k_pe_scales, lengths, window, scale)
+    return run_latent_decode_attention_quantized(q, c_data, c_scales, k_pe, k_pe_scales, lengths, window, scale)
+
+
+def check_append_latent_quantized(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts=None) -> None:
+    """Every check of :func:`append_latent_quantized`'s arguments (values of ``lengths`` and
+    ``new_counts`` as :func:`check_length_values` checks them)."""
+    Dk, _ = check_quantized_latent_cache(c_data, c_scales, k_pe, k_pe_scales, latent_new.dtype)
+    B, H, S = c_data.shape[:3]
+    if latent_new.dim() != 4 or latent_new.shape[0] != B or latent_new.shape[1] != H or latent_new.shape[3] != Dk:
+        raise ValueError(
+            f"latent_new must be (batch={B}, kv_heads={H}, num_new, key_dim={Dk}), got {tuple(latent_new.shape)}"
+        )
+    if latent_new.device != c_data.device:
+        raise ValueError(f"latent_new must be on the cache's device {c_data.device}, got {latent_new.device}")
+    if latent_new.shape[2] > S:
+        raise ValueError(f"cannot append {latent_new.shape[2]} tokens at once to a cache of {S} slots")
+    check_lengths(lengths, B, c_data.device)
+    check_new_counts(new_counts, B, c_data.device)
+    check_length_values(lengths, 0, "the tokens already in each row")
+    check_new_count_values(new_counts, latent_new.shape[2])
+
+
+def run_append_latent_quantized(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts=None) -> None:
+    """:func:`append_latent_quantized` on arguments that passed its check."""
+    if (c_data.is_cpu and _CPU_LATENT_QUANTIZED) or (c_data.is_cuda and _CUDA_LATENT_QUANTIZED):
+        _append_latent_quantized_op(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts)
+    else:
+        latent_ref.append_quantized_latent_to_slots(
+            c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts
+        )
+
+
+def append_latent_quantized(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts=None) -> None:
+    """Quantize the new latent rows ``latent_new`` ``(B, H_kv, T, key_dim)`` into a quantized latent
+    cache at slots ``(lengths + t) % S``, exactly ``python_ref.latent.quantize_latent`` (c into
+    ``c_data``/``c_scales``; k_pe copied, or quantized when ``k_pe_scales`` is given); ``new_counts``
+    as for :func:`append_kv`."""
+    check_append_latent_quantized(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts)
+    run_append_latent_quantized(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts)
+
+
+if _native.available:
+
+    @torch.library.register_fake("kvcache_ext::latent_decode_attention_quantized")
+    def _latent_decode_attention_quantized_fake(
+        q, c_data, c_scales, k_pe, k_pe_scales, lengths, window=None, scale=None
+    ):
+        _check_one_device(q, c_data, c_scales, k_pe, k_pe_scales, lengths)
+        B, H_q, T, _ = q.shape
+        return q.new_empty((B, H_q, T, c_data.shape[3])), q.new_empty((B, H_q, T), dtype=torch.float32)
+
+    @torch.library.register_fake("kvcache_ext::append_latent_quantized")
+    def _append_latent_quantized_fake(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts=None):
+        _check_one_device(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts)
+        return None

@@ -66,6 +66,21 @@ it fills. Values are quantized per token as the code format stores them. A chann
 the rest then gets its own scales and costs the others nothing; :func:`per_channel_keys` is the
 values such a cache attends over.
 
+Latent (MLA) caches (``python_ref/latent.py``): a row ``[c, k_pe]`` of ``key_dim`` values per
+(row, KV head, token), ``c`` its first ``value_dim`` columns (the latent, DeepSeek's 512) and
+``k_pe`` the rest (the rotary key, 64). ``"int8"`` and ``"fp8_e4m3"`` store ``c`` as the codes and the
+one float32 scale per token of that format (``quantize(c)``: the scale spans ``c`` alone); ``k_pe``
+is kept in the cache's dtype (FlashMLA's layout, the default) or quantized the same way with its own
+float32 scale per token (``quantize(k_pe)``)::
+
+    c_data       int8 / float8_e4m3fn      (B, H_kv, S, value_dim)
+    c_scales     float32                   (B, H_kv, S)
+    k_pe         dtype, or the codes' dtype (B, H_kv, S, key_dim - value_dim)
+    k_pe_scales  float32 (quantized k_pe)  (B, H_kv, S)
+    value        [c_data * c_scales, k_pe (* k_pe_scales)]
+
+int4 and the rotated formats have no latent form.
+
 Bytes per cached vector with D = 128 (keys or values), against bfloat16's 256: int8 132
 (0.516x), fp8 132 (0.516x), int4 72 (0.281x).
 """

@@ -95,8 +95,10 @@ def test_row_operations_and_save_load_match_python_refs_cache_of_latents(model, 
 
 def test_refusals_at_construction_and_step(model):
     shape = _latent_shape(model, 2)
-    with pytest.raises(ValueError, match="without sink tokens: got kv_dtype='int8'"):
-        KVCache(**shape, kv_dtype="int8")
+    with pytest.raises(ValueError, match="int4's scale per 32 values and the rotated formats have no latent kernel"):
+        KVCache(**shape, kv_dtype="int4")
+    with pytest.raises(ValueError, match="keeps no sink tokens, got sink_tokens=2"):
+        KVCache(**shape, sink_tokens=2)
     with pytest.raises(ValueError, match="value_dim must be a multiple of 8 from 8 to head_dim=40, got 44"):
         KVCache(**shape | dict(value_dim=44))
     with pytest.raises(ValueError, match="key_dim\\) must be a multiple of 8 from 8 to 1024, got 1028"):

@@ -1,5 +1,5 @@
-// CPU implementation of latent_decode_attention (csrc/ops.cpp): input checks, the split of the
-// work over threads, the merge of split partial results, and the choice of the kernel copy.
+// CPU implementations of latent_decode_attention and latent_decode_attention_quantized (csrc/ops.cpp): input checks,
+// the split of the work over threads, the merge of split partial results, and the choice of the kernel copy.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -16,6 +16,7 @@
 #include "../binding_common.h"
 #include "cpu_isa.h"
 #include "latent_attention_problem.h"
+#include "latent_cache_checks.h"
 
 namespace kvcache_ext::cpu {
 
@@ -49,53 +50,19 @@ namespace {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-void check_latent_dims(int64_t key_dim, int64_t value_dim) {
-  STD_TORCH_CHECK(key_dim % kHeadDimMultiple == 0 && key_dim >= kHeadDimMultiple && key_dim <= kMaxLatentKeyDim,
-                  "the latent cache's width (key_dim) must be a multiple of ", kHeadDimMultiple, " from ",
-                  kHeadDimMultiple, " to ", kMaxLatentKeyDim, ", got ", key_dim);
-  STD_TORCH_CHECK(value_dim % kHeadDimMultiple == 0 && value_dim >= kHeadDimMultiple && value_dim <= key_dim,
-                  "value_dim must be a multiple of ", kHeadDimMultiple, " from ", kHeadDimMultiple,
-                  " to the cache's width ", key_dim, ", got ", value_dim);
-}
-
-std::tuple<Tensor, Tensor> latent_decode_attention(Tensor q, Tensor cache, Tensor lengths, int64_t value_dim,
-                                                   std::optional<int64_t> window, std::optional<double> scale) {
-  STD_TORCH_CHECK(cache.dim() == 4, "cache must be (batch, kv_heads, slots, key_dim), got shape ", shape_of(cache));
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
-  STD_TORCH_CHECK(q.is_cpu() && cache.is_cpu() && lengths.is_cpu(),
-                  "q, cache and lengths must be CPU tensors for the CPU kernel");
-  const int64_t B = cache.size(0), H_kv = cache.size(1), S = cache.size(2), Dk = cache.size(3);
+// Launches the kernel over checked arguments: p's cache fields (elem, batch, kv_heads, key_dim,
+// value_dim, slots, parts, format) set, len each row's checked length, scale checked (the default is
+// the key width's, as decode_attention's; MLA passes its own, YaRN's mscale); fills in the queries'.
+std::tuple<Tensor, Tensor> run_latent_attention(const Tensor& q, LatentProblem& p, const std::vector<int64_t>& len,
+                                                std::optional<int64_t> window, float scale) {
+  const int64_t B = p.batch, H_kv = p.kv_heads, S = p.slots, Dk = p.key_dim, value_dim = p.value_dim;
   const int64_t H_q = q.size(1), T = q.size(2);
-  elem_type_of(cache, "cache");
-  STD_TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q must have the cache's dtype ",
-                  dtype_name(cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
-  check_latent_dims(Dk, value_dim);
-  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == Dk, "q must be (batch=", B, ", q_heads, num_new, key_dim=", Dk,
-                  ") to match the cache ", shape_of(cache), ", got ", shape_of(q));
-  STD_TORCH_CHECK(S >= 1, "cache must have at least one slot, got shape ", shape_of(cache));
-  STD_TORCH_CHECK(cache.stride(3) == 1, "cache needs a contiguous last (key_dim) dimension, got stride ",
-                  cache.stride(3));
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  check_new_tokens_fit(T, S);
-  check_query_heads(H_q, H_kv);
-  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == ScalarType::Long,
-                  "lengths must be int64 of shape (", B, ",), got ", dtype_name(lengths.scalar_type()), " of shape ",
-                  shape_of(lengths));
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
-
-  LatentProblem p{};
-  p.elem = elem_type_of(q, "q");
   p.q = q.const_data_ptr();
-  p.cache = cache.const_data_ptr();
   p.lengths = len.data();
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.key_dim = Dk, p.value_dim = value_dim;
-  p.slots = S;
+  p.q_heads = H_q, p.num_new = T;
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
-  for (int i = 0; i < 3; ++i) p.cache_stride[i] = cache.stride(i);
   p.window = std::min(window.value_or(0), kMaxLength);  // longer than any row changes nothing
-  // The default scale is the key width's, as decode_attention's; MLA passes its own (YaRN's mscale).
-  p.scale = checked_scale(scale, Dk);
+  p.scale = scale;
 
   Tensor out = torch::stable::empty({B, H_q, T, value_dim}, q.scalar_type(), std::nullopt, q.device());
   Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
@@ -209,9 +176,81 @@ std::tuple<Tensor, Tensor> latent_decode_attention(Tensor q, Tensor cache, Tenso
   return {out, lse};
 }
 
+// The queries, lengths and window of an attention over a cache of (batch, kv_heads, slots) rows of
+// key_dim values whose unquantized parts are in q's dtype `dtype`; returns each row's checked length.
+std::vector<int64_t> check_latent_queries(const Tensor& q, ScalarType dtype, const Tensor& lengths, int64_t B,
+                                          int64_t H_kv, int64_t S, int64_t Dk, std::optional<int64_t> window) {
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
+  STD_TORCH_CHECK(q.is_cpu() && lengths.is_cpu(), "q and lengths must be CPU tensors for the CPU kernel");
+  elem_type_of(q, "q");
+  STD_TORCH_CHECK(q.scalar_type() == dtype, "q must have the cache's dtype ", dtype_name(dtype), ", got ",
+                  dtype_name(q.scalar_type()));
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == Dk, "q must be (batch=", B, ", q_heads, num_new, key_dim=", Dk,
+                  ") to match the cache, got ", shape_of(q));
+  STD_TORCH_CHECK(S >= 1, "the cache must have at least one slot, got ", S);
+  const int64_t T = q.size(2);
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  check_new_tokens_fit(T, S);
+  check_query_heads(q.size(1), H_kv);
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == ScalarType::Long,
+                  "lengths must be int64 of shape (", B, ",), got ", dtype_name(lengths.scalar_type()), " of shape ",
+                  shape_of(lengths));
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  return row_lengths(lengths, T, "the tokens of each row, the new ones included");
+}
+
+std::tuple<Tensor, Tensor> latent_decode_attention(Tensor q, Tensor cache, Tensor lengths, int64_t value_dim,
+                                                   std::optional<int64_t> window, std::optional<double> scale) {
+  STD_TORCH_CHECK(cache.dim() == 4, "cache must be (batch, kv_heads, slots, key_dim), got shape ", shape_of(cache));
+  STD_TORCH_CHECK(cache.is_cpu(), "cache must be a CPU tensor for the CPU kernel");
+  const int64_t B = cache.size(0), H_kv = cache.size(1), S = cache.size(2), Dk = cache.size(3);
+  elem_type_of(cache, "cache");
+  check_latent_dims(Dk, value_dim);
+  STD_TORCH_CHECK(cache.stride(3) == 1, "cache needs a contiguous last (key_dim) dimension, got stride ",
+                  cache.stride(3));
+  const std::vector<int64_t> len = check_latent_queries(q, cache.scalar_type(), lengths, B, H_kv, S, Dk, window);
+  const float checked = checked_scale(scale, Dk);
+
+  LatentProblem p{};
+  p.elem = elem_type_of(q, "q");
+  p.batch = B, p.kv_heads = H_kv, p.key_dim = Dk, p.value_dim = value_dim, p.slots = S;
+  // The whole row is one part, in q's dtype.
+  p.parts[0] = {cache.const_data_ptr(), {cache.stride(0), cache.stride(1), cache.stride(2)}, 0, Dk, nullptr, {}};
+  return run_latent_attention(q, p, len, window, checked);
+}
+
+std::tuple<Tensor, Tensor> latent_decode_attention_quantized(Tensor q, Tensor c_data, Tensor c_scales, Tensor k_pe,
+                                                             std::optional<Tensor> k_pe_scales, Tensor lengths,
+                                                             std::optional<int64_t> window,
+                                                             std::optional<double> scale) {
+  STD_TORCH_CHECK(c_data.dim() == 4, "c_data must be (batch, kv_heads, slots, value_dim), got shape ",
+                  shape_of(c_data));
+  const KvFormat format = latent_format_of(c_data);
+  const int64_t B = c_data.size(0), H_kv = c_data.size(1), S = c_data.size(2);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
+  const ScalarType dtype = q.scalar_type();
+  elem_type_of(q, "q");
+  LatentPart c = check_latent_part(c_data, c_scales, c_data.scalar_type(), dtype, B, H_kv, S, "c_data", "c_scales");
+  LatentPart pe = check_latent_part(k_pe, k_pe_scales, c_data.scalar_type(), dtype, B, H_kv, S, "k_pe", "k_pe_scales");
+  const int64_t Dv = c.width, Dk = c.width + pe.width;
+  check_latent_dims(Dk, Dv);
+  STD_TORCH_CHECK(pe.width >= 1, "k_pe must hold the rotary part (at least one column), got shape ", shape_of(k_pe));
+  const std::vector<int64_t> len = check_latent_queries(q, dtype, lengths, B, H_kv, S, Dk, window);
+  const float checked = checked_scale(scale, Dk);
+
+  LatentProblem p{};
+  p.elem = elem_type_of(q, "q");
+  p.batch = B, p.kv_heads = H_kv, p.key_dim = Dk, p.value_dim = Dv, p.slots = S;
+  p.format = format;
+  pe.column = Dv;
+  p.parts[0] = c, p.parts[1] = pe;
+  return run_latent_attention(q, p, len, window, checked);
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("latent_decode_attention", TORCH_BOX(&kvcache_ext::cpu::latent_decode_attention));
+  m.impl("latent_decode_attention_quantized", TORCH_BOX(&kvcache_ext::cpu::latent_decode_attention_quantized));
 }

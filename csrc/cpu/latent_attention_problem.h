@@ -10,17 +10,28 @@
 
 namespace kvcache_ext::cpu {
 
+// Where one part of the cached rows lives: columns [column, column + width) of every row, stored
+// in the problem's element type (scales null) or as codes of the problem's format with one float32
+// scale per token (python_ref/latent.py's quantized latent cache).
+struct LatentPart {
+  const void* data;         // [batch, kv_heads, slots, width], width contiguous
+  int64_t stride[3];        // batch, head, slot, in elements (bytes for codes)
+  int64_t column, width;    // width 0: no such part
+  const float* scales;      // [batch, kv_heads, slots], or null
+  int64_t scale_stride[3];  // batch, head, slot, in elements
+};
+
 // Keys are the cached latents [c, k_pe] (key_dim wide), values their first value_dim columns:
-// python_ref.latent.reference_latent_attention.
+// python_ref.latent.reference_latent_attention (over the dequantized rows for a quantized cache).
 struct LatentProblem {
-  ElemType elem;
+  ElemType elem;           // of q, the output and the unquantized parts
   const void* q;           // [batch, q_heads, num_new, key_dim], any strides
-  const void* cache;       // [batch, kv_heads, slots, key_dim], key_dim contiguous
   const int64_t* lengths;  // [batch] tokens per row, the num_new new ones included
   int64_t batch, q_heads, kv_heads, num_new, key_dim, value_dim, slots;
   int64_t q_stride[4];
-  int64_t cache_stride[3];  // batch, head, slot
-  int64_t window;           // 0: no window
+  LatentPart parts[2];  // the cached rows: c and k_pe of a quantized cache, or all of a row in one part
+  KvFormat format;      // of the parts with scales
+  int64_t window;       // 0: no window
   float scale;
 };
 

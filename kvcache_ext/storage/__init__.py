@@ -14,7 +14,8 @@ per row, ``(layers, batch, kv_heads, slots, ...)``: position ``p`` of row ``b`` 
 Paged layouts (:class:`PagedLayout`, :class:`PagedQuantizedLayout`) hold pools of blocks,
 ``(layers, num_blocks, kv_heads, block_size, ...)``, addressed through per-row block tables.
 The quantized ones store codes and scales (``python_ref/quantize.py``) and dequantize in the kernel.
-:class:`LatentLayout` holds one latent per token (MLA: keys whose first columns are the values).
+:class:`LatentLayout` holds one latent per token (MLA: keys whose first columns are the values),
+:class:`QuantizedLatentLayout` its int8/fp8 codes with one scale per token.
 """
 
 from .contiguous import ContiguousLayout
@@ -22,6 +23,7 @@ from .formats import KV_DTYPES, check_kv_format, kv_format
 from .latent import LatentLayout, check_latent_format
 from .paged import PagedLayout, PagedQuantizedLayout
 from .quantized import QuantizedLayout, quantized_shapes
+from .quantized_latent import QuantizedLatentLayout
 
 
 def contiguous_layout(kv_dtype, num_layers, batch_size, kv_heads, slots, head_dim, dtype, device):
@@ -52,6 +54,7 @@ __all__ = [
     "LatentLayout",
     "PagedLayout",
     "PagedQuantizedLayout",
+    "QuantizedLatentLayout",
     "QuantizedLayout",
     "buffer_shapes",
     "check_kv_format",

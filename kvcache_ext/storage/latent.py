@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from python_ref.latent import append_latent_to_slots
+from python_ref.latent import LATENT_FORMATS, append_latent_to_slots
 
 from .. import ops
 from ..capabilities import capabilities
@@ -61,9 +61,10 @@ class LatentLayout(Layout):
         self.copy_entries(src_rows, torch.arange(len(src_rows), device=src_rows.device))
 
 
-def check_latent_format(dtype: torch.dtype, key_dim: int, value_dim, device) -> None:
+def check_latent_format(dtype: torch.dtype, key_dim: int, value_dim, device, fmt=None, quantize_rope=False) -> None:
     """Whether ``device`` serves latent caches of ``dtype`` with rows of ``key_dim`` and values of
-    ``value_dim`` columns, against the capability table (the rules of ``latent_decode_attention``)."""
+    ``value_dim`` columns, against the capability table (the rules of ``latent_decode_attention``),
+    stored in quantized format ``fmt`` (None: in ``dtype``), its rotary part too with ``quantize_rope``."""
     table = capabilities(device)
     table.check_dtype(dtype, "KVCache dtype")
     m, top = table.head_dim_multiple, table.latent_max_key_dim or 2**31 - 1  # 0: the reference runs, any width
@@ -73,3 +74,20 @@ def check_latent_format(dtype: torch.dtype, key_dim: int, value_dim, device) -> 
         )
     if not isinstance(value_dim, int) or isinstance(value_dim, bool) or value_dim % m or not m <= value_dim <= key_dim:
         raise ValueError(f"value_dim must be a multiple of {m} from {m} to head_dim={key_dim}, got {value_dim!r}")
+    if not isinstance(quantize_rope, bool):
+        raise TypeError(f"quantize_rope must be True or False, got {quantize_rope!r}")
+    if fmt is None:
+        if quantize_rope:
+            raise ValueError("quantize_rope quantizes a quantized latent cache's rotary part: it needs a kv_dtype")
+        return
+    if fmt not in LATENT_FORMATS:
+        raise ValueError(
+            f"a latent cache stores its latents as {LATENT_FORMATS} (one scale per token), not {fmt!r}: int4's "
+            "scale per 32 values and the rotated formats have no latent kernel"
+        )
+    if table.latent_max_key_dim and fmt not in table.latent_kv_formats:
+        raise TypeError(f"the {table.kernels} stores quantized latents {table.latent_kv_formats}, not {fmt!r}")
+    if value_dim == key_dim:
+        raise ValueError(
+            f"a quantized latent cache needs a rotary part: value_dim must be below head_dim={key_dim}, got {value_dim}"
+        )

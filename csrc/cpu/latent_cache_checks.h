@@ -1,0 +1,65 @@
+// The checks of a latent (MLA) cache's buffers that its bindings share (latent_attention_cpu.cpp,
+// latent_append_quantized_cpu.cpp): the widths and the parts of a quantized latent cache.
+#pragma once
+
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <optional>
+
+#include "../binding_common.h"
+#include "latent_attention_problem.h"
+
+namespace kvcache_ext::cpu {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+inline void check_latent_dims(int64_t key_dim, int64_t value_dim) {
+  STD_TORCH_CHECK(key_dim % kHeadDimMultiple == 0 && key_dim >= kHeadDimMultiple && key_dim <= kMaxLatentKeyDim,
+                  "the latent cache's width (key_dim) must be a multiple of ", kHeadDimMultiple, " from ",
+                  kHeadDimMultiple, " to ", kMaxLatentKeyDim, ", got ", key_dim);
+  STD_TORCH_CHECK(value_dim % kHeadDimMultiple == 0 && value_dim >= kHeadDimMultiple && value_dim <= key_dim,
+                  "value_dim must be a multiple of ", kHeadDimMultiple, " from ", kHeadDimMultiple,
+                  " to the cache's width ", key_dim, ", got ", value_dim);
+}
+
+// One part of a quantized latent cache: codes `data` (c_data's dtype) with float32 `scales` (batch,
+// kv_heads, slots), or, scales absent, values in `dtype`; (batch, kv_heads, slots, width) with a
+// contiguous last dimension. Returns the part (column unset).
+inline LatentPart check_latent_part(const Tensor& data, const std::optional<Tensor>& scales, ScalarType codes,
+                                    ScalarType dtype, int64_t B, int64_t H, int64_t S, const char* name,
+                                    const char* scales_name) {
+  STD_TORCH_CHECK(data.dim() == 4 && data.size(0) == B && data.size(1) == H && data.size(2) == S, name,
+                  " must be (batch=", B, ", kv_heads=", H, ", slots=", S, ", width), got shape ", shape_of(data));
+  STD_TORCH_CHECK(data.is_cpu(), name, " must be a CPU tensor for the CPU kernel");
+  STD_TORCH_CHECK(data.stride(3) == 1 || data.size(3) <= 1, name, " needs a contiguous last dimension, got stride ",
+                  data.stride(3));
+  const ScalarType expected = scales.has_value() ? codes : dtype;
+  STD_TORCH_CHECK(data.scalar_type() == expected, name, " must be ", dtype_name(expected),
+                  scales.has_value() ? " (the codes' dtype: it has scales)" : " (the cache's dtype: it has no scales)",
+                  ", got ", dtype_name(data.scalar_type()));
+  LatentPart part{
+      data.const_data_ptr(), {data.stride(0), data.stride(1), data.stride(2)}, 0, data.size(3), nullptr, {}};
+  if (!scales.has_value()) return part;
+  STD_TORCH_CHECK(scales->dim() == 3 && scales->size(0) == B && scales->size(1) == H && scales->size(2) == S,
+                  scales_name, " must be (batch=", B, ", kv_heads=", H, ", slots=", S, "), one per token, got shape ",
+                  shape_of(*scales));
+  STD_TORCH_CHECK(scales->scalar_type() == ScalarType::Float, scales_name, " must be float32, got ",
+                  dtype_name(scales->scalar_type()));
+  STD_TORCH_CHECK(scales->is_cpu(), scales_name, " must be a CPU tensor for the CPU kernel");
+  part.scales = scales->const_data_ptr<float>();
+  for (int i = 0; i < 3; ++i) part.scale_stride[i] = scales->stride(i);
+  return part;
+}
+
+// The codes' format of a quantized latent cache (int8 or fp8_e4m3: one scale per token).
+inline KvFormat latent_format_of(const Tensor& c_data) {
+  STD_TORCH_CHECK(c_data.scalar_type() == ScalarType::Char || c_data.scalar_type() == ScalarType::Float8_e4m3fn,
+                  "c_data must be int8 (int8 format) or float8_e4m3fn (fp8_e4m3), got ",
+                  dtype_name(c_data.scalar_type()));
+  return c_data.scalar_type() == ScalarType::Char ? KvFormat::kInt8 : KvFormat::kFp8E4M3;
+}
+
+}  // namespace kvcache_ext::cpu
