@@ -33,6 +33,8 @@ cpu_sources = [
     "csrc/cpu/decode_attention_baseline.cpp",
     "csrc/cpu/ops_quantized_cpu.cpp",
     "csrc/cpu/quantized_baseline.cpp",
+    "csrc/cpu/ops_kivi_cpu.cpp",
+    "csrc/cpu/kivi_baseline.cpp",
     "csrc/cpu/latent_attention_cpu.cpp",
     "csrc/cpu/latent_attention_baseline.cpp",
 ]
@@ -45,6 +47,9 @@ if x86:
         "csrc/cpu/quantized_avx2.cpp",
         "csrc/cpu/quantized_avx512.cpp",
         "csrc/cpu/quantized_avx512bf16.cpp",
+        "csrc/cpu/kivi_avx2.cpp",
+        "csrc/cpu/kivi_avx512.cpp",
+        "csrc/cpu/kivi_avx512bf16.cpp",
         "csrc/cpu/latent_attention_avx2.cpp",
         "csrc/cpu/latent_attention_avx512.cpp",
         "csrc/cpu/latent_attention_avx512bf16.cpp",

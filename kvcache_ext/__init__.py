@@ -4,7 +4,8 @@
 ``decode_attention`` are the ops behind it (``append_kv_quantized`` and
 ``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``; ``paged_append_kv`` and
 ``paged_decode_attention`` for block pools, their ``_quantized`` forms for quantized ones; ``latent_decode_attention`` behind
-``KVCache(value_dim=...)``, multi-head latent attention); ``capabilities(device)`` is the table of what the
+``KVCache(value_dim=...)``, multi-head latent attention; ``append_kv_kivi`` and ``decode_attention_kivi``
+behind ``KVCache(kv_dtype="int4_kivi")`` and the other per-channel-key formats); ``capabilities(device)`` is the table of what the
 kernels support. ``PagedKVCache`` keeps many sequences in one pool of blocks (shared
 copy-on-write, prompt prefixes cached, blocks released as they leave a sliding window);
 ``Engine`` serves many requests at once on it (continuous batching). Without a loadable native
@@ -28,6 +29,7 @@ from .ops import (
     paged_decode_attention,
     paged_decode_attention_quantized,
 )
+from .kivi_ops import append_kv_kivi, decode_attention_kivi
 from .paged import BlockPool, PagedKVCache, PoolExhaustedError
 
 __all__ = [
@@ -46,6 +48,8 @@ __all__ = [
     "paged_append_kv_quantized",
     "paged_decode_attention_quantized",
     "latent_decode_attention",
+    "append_kv_kivi",
+    "decode_attention_kivi",
     "build_info",
     "capabilities",
     "Capabilities",

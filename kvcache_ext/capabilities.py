@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from python_ref.quantize import KV_FORMATS
+from python_ref.quantize import KIVI_FORMATS, KV_FORMATS
 
 from . import _native
 from ._native import CPU_ISAS  # noqa: F401 (part of this module's table of what runs)
@@ -29,6 +29,19 @@ MAX_LENGTH = 2**62
 # kMaxBlockSize (csrc/capabilities.h), so that a position's block and offset are a shift and a mask.
 # Every path takes exactly these, the python_ref fallback included, so a pool works on any device.
 PAGED_BLOCK_SIZES = tuple(2**i for i in range(9))
+# What a cache of a KIVI format (per-channel key scales, python_ref/quantize.py) cannot do, on every
+# device, and why: the constructors (and, for the row operations, the operation) refuse it with this.
+KIVI_UNSUPPORTED = {
+    "window": "a KIVI cache does not wrap: a ring would overwrite the oldest key group, quantized per channel "
+    "over 32 positions, while some of its positions are still in the window",
+    "sink_tokens": "sink tokens come with a window, and a KIVI cache has none",
+    "other_caches": "a KIVI format is stored by KVCache alone (contiguous rows): paged pools and the Hugging "
+    "Face adapter's caches would need key groups and a full-precision residual per row beside their storage",
+    "rewind": "rewinding a row into a quantized key group cannot restore its full-precision keys: remove "
+    "whole groups of 32 positions, or only positions of the newest incomplete group",
+    "save": "save/load of KIVI caches is not implemented (the saved format cuts every buffer at the held "
+    "slots; key groups are laid out per channel)",
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,10 @@ class Capabilities:
     # kernel takes on this device; 0: no latent kernel here, and latent_decode_attention runs
     # python_ref's latent reference (same semantics and checks).
     latent_max_key_dim: int = 0
+    # KIVI formats (per-channel key scales, python_ref/quantize.py) a contiguous KVCache stores on this
+    # device through the native KIVI ops (or, on the python fallback, python_ref's KIVI reference);
+    # what they refuse: KIVI_UNSUPPORTED.
+    kivi_kv_formats: tuple[str, ...] = ()
 
     @property
     def native(self) -> bool:
@@ -121,6 +138,7 @@ def kernel_table(device_type: str) -> Capabilities:
         paged_block_sizes=tuple(size for size in PAGED_BLOCK_SIZES if size <= table["paged_max_block_size"]),
         paged_kv_formats=tuple(table["paged_kv_formats"]),
         latent_max_key_dim=table["latent_max_key_dim"],
+        kivi_kv_formats=tuple(table.get("kivi_kv_formats", ())),
     )
 
 
@@ -138,6 +156,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         kv_formats=KV_FORMATS,
         paged_block_sizes=(),
         paged_kv_formats=(),
+        kivi_kv_formats=tuple(KIVI_FORMATS),
     )
 
 

@@ -280,13 +280,35 @@ def kivi_keys(k_codes, k_scales, k_recent, lengths, fmt: str) -> torch.Tensor:
 
 
 def reference_kivi_attention(
-    q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, fmt: str, scale=None, return_lse=False
+    q,
+    k_codes,
+    k_scales,
+    k_recent,
+    v_data,
+    v_scales,
+    lengths,
+    fmt: str,
+    window=None,
+    scale=None,
+    return_lse=False,
+    softcap=None,
+    sinks=None,
 ):
     """``reference_attention`` of ``q`` over the keys and values a KIVI cache of format ``fmt`` stands
-    for (float32, no window); the output in q's dtype."""
+    for (float32); the output in q's dtype."""
     keys = kivi_keys(k_codes, k_scales, k_recent, lengths, fmt)
     values = dequantize(v_data, v_scales, kivi_code_format(fmt))
-    return reference_attention(q, keys[..., : values.shape[2], :], values, lengths, scale=scale, return_lse=return_lse)
+    return reference_attention(
+        q,
+        keys[..., : values.shape[2], :],
+        values,
+        lengths,
+        window=window,
+        scale=scale,
+        return_lse=return_lse,
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
 def per_channel_keys(keys: torch.Tensor, fmt: str) -> torch.Tensor:
