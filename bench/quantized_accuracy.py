@@ -454,9 +454,9 @@ def outliers(args) -> None:
             change = (model(rows[:2, :-1], CausalTraining()) - reference_logits).abs().max().item()
             ratio = key_outlier_ratio(model, rows[:2])
             base = None
-            caches = [(kv_dtype or "none", None, kv_dtype) for kv_dtype in args.kv_dtypes]
-            for label, _, kind in caches:
-                nll, top1 = perplexity(model, rows, kind, torch.float32, args.step)
+            for kv_dtype in args.kv_dtypes:
+                label = kv_dtype or "none"
+                nll, top1 = perplexity(model, rows, kv_dtype, torch.float32, args.step)
                 ppl = nll.mean().exp().item()
                 if base is None:
                     base = (ppl, top1)
@@ -573,6 +573,9 @@ def main() -> None:
     o.add_argument("--scales", type=float, nargs="+", default=list(OUTLIER_SCALES))
     o.add_argument("--threads", type=int, default=1)
     o.add_argument("--quick", action="store_true", help="a smoke test: 2 windows, s = 1 and 30, steps of 128")
+    o.add_argument(
+        "--kv-dtypes", nargs="+", default=None, help="the formats to compare (default: all; 'none' is the baseline)"
+    )
     pr = commands.add_parser("probe", help="the issue's synthetic outlier probe (decode-output error)")
     pr.add_argument("--length", type=int, default=8192, help="cached tokens per row")
     pr.add_argument("--scales", type=float, nargs="+", default=[8.0, 30.0])
@@ -581,7 +584,8 @@ def main() -> None:
     if args.command == "evaluate" and args.quick:
         args.rows, args.prompts, args.new, args.step = 4, 2, 32, 64
     if args.command == "outliers":
-        args.kv_dtypes = OUTLIER_KV_DTYPES
+        chosen = args.kv_dtypes
+        args.kv_dtypes = OUTLIER_KV_DTYPES if chosen is None else [None] + [f for f in chosen if f != "none"]
         if args.quick:
             args.rows, args.step, args.scales = 2, 128, [1.0, 30.0]
     commands_by_name = {

@@ -141,33 +141,43 @@ void append_kv_kivi(Tensor k_codes, Tensor k_scales, Tensor k_recent, Tensor v_d
   char* value_scales = static_cast<char*>(v_scales.mutable_data_ptr());
   const void* k_src = k_new.const_data_ptr();
   const void* v_src = v_new.const_data_ptr();
+  // Strides read once (each read is a call into the stable ABI), in elements.
+  struct Strides {
+    int64_t k_new[4], v_new[4], codes[3], key_scales[4], recent[3], values[3], value_scales[3];
+  } st{};
+  for (int i = 0; i < 4; ++i)
+    st.k_new[i] = k_new.stride(i), st.v_new[i] = v_new.stride(i), st.key_scales[i] = k_scales.stride(i);
+  for (int i = 0; i < 3; ++i) {
+    st.codes[i] = k_codes.stride(i), st.recent[i] = k_recent.stride(i);
+    st.values[i] = v_data.stride(i), st.value_scales[i] = v_scales.stride(i);
+  }
   // One work item per (row, KV head): its new tokens in order, so that a group fills before it is quantized.
   torch::stable::parallel_for(
       0, B * H, std::max<int64_t>(1, 512 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t end) {
         float x[kMaxHeadDim], channel[kKiviGroup];
         for (int64_t item = begin; item < end; ++item) {
           const int64_t b = item / H, h = item % H;
-          float* row_recent = recent + b * k_recent.stride(0) + h * k_recent.stride(1);
+          float* row_recent = recent + b * st.recent[0] + h * st.recent[1];
           for (int64_t t = 0; t < count[b]; ++t) {
             const int64_t position = len[b] + t;  // checked: below S
-            const int64_t v_at = b * v_new.stride(0) + h * v_new.stride(1) + t * v_new.stride(2);
-            for (int64_t d = 0; d < D; ++d) x[d] = kv_element_as_float(v_src, elem, v_at + d * v_new.stride(3));
+            const int64_t v_at = b * st.v_new[0] + h * st.v_new[1] + t * st.v_new[2];
+            for (int64_t d = 0; d < D; ++d) x[d] = kv_element_as_float(v_src, elem, v_at + d * st.v_new[3]);
             quantize_kv_vector(
-                format, x, D, values + b * v_data.stride(0) + h * v_data.stride(1) + position * v_data.stride(2),
+                format, x, D, values + b * st.values[0] + h * st.values[1] + position * st.values[2],
                 value_scales +
-                    (b * v_scales.stride(0) + h * v_scales.stride(1) + position * v_scales.stride(2)) * scale_size);
-            float* key = row_recent + (position % kKiviGroup) * k_recent.stride(2);
-            const int64_t k_at = b * k_new.stride(0) + h * k_new.stride(1) + t * k_new.stride(2);
-            for (int64_t d = 0; d < D; ++d) key[d] = kv_element_as_float(k_src, elem, k_at + d * k_new.stride(3));
+                    (b * st.value_scales[0] + h * st.value_scales[1] + position * st.value_scales[2]) * scale_size);
+            float* key = row_recent + (position % kKiviGroup) * st.recent[2];
+            const int64_t k_at = b * st.k_new[0] + h * st.k_new[1] + t * st.k_new[2];
+            for (int64_t d = 0; d < D; ++d) key[d] = kv_element_as_float(k_src, elem, k_at + d * st.k_new[3]);
             if (position % kKiviGroup != kKiviGroup - 1) continue;
             // The group is complete: each channel's kKiviGroup keys, in position order, are one vector.
             const int64_t group = position / kKiviGroup;
-            char* group_codes = codes + b * k_codes.stride(0) + h * k_codes.stride(1) + group * k_codes.stride(2);
-            const int64_t group_scales = b * k_scales.stride(0) + h * k_scales.stride(1) + group * k_scales.stride(2);
+            char* group_codes = codes + b * st.codes[0] + h * st.codes[1] + group * st.codes[2];
+            const int64_t group_scales = b * st.key_scales[0] + h * st.key_scales[1] + group * st.key_scales[2];
             for (int64_t d = 0; d < D; ++d) {
-              for (int64_t j = 0; j < kKiviGroup; ++j) channel[j] = row_recent[j * k_recent.stride(2) + d];
+              for (int64_t j = 0; j < kKiviGroup; ++j) channel[j] = row_recent[j * st.recent[2] + d];
               quantize_kv_vector(format, channel, kKiviGroup, group_codes + d * channel_bytes,
-                                 key_scales + (group_scales + d * k_scales.stride(3)) * scale_size);
+                                 key_scales + (group_scales + d * st.key_scales[3]) * scale_size);
             }
           }
         }
