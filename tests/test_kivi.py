@@ -343,3 +343,12 @@ def test_memory_of_kivi_caches_head_dim_128():
     residual = 32 * 128 * 4 / 1024
     assert sizes["int8_kivi"] == pytest.approx((128 + 16 + 132 + residual) / 512)
     assert sizes["int4_kivi"] == pytest.approx((64 + 8 + 72 + residual) / 512)
+
+
+def test_the_hugging_face_cache_refuses_kivi_formats_at_construction():
+    transformers = pytest.importorskip("transformers")
+    khf = pytest.importorskip("kvcache_ext.hf")
+    from tiny_models import TINY_DECODER
+
+    with pytest.raises(ValueError, match="stored by KVCache alone"):
+        khf.NativeCache(transformers.LlamaConfig(**TINY_DECODER), max_cache_len=16, kv_dtype="int4_kivi")
