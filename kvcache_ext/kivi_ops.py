@@ -13,7 +13,15 @@ from python_ref import quantize as quant
 
 from . import _native
 from .capabilities import SUPPORTED_DTYPES, capabilities
-from .ops import check_length_values, check_lengths, check_new_count_values, check_new_counts, check_queries
+from .ops import (
+    _attention_outputs_like,
+    _check_one_device,
+    check_length_values,
+    check_lengths,
+    check_new_count_values,
+    check_new_counts,
+    check_queries,
+)
 
 _KIVI_FORMAT_OF_DTYPE = {torch.int8: "int8_kivi", torch.float8_e4m3fn: "fp8_e4m3_kivi", torch.uint8: "int4_kivi"}
 _CPU_KIVI = capabilities("cpu").native and bool(capabilities("cpu").kivi_kv_formats)
@@ -180,21 +188,14 @@ def run_decode_attention_kivi(
 
 if _native.available:
 
-    def _one_device(*tensors) -> None:
-        # A raw op called with one meta tensor among CPU tensors dispatches to the fake kernel: refuse like the real one.
-        devices = {t.device for t in tensors if t is not None}
-        if len(devices) > 1:
-            raise RuntimeError(f"kvcache_ext ops need all tensors on one device, got {sorted(map(str, devices))}")
-
     @torch.library.register_fake("kvcache_ext::append_kv_kivi")
     def _append_kv_kivi_fake(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts=None):
-        _one_device(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts)
+        _check_one_device(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts)
         return None
 
     @torch.library.register_fake("kvcache_ext::decode_attention_kivi")
     def _decode_attention_kivi_fake(
         q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
     ):
-        _one_device(q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, sinks)
-        B, H_q, T, _ = q.shape
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+        _check_one_device(q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, sinks)
+        return _attention_outputs_like(q)
