@@ -27,9 +27,10 @@ KIVI's per-channel key scales, through python_ref's quantizer and reference atte
 ``OUTLIER_PAIR`` of every key/value head of ``W_key`` scaled by s and the same pair of every query
 head of ``W_query`` by 1/s (each score, and so each output, is unchanged in exact arithmetic; the
 logits are checked equal to float32 rounding), then perplexity and top-1 agreement with the
-unquantized cache for every format, rotated keys and python_ref's per-channel (KIVI) keys included,
+unquantized cache for every format, rotated keys and the per-channel-key (KIVI) formats included,
 at s = 1, 10, 30, 100. ``probe``: decode-output error against float64 attention over keys with four
-outlier channels (8x and 30x), B=4, 8 KV heads, 32 query heads, D=128, bfloat16 queries.
+outlier channels (8x and 30x), B=4, 8 KV heads, 32 query heads, D=128, bfloat16 queries, for every
+format (the KIVI ones natively, and through python_ref's ``per_channel_keys`` for comparison).
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ from python_ref.attention import reference_attention
 from python_ref.llama import LlamaConfig, LlamaModel
 from python_ref.quantize import (
     INT4_GROUP,
+    KIVI_FORMATS,
     code_format,
     data_shape,
     dequantize,
+    kivi_shapes,
     per_channel_keys,
     quantize,
     rotates_keys,
@@ -373,7 +376,17 @@ def key_granularity(args) -> None:
 # ---- outlier keys ---------------------------------------------------------------------------------
 OUTLIER_SCALES = (1.0, 10.0, 30.0, 100.0)
 OUTLIER_PAIR = 5  # RoPE pair (5, 5 + head_dim / 2): both channels rotate by one angle, so both scale alike
-OUTLIER_KV_DTYPES = (None, "int8", "int8_rot", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot")
+OUTLIER_KV_DTYPES = (
+    None,
+    "int8",
+    "int8_rot",
+    "int8_kivi",
+    "fp8_e4m3",
+    "fp8_e4m3_rot",
+    "int4",
+    "int4_rot",
+    "int4_kivi",
+)
 PER_CHANNEL_FORMATS = ("int8", "int4")  # python_ref's per-channel (KIVI) keys, values per token
 
 
@@ -417,39 +430,6 @@ class KeyRecorder(CausalTraining):
         return super().attend(layer, q, k, v, scale)
 
 
-class PerChannelKeyCache:
-    """The cache protocol over keys as python_ref's per-channel (KIVI) format holds them
-    (``python_ref.quantize.per_channel_keys``: complete groups of 32 positions scaled per channel,
-    the newest incomplete group exact) and values per token in the same code format, attended with
-    python_ref's reference attention."""
-
-    def __init__(self, num_layers, kv_heads, head_dim, batch_size, max_cache_len, fmt):
-        shape = (num_layers, batch_size, kv_heads, max_cache_len, head_dim)
-        self.k, self.v, self.fmt, self.seq_length = torch.zeros(shape), torch.zeros(shape), fmt, 0
-
-    def start_step(self, num_new):
-        self._num_new = num_new
-        return torch.arange(self.seq_length, self.seq_length + num_new).unsqueeze(0)
-
-    def attend(self, layer, q, k, v, scale=None):
-        start, end = self.seq_length, self.seq_length + self._num_new
-        self.k[layer, :, :, start:end], self.v[layer, :, :, start:end] = k.float(), v.float()
-        keys = per_channel_keys(self.k[layer, :, :, :end], self.fmt)
-        values = dequantize(*quantize(self.v[layer, :, :, :end], self.fmt), self.fmt)
-        lengths = torch.full((q.shape[0],), end, dtype=torch.long)
-        return reference_attention(q, keys.to(q.dtype), values.to(q.dtype), lengths)
-
-    def finish_step(self):
-        self.seq_length += self._num_new
-
-
-def cache_perplexity(model, rows, cache, step) -> tuple[torch.Tensor, torch.Tensor]:
-    """``perplexity``'s per-byte losses and argmax bytes through any object of the cache protocol."""
-    T = rows.shape[1]
-    logits = torch.cat([model(rows[:, i : i + step], cache) for i in range(0, T - 1, step)], dim=1)[:, : T - 1].float()
-    return F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none"), logits.argmax(-1)
-
-
 def outliers(args) -> None:
     torch.set_num_threads(args.threads)
     text = torch.frombuffer(bytearray(HELDOUT.read_bytes()), dtype=torch.uint8).long()
@@ -474,14 +454,9 @@ def outliers(args) -> None:
             change = (model(rows[:2, :-1], CausalTraining()) - reference_logits).abs().max().item()
             ratio = key_outlier_ratio(model, rows[:2])
             base = None
-            caches = [(kv_dtype or "none", None, kv_dtype) for kv_dtype in args.kv_dtypes]
-            caches += [(f"{fmt}, per-channel keys (KIVI, python_ref)", fmt, "kivi") for fmt in PER_CHANNEL_FORMATS]
-            for label, fmt, kind in caches:
-                if kind == "kivi":
-                    cache = PerChannelKeyCache(**model.kv_shape, batch_size=rows.shape[0], max_cache_len=T, fmt=fmt)
-                    nll, top1 = cache_perplexity(model, rows, cache, args.step)
-                else:
-                    nll, top1 = perplexity(model, rows, kind, torch.float32, args.step)
+            for kv_dtype in args.kv_dtypes:
+                label = kv_dtype or "none"
+                nll, top1 = perplexity(model, rows, kv_dtype, torch.float32, args.step)
                 ppl = nll.mean().exp().item()
                 if base is None:
                     base = (ppl, top1)
@@ -493,7 +468,7 @@ def outliers(args) -> None:
                 print(f"  [{time.perf_counter() - start:.0f}s] s={s:g} {label} done", file=sys.stderr, flush=True)
 
 
-PROBE_FORMATS = (None, "int8", "int8_rot", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot")
+PROBE_FORMATS = (None, "int8", "int8_rot", "int8_kivi", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot", "int4_kivi")
 PROBE_CHANNELS = (3, 40, 77, 100)  # the four outlier channels of every key
 
 
@@ -528,6 +503,15 @@ def probe_errors(length: int, outlier: float, seed: int = 0) -> dict[str, float]
     for fmt in PROBE_FORMATS:
         if fmt is None:
             out, _ = kvcache_ext.decode_attention(q, k16, v16, lengths)
+        elif fmt in KIVI_FORMATS:
+            cache = [
+                torch.zeros(shape, dtype=torch.uint8).view(dtype)
+                if dtype.itemsize == 1
+                else torch.zeros(shape, dtype=dtype)
+                for shape, dtype in kivi_shapes(fmt, (4, 8, length, 128)).values()
+            ]
+            kvcache_ext.append_kv_kivi(*cache, k16, v16, torch.zeros(4, dtype=torch.long))
+            out, _ = kvcache_ext.decode_attention_kivi(q, *cache, lengths)
         else:
             base = code_format(fmt)
             shape = (4, 8, length, 128)
@@ -589,6 +573,9 @@ def main() -> None:
     o.add_argument("--scales", type=float, nargs="+", default=list(OUTLIER_SCALES))
     o.add_argument("--threads", type=int, default=1)
     o.add_argument("--quick", action="store_true", help="a smoke test: 2 windows, s = 1 and 30, steps of 128")
+    o.add_argument(
+        "--kv-dtypes", nargs="+", default=None, help="the formats to compare (default: all; 'none' is the baseline)"
+    )
     pr = commands.add_parser("probe", help="the issue's synthetic outlier probe (decode-output error)")
     pr.add_argument("--length", type=int, default=8192, help="cached tokens per row")
     pr.add_argument("--scales", type=float, nargs="+", default=[8.0, 30.0])
@@ -597,7 +584,8 @@ def main() -> None:
     if args.command == "evaluate" and args.quick:
         args.rows, args.prompts, args.new, args.step = 4, 2, 32, 64
     if args.command == "outliers":
-        args.kv_dtypes = OUTLIER_KV_DTYPES
+        chosen = args.kv_dtypes
+        args.kv_dtypes = OUTLIER_KV_DTYPES if chosen is None else [None] + [f for f in chosen if f != "none"]
         if args.quick:
             args.rows, args.step, args.scales = 2, 128, [1.0, 30.0]
     commands_by_name = {

@@ -39,6 +39,9 @@ inline bool head_dim_supported(int64_t head_dim) {
 constexpr const char* kKvFormatsJson =
     "[\"int8\", \"fp8_e4m3\", \"int4\", \"int8_rot\", \"fp8_e4m3_rot\", \"int4_rot\"]";
 
+// The per-channel-key (KIVI) formats the kernels store (ops_kivi_cpu.cpp): CPU only, contiguous caches only.
+constexpr const char* kKiviFormatsJson = "[\"int8_kivi\", \"fp8_e4m3_kivi\", \"int4_kivi\"]";
+
 // The table as JSON, for one device type ("cpu" or "cuda"). Query heads per KV head (the GQA
 // group) and new tokens per call are unlimited on both devices.
 inline std::string capabilities_json(bool cuda) {
@@ -53,6 +56,8 @@ inline std::string capabilities_json(bool cuda) {
          ", \"paged_max_block_size\": " + std::to_string(kMaxBlockSize) +
          // Quantized formats the paged kernels store and attend over: the same on both devices.
          ", \"paged_kv_formats\": " + kKvFormatsJson +
+         // KIVI formats the kernels store and attend over (contiguous caches, CPU only).
+         ", \"kivi_kv_formats\": " + (cuda ? "[]" : kKiviFormatsJson) +
          // Widest latent cache row the latent kernel takes (0: none on this device).
          ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
          // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).

@@ -99,6 +99,26 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
       "Tensor block_tables, Tensor lengths, int? window=None, float? scale=None, float? softcap=None, "
       "Tensor? sinks=None, bool rotate_keys=False) -> (Tensor out, Tensor lse)");
 
+  // KIVI caches (per-channel key scales; the "*_kivi" formats of python_ref/quantize.py, layout in its
+  // kivi_shapes; the code format follows from v_data's dtype as above): k_codes [batch, kv_heads,
+  // groups, head_dim, 32] (int4: 16 bytes of two) holds each complete group of 32 positions' keys
+  // per channel, k_scales float32 [batch, kv_heads, groups, head_dim] (int4: float16 [..., head_dim,
+  // 1]) their scales, k_recent float32 [batch, kv_heads, 32, head_dim] the keys of each row's newest
+  // incomplete group (position p in row p % 32), v_data/v_scales the values per token as a quantized
+  // cache's. No ring: a row holds at most slots (v_data's dimension 2) tokens, refused past it.
+  // append_kv_kivi stores token t < new_counts[b] of k_new/v_new [batch, kv_heads, num_new, head_dim]
+  // at position lengths[b] + t exactly as python_ref.quantize.append_kivi does (values quantized,
+  // keys into k_recent, a group quantized per channel when its last position arrives).
+  m.def(
+      "append_kv_kivi(Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) k_recent, Tensor(d!) v_data, "
+      "Tensor(e!) v_scales, Tensor k_new, Tensor v_new, Tensor lengths, Tensor? new_counts=None) -> ()");
+  // decode_attention over the keys and values a KIVI cache stands for:
+  // python_ref.quantize.reference_kivi_attention (window, scale, softcap and sinks as decode_attention's).
+  m.def(
+      "decode_attention_kivi(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_recent, Tensor v_data, "
+      "Tensor v_scales, Tensor lengths, int? window=None, float? scale=None, float? softcap=None, "
+      "Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+
   // Latent (MLA) attention, python_ref.latent.reference_latent_attention: the cache [batch, kv_heads,
   // slots, key_dim] holds each token's latent once for every query head of its group (DeepSeek:
   // kv_heads 1, key_dim kv_lora_rank + qk_rope_head_dim = 576); q [batch, q_heads, num_new, key_dim]

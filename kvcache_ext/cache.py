@@ -11,9 +11,11 @@ from python_ref.caches import check_step_tensors, merge_attention, sink_token_at
 from python_ref.row_state import RowOperations, RowState
 
 from .storage.layout import StorageAttributes
+from .capabilities import KIVI_UNSUPPORTED
 from .storage import (
     LatentLayout,
     QuantizedLatentLayout,
+    check_kivi_format,
     check_kv_format,
     check_latent_format,
     contiguous_layout,
@@ -35,6 +37,9 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
     ``dtype`` (few, and the ones attention leans on most). Every combination of these works, with
     rows that grow unevenly (``start_step(T, counts)``), every row operation (``reorder``, ``fork``,
     ``select``, ``repeat_interleave``, ``crop``, ``rewind``, ``reset_rows``) and ``save``/``load``.
+    The per-channel-key formats ``"int8_kivi"``, ``"fp8_e4m3_kivi"``, ``"int4_kivi"`` (KIVI) work with
+    ``max_cache_len``, uneven rows and the row operations, but refuse (``capabilities.KIVI_UNSUPPORTED``
+    says why) a window, sink tokens, ``save`` and a ``crop``/``rewind`` into a quantized key group.
 
     ``value_dim`` makes it a latent cache (multi-head latent attention, DeepSeek-V2/V3): each token's
     key, ``head_dim`` wide, is stored once and its first ``value_dim`` columns are its value
@@ -79,7 +84,9 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
-        if value_dim is None:
+        if fmt in quant.KIVI_FORMATS and value_dim is None:
+            check_kivi_format(fmt, dtype, head_dim, device, window, sink_tokens)
+        elif value_dim is None:
             check_kv_format(fmt, dtype, head_dim, device, "KVCache dtype")
             if quantize_rope:
                 raise ValueError("quantize_rope is a latent cache's (value_dim) option")
@@ -221,6 +228,31 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             rows = getattr(self, name).index_select(1, src_rows)
             setattr(self, name, rows) if resize else getattr(self, name).copy_(rows)
 
+    def crop(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of every row (rows already shorter are unchanged); a KIVI
+        cache refuses, changing nothing, to end a row inside a quantized key group."""
+        self._keeping_key_groups(super().crop, num_tokens)
+
+    def rewind(self, counts) -> None:
+        """Remove the last ``counts[b]`` tokens of row ``b`` (see ``python_ref.row_state.RowOperations``);
+        a KIVI cache refuses, changing nothing, to end a row inside a quantized key group."""
+        self._keeping_key_groups(super().rewind, counts)
+
+    def _keeping_key_groups(self, operation, argument) -> None:
+        """``operation(argument)`` (a crop or rewind), undone and refused when it would leave a KIVI
+        cache's row inside a quantized key group (``KiviLayout.check_kept``)."""
+        check_kept = getattr(self.storage, "check_kept", None)
+        if check_kept is None:
+            return operation(argument)
+        before, host_length = self.lengths.clone(), self.rows.host_length
+        operation(argument)
+        try:
+            check_kept(before, self.lengths)
+        except ValueError:
+            self.lengths.copy_(before)
+            self.rows.host_length = host_length
+            raise
+
     # -- saved caches (python_ref/saved_state.py's format) ------------------------------------------
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         """The storage's buffers ``(layers, B, H_kv, slots, ...)`` by saved name."""
@@ -261,7 +293,10 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         """Write the cache to ``path`` as safetensors (no pickle): every layer's held slots (codes and
         scales when quantized), the sink tokens, ``lengths``, the configuration and ``fingerprint``
         (what the cache belongs to, e.g. model name and revision; :meth:`load` compares it), with a
-        sha256 checksum over all of it. Written beside ``path`` and renamed into place."""
+        sha256 checksum over all of it. Written beside ``path`` and renamed into place. Refused for the
+        KIVI formats (``capabilities.KIVI_UNSUPPORTED``)."""
+        if self.kv_dtype in quant.KIVI_FORMATS:
+            raise NotImplementedError(f"kv_dtype {self.kv_dtype!r}: {KIVI_UNSUPPORTED['save']}")
         saved_state.save_cache(self, path, fingerprint)
 
     @classmethod

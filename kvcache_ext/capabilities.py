@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from python_ref.latent import LATENT_FORMATS
-from python_ref.quantize import KV_FORMATS
+from python_ref.quantize import KIVI_FORMATS, KV_FORMATS
 
 from . import _native
 from ._native import CPU_ISAS  # noqa: F401 (part of this module's table of what runs)
@@ -30,6 +30,19 @@ MAX_LENGTH = 2**62
 # kMaxBlockSize (csrc/capabilities.h), so that a position's block and offset are a shift and a mask.
 # Every path takes exactly these, the python_ref fallback included, so a pool works on any device.
 PAGED_BLOCK_SIZES = tuple(2**i for i in range(9))
+# What a cache of a KIVI format (per-channel key scales, python_ref/quantize.py) cannot do, on every
+# device, and why: the constructors (and, for the row operations, the operation) refuse it with this.
+KIVI_UNSUPPORTED = {
+    "window": "a KIVI cache does not wrap: a ring would overwrite the oldest key group, quantized per channel "
+    "over 32 positions, while some of its positions are still in the window",
+    "sink_tokens": "sink tokens come with a window, and a KIVI cache has none",
+    "other_caches": "a KIVI format is stored by KVCache alone (contiguous rows): paged pools and the Hugging "
+    "Face adapter's caches would need key groups and a full-precision residual per row beside their storage",
+    "rewind": "rewinding a row into a quantized key group cannot restore its full-precision keys: remove "
+    "whole groups of 32 positions, or only positions of the newest incomplete group",
+    "save": "save/load of KIVI caches is not implemented (the saved format cuts every buffer at the held "
+    "slots; key groups are laid out per channel)",
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,10 @@ class Capabilities:
     # Quantized latent formats (python_ref/latent.py) the native latent kernel stores and attends
     # over on this device; where it has no latent kernel, python_ref's reference serves them all.
     latent_kv_formats: tuple[str, ...] = ()
+    # KIVI formats (per-channel key scales, python_ref/quantize.py) a contiguous KVCache stores on this
+    # device through the native KIVI ops (or, on the python fallback, python_ref's KIVI reference);
+    # what they refuse: KIVI_UNSUPPORTED.
+    kivi_kv_formats: tuple[str, ...] = ()
 
     @property
     def native(self) -> bool:
@@ -126,6 +143,7 @@ def kernel_table(device_type: str) -> Capabilities:
         paged_kv_formats=tuple(table["paged_kv_formats"]),
         latent_max_key_dim=table["latent_max_key_dim"],
         latent_kv_formats=tuple(table["latent_kv_formats"]),
+        kivi_kv_formats=tuple(table.get("kivi_kv_formats", ())),
     )
 
 
@@ -144,6 +162,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         paged_block_sizes=(),
         paged_kv_formats=(),
         latent_kv_formats=LATENT_FORMATS,
+        kivi_kv_formats=tuple(KIVI_FORMATS),
     )
 
 
@@ -168,6 +187,7 @@ LIMIT_TITLES = {
     "paged_block_sizes": "paged `block_size`",
     "paged_kv_formats": "paged quantized `kv_dtype`",
     "latent": "latent (MLA) `key_dim`",
+    "kivi_kv_formats": "per-channel-key (KIVI) `kv_dtype`",
 }
 
 
@@ -194,6 +214,7 @@ def readable_limits(table: Capabilities) -> dict[str, str]:
         + (", ".join(table.latent_kv_formats) or "none")
         if table.latent_max_key_dim
         else "none (python_ref's latent reference runs)",
+        "kivi_kv_formats": ", ".join(table.kivi_kv_formats) or "none",
     }
 
 

@@ -71,8 +71,10 @@ from __future__ import annotations
 import torch
 
 from python_ref import saved_state
+from python_ref.quantize import KIVI_FORMATS
 from python_ref.row_state import CacheOverflowError
 
+from .capabilities import KIVI_UNSUPPORTED
 from .storage import LatentLayout, buffer_shapes, check_kv_format, check_latent_format, contiguous_layout, kv_format
 from .storage.formats import as_bytes
 
@@ -444,6 +446,8 @@ class NativeCache(Cache):
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("NativeCache supports decoder-only models")
         fmt = None if kv_dtype is None else kv_format(kv_dtype)
+        if fmt in KIVI_FORMATS:
+            raise ValueError(f"kv_dtype {fmt!r}: {KIVI_UNSUPPORTED['other_caches']}")
         text_config = config.get_text_config(decoder=True)
         check_servable(text_config)
         latent = latent_widths(text_config)

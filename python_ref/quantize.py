@@ -57,14 +57,31 @@ float32 arithmetic: the signs flip signs (exact); then for ``h = 1, 2, 4, ..., D
 then every value is multiplied by ``float32(1 / sqrt(D))``. The native kernels compute exactly
 these operations, so a rotated append is bit for bit this reference's.
 
-Per-channel key scales (KIVI; a reference format only, no native kernel): the keys of positions
-``[G g, G g + G)`` of a row (``G = KIVI_GROUP = 32``) form group ``g``; once it is complete, each
-channel's ``G`` values of the group are quantized as one vector of the code format (:func:`quantize`
-along the positions: int8/fp8 one float32 scale, int4 one float16 scale per channel per group, the
-same codes), while the keys of the newest, incomplete group stay in full precision (float32) until
-it fills. Values are quantized per token as the code format stores them. A channel far larger than
-the rest then gets its own scales and costs the others nothing; :func:`per_channel_keys` is the
-values such a cache attends over.
+Per-channel key scales (KIVI): ``"int8_kivi"``, ``"fp8_e4m3_kivi"``, ``"int4_kivi"`` (code formats
+int8, fp8_e4m3, int4). The keys of positions ``[G g, G g + G)`` of a row (``G = KIVI_GROUP = 32``)
+form key group ``g``; once it is complete, each channel ``d``'s ``G`` keys of the group, in position
+order, are quantized as one vector of the code format (:func:`quantize` of that ``G``-vector: int8/fp8
+one float32 scale, int4 one float16 scale per (group, channel) and the same rounding), while the keys
+of the newest, incomplete group stay in full precision (float32: exactly the keys as they came)
+until it fills. Values are quantized per token exactly as the code format stores them. A channel far
+larger than the rest then gets its own scales and costs the others nothing. Per layer, with
+``n_g = ceil(S / G)`` key groups for ``S`` slots (no ring: position ``p`` in slot ``p``)::
+
+    k_codes   data_shape(code, (B, H_kv, n_g, D, G))   group g, channel d: the codes of positions
+                                                       G g ... G g + G - 1 (int4: two per byte as above)
+    k_scales  scale_shape(code, (B, H_kv, n_g, D, G))  float32 (B, H_kv, n_g, D), int4 float16 (..., D, 1)
+    k_recent  float32 (B, H_kv, G, D)                  position p of the newest incomplete group in row p % G
+    v_data, v_scales                                   the code format's (B, H_kv, S, ...), per token
+
+A row holding ``n`` tokens has groups ``[0, n // G)`` in ``k_codes`` and positions
+``[G (n // G), n)`` in ``k_recent``; what other entries hold is not read. Appending position ``p``
+writes its key to ``k_recent[p % G]`` and, when ``p % G == G - 1``, quantizes ``k_recent`` per channel
+into group ``p // G`` (:func:`append_kivi`). The attention (:func:`reference_kivi_attention`) is
+``reference_attention`` over the keys :func:`kivi_keys` stands for (float32). A kernel may compute a
+complete group's scores as ``sum_d (q_d s_{g,d}) code_{t,d}``: the query scaled per group once.
+What the format cannot do: wrap a ring (a window), or rewind a row into a quantized group (the
+full-precision keys of that group's earlier positions are gone); caches refuse those.
+:func:`per_channel_keys` is the same keys for positions held in order (the accuracy benchmark's).
 
 Latent (MLA) caches (``python_ref/latent.py``): a row ``[c, k_pe]`` of ``key_dim`` values per
 (row, KV head, token), ``c`` its first ``value_dim`` columns (the latent, DeepSeek's 512) and
@@ -82,7 +99,8 @@ float32 scale per token (``quantize(k_pe)``)::
 int4 and the rotated formats have no latent form.
 
 Bytes per cached vector with D = 128 (keys or values), against bfloat16's 256: int8 132
-(0.516x), fp8 132 (0.516x), int4 72 (0.281x).
+(0.516x), fp8 132 (0.516x), int4 72 (0.281x); KIVI keys: int8/fp8 144 (a float32 scale per channel
+per 32 positions), int4 72, plus each row's ``k_recent`` (32 D float32 per KV head and layer).
 """
 
 from __future__ import annotations
@@ -97,7 +115,9 @@ from .caches import written_slots
 FORMATS = ("int8", "fp8_e4m3", "int4")  # the code formats
 # The rotated-key formats and the code format each stores.
 ROTATED_FORMATS = {"int8_rot": "int8", "fp8_e4m3_rot": "fp8_e4m3", "int4_rot": "int4"}
-KV_FORMATS = FORMATS + tuple(ROTATED_FORMATS)  # every quantized format a cache stores
+KV_FORMATS = FORMATS + tuple(ROTATED_FORMATS)  # every per-token quantized format a cache stores
+# The per-channel-key (KIVI) formats and their code formats; a storage of their own (see above).
+KIVI_FORMATS = {"int8_kivi": "int8", "fp8_e4m3_kivi": "fp8_e4m3", "int4_kivi": "int4"}
 INT4_GROUP = 32  # values per int4 scale
 _FP16_MAX = 65504.0
 ROTATION_SEED = 0x6B76636163686521  # fixed: the signs of R are part of the rotated formats
@@ -223,10 +243,94 @@ def append_quantized_to_slots(k_data, k_scales, v_data, v_scales, k_new, v_new, 
 KIVI_GROUP = 32  # positions per per-channel key scale
 
 
+def kivi_code_format(fmt: str) -> str:
+    """The code format of KIVI format ``fmt`` (``"int4_kivi"`` -> ``"int4"``)."""
+    if fmt not in KIVI_FORMATS:
+        raise ValueError(f"KIVI format must be one of {tuple(KIVI_FORMATS)}, got {fmt!r}")
+    return KIVI_FORMATS[fmt]
+
+
+def kivi_shapes(fmt: str, shape: tuple[int, ...]) -> dict:
+    """``name -> (shape, dtype)`` of a KIVI cache of format ``fmt`` for values of ``shape``
+    ``(..., S, D)`` (leading dimensions kept): ``k_codes``, ``k_scales``, ``k_recent``, ``v_data``,
+    ``v_scales`` as the specification lays them out."""
+    code = kivi_code_format(fmt)
+    *lead, S, D = shape
+    groups = (*lead, -(-S // KIVI_GROUP), D, KIVI_GROUP)
+    return {
+        "k_codes": (data_shape(code, groups), storage_dtype(code)),
+        "k_scales": (scale_shape(code, groups), scale_dtype(code)),
+        "k_recent": ((*lead, KIVI_GROUP, D), torch.float32),
+        "v_data": (data_shape(code, tuple(shape)), storage_dtype(code)),
+        "v_scales": (scale_shape(code, tuple(shape)), scale_dtype(code)),
+    }
+
+
+def append_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, fmt: str, counts=None) -> None:
+    """Append ``k_new``/``v_new`` ``(B, H_kv, T, D)`` to a KIVI cache of format ``fmt`` in place (the
+    specification's append; the native ``append_kv_kivi``): token ``t < counts[b]`` (all ``T``
+    without ``counts``) of row ``b`` is position ``lengths[b] + t`` (no ring: below the slots)."""
+    code = kivi_code_format(fmt)
+    rows, tokens, slots = written_slots(lengths, counts, k_new.shape[0], k_new.shape[2], v_data.shape[2])
+    codes, scales = quantize(v_new[rows, :, tokens], code)
+    v_data.view(torch.uint8)[rows, :, slots] = codes.view(torch.uint8)
+    v_scales[rows, :, slots] = scales
+    for b, t, p in zip(rows.tolist(), tokens.tolist(), slots.tolist()):
+        k_recent[b, :, p % KIVI_GROUP] = k_new[b, :, t].float()
+        if p % KIVI_GROUP == KIVI_GROUP - 1:  # the group is complete: per channel, over its positions
+            codes, scales = quantize(k_recent[b].transpose(-1, -2), code)  # (H_kv, D, G) vectors
+            k_codes.view(torch.uint8)[b, :, p // KIVI_GROUP] = codes.view(torch.uint8)
+            k_scales[b, :, p // KIVI_GROUP] = scales
+
+
+def kivi_keys(k_codes, k_scales, k_recent, lengths, fmt: str) -> torch.Tensor:
+    """The keys ``(B, H_kv, n_g * G, D)`` float32 a KIVI cache stands for: row ``b``'s complete groups
+    dequantized, positions ``[G (n // G), n)`` (``n = lengths[b]``) from ``k_recent``; later positions
+    hold what the codes there stand for (not read by an attention over ``lengths``)."""
+    groups = dequantize(k_codes, k_scales, kivi_code_format(fmt))  # (B, H_kv, n_g, D, G)
+    keys = groups.transpose(-1, -2).flatten(-3, -2).clone()
+    for b, n in enumerate(lengths.tolist()):
+        start = n // KIVI_GROUP * KIVI_GROUP
+        keys[b, :, start:n] = k_recent[b, :, : n - start]
+    return keys
+
+
+def reference_kivi_attention(
+    q,
+    k_codes,
+    k_scales,
+    k_recent,
+    v_data,
+    v_scales,
+    lengths,
+    fmt: str,
+    window=None,
+    scale=None,
+    return_lse=False,
+    softcap=None,
+    sinks=None,
+):
+    """``reference_attention`` of ``q`` over the keys and values a KIVI cache of format ``fmt`` stands
+    for (float32); the output in q's dtype."""
+    keys = kivi_keys(k_codes, k_scales, k_recent, lengths, fmt)
+    values = dequantize(v_data, v_scales, kivi_code_format(fmt))
+    return reference_attention(
+        q,
+        keys[..., : values.shape[2], :],
+        values,
+        lengths,
+        window=window,
+        scale=scale,
+        return_lse=return_lse,
+        softcap=softcap,
+        sinks=sinks,
+    )
+
+
 def per_channel_keys(keys: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The keys ``(..., L, D)`` (positions along dimension -2) as a per-channel-scaled cache of code
-    format ``fmt`` holds them (the specification's KIVI format), float32: complete groups of
-    ``KIVI_GROUP`` positions dequantized per channel, the newest incomplete group exact."""
+    """The keys ``(..., L, D)`` (positions along dimension -2) as a KIVI cache of code format ``fmt``
+    holds them, float32: complete groups of ``KIVI_GROUP`` positions dequantized per channel, the
+    newest incomplete group exact."""
     keys = keys.float()
     complete = keys.shape[-2] // KIVI_GROUP * KIVI_GROUP
     groups = keys[..., :complete, :].unflatten(-2, (-1, KIVI_GROUP)).transpose(-1, -2)  # (..., groups, D, G)

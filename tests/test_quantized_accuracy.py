@@ -85,3 +85,7 @@ def test_rotated_keys_reduce_the_synthetic_outlier_probes_error():
     )
     assert errors["int4_rot"] < errors["int4"] / 1.5
     assert errors["fp8_e4m3_rot"] > errors["fp8_e4m3"]
+    # The native KIVI formats: python_ref's per-channel keys' error, up to the kernels' arithmetic.
+    for fmt in ("int8", "int4"):
+        python_ref = errors[f"{fmt}, per-channel keys (KIVI, python_ref)"]
+        assert errors[f"{fmt}_kivi"] == pytest.approx(python_ref, rel=0.05) and errors[f"{fmt}_kivi"] < errors[fmt] / 2

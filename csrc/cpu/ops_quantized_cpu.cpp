@@ -22,6 +22,7 @@
 #include "../binding_common.h"
 #include "attention_schedule.h"
 #include "cpu_isa.h"
+#include "kivi_problem.h"
 #include "paged_rows.h"
 #include "quantized_problem.h"
 #include "quantizer.h"
@@ -283,6 +284,15 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
 }
 
 }  // namespace
+
+// For the KIVI ops (ops_kivi_cpu.cpp, kivi_problem.h): the same quantizer and widening.
+void quantize_kv_vector(KvFormat format, const float* x, int64_t n, void* data, void* scales) {
+  quantize_vector(format, x, n, data, scales);
+}
+float kv_element_as_float(const void* base, ElemType elem, int64_t index) {
+  return element_as_float(base, elem, index);
+}
+
 }  // namespace kvcache_ext::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {

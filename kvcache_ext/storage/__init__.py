@@ -14,12 +14,16 @@ per row, ``(layers, batch, kv_heads, slots, ...)``: position ``p`` of row ``b`` 
 Paged layouts (:class:`PagedLayout`, :class:`PagedQuantizedLayout`) hold pools of blocks,
 ``(layers, num_blocks, kv_heads, block_size, ...)``, addressed through per-row block tables.
 The quantized ones store codes and scales (``python_ref/quantize.py``) and dequantize in the kernel.
+:class:`KiviLayout` (the KIVI formats) holds keys per channel over groups of 32 positions, no ring.
 :class:`LatentLayout` holds one latent per token (MLA: keys whose first columns are the values),
 :class:`QuantizedLatentLayout` its int8/fp8 codes with one scale per token.
 """
 
+from python_ref import quantize as quant
+
 from .contiguous import ContiguousLayout
-from .formats import KV_DTYPES, check_kv_format, kv_format
+from .formats import KV_DTYPES, check_kivi_format, check_kv_format, kv_format
+from .kivi import KiviLayout
 from .latent import LatentLayout, check_latent_format
 from .paged import PagedLayout, PagedQuantizedLayout
 from .quantized import QuantizedLayout, quantized_shapes
@@ -31,6 +35,8 @@ def contiguous_layout(kv_dtype, num_layers, batch_size, kv_heads, slots, head_di
     shape = (num_layers, batch_size, kv_heads, slots, head_dim)
     if kv_dtype is None:
         return ContiguousLayout(*shape, dtype, device)
+    if kv_dtype in quant.KIVI_FORMATS:
+        return KiviLayout(*shape, dtype, kv_dtype, device)
     return QuantizedLayout(*shape, dtype, kv_dtype, device)
 
 
@@ -51,12 +57,14 @@ def paged_layout(kv_dtype, num_layers, num_blocks, kv_heads, block_size, head_di
 __all__ = [
     "KV_DTYPES",
     "ContiguousLayout",
+    "KiviLayout",
     "LatentLayout",
     "PagedLayout",
     "PagedQuantizedLayout",
     "QuantizedLatentLayout",
     "QuantizedLayout",
     "buffer_shapes",
+    "check_kivi_format",
     "check_kv_format",
     "check_latent_format",
     "contiguous_layout",

@@ -7,10 +7,11 @@ import torch
 
 from python_ref import quantize as quant
 
-from ..capabilities import capabilities
+from ..capabilities import KIVI_UNSUPPORTED, capabilities
 
 # The names the constructors accept: the formats (python_ref.quantize.KV_FORMATS: the code formats
-# and their rotated-key variants "*_rot") and, for fp8, torch's dtype name too.
+# and their rotated-key variants "*_rot"), the per-channel-key formats "*_kivi" (python_ref.quantize.KIVI_FORMATS:
+# KVCache only) and, for fp8, torch's dtype name too.
 KV_DTYPES = {
     "int8": "int8",
     "fp8_e4m3": "fp8_e4m3",
@@ -21,6 +22,10 @@ KV_DTYPES = {
     "fp8_e4m3_rot": "fp8_e4m3_rot",
     "fp8_rot": "fp8_e4m3_rot",
     "int4_rot": "int4_rot",
+    "int8_kivi": "int8_kivi",
+    "fp8_e4m3_kivi": "fp8_e4m3_kivi",
+    "fp8_kivi": "fp8_e4m3_kivi",
+    "int4_kivi": "int4_kivi",
     torch.int8: "int8",
     torch.float8_e4m3fn: "fp8_e4m3",
 }
@@ -34,7 +39,8 @@ def kv_format(kv_dtype) -> str | None:
     if fmt is None:
         raise ValueError(
             "kv_dtype must be None, 'int8', 'fp8_e4m3' (or 'fp8') or 'int4', or one of them with rotated keys"
-            f" ('int8_rot', 'fp8_e4m3_rot', 'int4_rot'), got {kv_dtype!r}"
+            f" ('int8_rot', 'fp8_e4m3_rot', 'int4_rot') or per-channel keys ('int8_kivi', 'fp8_e4m3_kivi',"
+            f" 'int4_kivi'), got {kv_dtype!r}"
         )
     return fmt
 
@@ -50,12 +56,32 @@ def check_kv_format(
     table.check_head_dim(head_dim)
     if fmt is None:
         return
+    if fmt in quant.KIVI_FORMATS:  # stored by KVCache alone: check_kivi_format
+        raise ValueError(f"kv_dtype {fmt!r}: {KIVI_UNSUPPORTED['other_caches']}")
     if fmt not in table.kv_formats:
         raise TypeError(
             f"kv_dtype {fmt!r} is not stored by the {table.kernels} on {torch.device(device or 'cpu')}"
             f" (formats: {table.kv_formats or 'none'})"
         )
     quant.check_head_dim(fmt, head_dim)
+
+
+def check_kivi_format(fmt: str, dtype: torch.dtype, head_dim: int, device, window, sink_tokens: int) -> None:
+    """Whether a KVCache of KIVI format ``fmt`` (``python_ref.quantize.KIVI_FORMATS``) with ``window``
+    and ``sink_tokens`` runs on ``device``, against the capability table (``kivi_kv_formats``) and
+    what KIVI caches refuse (``KIVI_UNSUPPORTED``)."""
+    table = capabilities(device)
+    table.check_dtype(dtype, "KVCache dtype")
+    table.check_head_dim(head_dim)
+    if fmt not in table.kivi_kv_formats:
+        raise TypeError(
+            f"kv_dtype {fmt!r} is not stored by the {table.kernels} on {torch.device(device or 'cpu')}"
+            f" (KIVI formats: {table.kivi_kv_formats or 'none'})"
+        )
+    quant.check_head_dim(quant.kivi_code_format(fmt), head_dim)
+    for feature, used in (("window", window is not None), ("sink_tokens", sink_tokens > 0)):
+        if used:
+            raise ValueError(f"kv_dtype {fmt!r} with {feature}: {KIVI_UNSUPPORTED[feature]}")
 
 
 def as_bytes(codes: torch.Tensor) -> torch.Tensor:

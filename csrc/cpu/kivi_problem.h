@@ -1,0 +1,35 @@
+// Decode attention over a KIVI cache (per-channel key scales; python_ref/quantize.py specifies the
+// formats): the AttentionProblem fields describe the rows (lengths, heads, slots = positions a row
+// can hold, no ring, no window) and the values (v_cache/v_stride: the per-token codes, strides in
+// bytes); this adds the key groups, their scales, the full-precision residual of each row's newest
+// incomplete group, the value scales and the queries widened to float.
+#pragma once
+
+#include <cstdint>
+
+#include "attention_problem.h"  // ../elem_type.h: KvFormat, kInt4Group
+
+namespace kvcache_ext::cpu {
+
+constexpr int64_t kKiviGroup = 32;  // positions per key group (python_ref.quantize.KIVI_GROUP)
+
+struct KiviProblem : AttentionProblem {
+  KvFormat format;
+  const float* q_float;        // q widened to float32, contiguous [batch, q_heads, num_new, head_dim]
+  const uint8_t* k_codes;      // [batch, kv_heads, groups, head_dim, kKiviGroup codes (int4: bytes of two)]
+  int64_t k_code_stride[3];    // batch, head, group, in bytes; the (head_dim, codes) block is contiguous
+  const void* k_scales;        // float32 (int8, fp8) or float16 (int4) [batch, kv_heads, groups, head_dim]
+  int64_t k_scale_stride[3];   // batch, head, group, in elements; head_dim contiguous
+  const float* k_recent;       // [batch, kv_heads, kKiviGroup, head_dim]: position p in row p % kKiviGroup
+  int64_t k_recent_stride[3];  // batch, head, row, in elements; head_dim contiguous
+  const void* v_scales;        // float32 [batch, kv_heads, slots] or float16 [batch, kv_heads, slots, head_dim / 32]
+  int64_t v_scale_stride[3];   // batch, head, slot, in elements (int4 groups contiguous)
+};
+
+// The quantizer of python_ref/quantize.py for one vector x[0, n) of code format `format` (defined in
+// ops_quantized_cpu.cpp): codes into `data`, the scale(s) into `scales`.
+void quantize_kv_vector(KvFormat format, const float* x, int64_t n, void* data, void* scales);
+// Element `index` (through strides) of a float32/bfloat16/float16 tensor's data, widened exactly.
+float kv_element_as_float(const void* base, ElemType elem, int64_t index);
+
+}  // namespace kvcache_ext::cpu

@@ -1,0 +1,259 @@
+// CPU implementations of the KIVI-cache ops catalogued in csrc/ops.cpp (per-channel key scales;
+// python_ref/quantize.py specifies the formats): every check before any byte is written, the
+// append (values per token and keys per channel once their group of kKiviGroup positions is
+// complete, with the quantizer of ops_quantized_cpu.cpp, bit for bit python_ref's) and the launch
+// of the KIVI decode-attention kernel (kivi_kernel.inc) on the shared thread schedule.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "../binding_common.h"
+#include "attention_schedule.h"
+#include "cpu_isa.h"
+#include "kivi_problem.h"
+#include "paged_rows.h"  // check_cpu_tensor
+
+namespace kvcache_ext::cpu {
+
+#define KVCACHE_EXT_DECLARE_KIVI_ISA(isa)                            \
+  namespace isa {                                                    \
+  PartialAttentionFn kivi_partial_attention_kernel(KvFormat format); \
+  }
+KVCACHE_EXT_DECLARE_KIVI_ISA(baseline)
+#if defined(__x86_64__)
+KVCACHE_EXT_DECLARE_KIVI_ISA(avx2)
+KVCACHE_EXT_DECLARE_KIVI_ISA(avx512)
+KVCACHE_EXT_DECLARE_KIVI_ISA(avx512bf16)
+#endif
+#undef KVCACHE_EXT_DECLARE_KIVI_ISA
+
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+// A KIVI cache's shape: its code format, head_dim and slots (positions a row can hold).
+struct KiviLayout {
+  KvFormat format;
+  int64_t head_dim, slots;
+};
+
+// The five buffers of a KIVI cache and lengths, on the CPU, laid out as python_ref.quantize.kivi_shapes says.
+KiviLayout check_kivi_cache(const Tensor& k_codes, const Tensor& k_scales, const Tensor& k_recent, const Tensor& v_data,
+                            const Tensor& v_scales, const Tensor& lengths) {
+  STD_TORCH_CHECK(v_data.dim() == 4, "v_data must be (batch, kv_heads, slots, head_dim bytes), got shape ",
+                  shape_of(v_data));
+  const KvFormat format = format_of(v_data);
+  const bool int4 = format == KvFormat::kInt4;
+  const int64_t B = v_data.size(0), H = v_data.size(1), S = v_data.size(2);
+  const int64_t D = int4 ? 2 * v_data.size(3) : v_data.size(3);
+  STD_TORCH_CHECK(head_dim_supported(D), "head_dim must be a multiple of ", kHeadDimMultiple, " between ",
+                  kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", D);
+  STD_TORCH_CHECK(!int4 || D % kInt4Group == 0, "int4 needs head_dim a multiple of ", kInt4Group, ", got ", D);
+  STD_TORCH_CHECK(S >= 1 && S <= kMaxSlotsCpu, "v_data must have between 1 and 2^62 slots, got shape ",
+                  shape_of(v_data));
+  const int64_t groups = S / kKiviGroup + (S % kKiviGroup != 0), channel_bytes = int4 ? kKiviGroup / 2 : kKiviGroup;
+  STD_TORCH_CHECK(k_codes.dim() == 5 && k_codes.size(0) == B && k_codes.size(1) == H && k_codes.size(2) == groups &&
+                      k_codes.size(3) == D && k_codes.size(4) == channel_bytes,
+                  "k_codes must be (batch=", B, ", kv_heads=", H, ", groups=", groups, ", head_dim=", D, ", ",
+                  channel_bytes, ") for v_data ", shape_of(v_data), ", got ", shape_of(k_codes));
+  STD_TORCH_CHECK(k_codes.scalar_type() == v_data.scalar_type(), "k_codes must be ", dtype_name(v_data.scalar_type()),
+                  " like v_data, got ", dtype_name(k_codes.scalar_type()));
+  STD_TORCH_CHECK(k_codes.stride(4) == 1 && k_codes.stride(3) == channel_bytes,
+                  "k_codes needs each group's (head_dim, codes) block contiguous");
+  const ScalarType scale_type = int4 ? ScalarType::Half : ScalarType::Float;
+  STD_TORCH_CHECK(k_scales.dim() == (int4 ? 5 : 4) && k_scales.size(0) == B && k_scales.size(1) == H &&
+                      k_scales.size(2) == groups && k_scales.size(3) == D && (!int4 || k_scales.size(4) == 1) &&
+                      k_scales.stride(3) == 1,
+                  "k_scales must be (batch=", B, ", kv_heads=", H, ", groups=", groups, ", head_dim=", D,
+                  int4 ? ", 1)" : ")", " with a contiguous head_dim, got ", shape_of(k_scales));
+  STD_TORCH_CHECK(k_scales.scalar_type() == scale_type, "k_scales must be ", dtype_name(scale_type), ", got ",
+                  dtype_name(k_scales.scalar_type()));
+  STD_TORCH_CHECK(k_recent.dim() == 4 && k_recent.size(0) == B && k_recent.size(1) == H &&
+                      k_recent.size(2) == kKiviGroup && k_recent.size(3) == D && k_recent.stride(3) == 1,
+                  "k_recent must be (batch=", B, ", kv_heads=", H, ", ", kKiviGroup, ", head_dim=", D,
+                  ") with a contiguous head_dim, got ", shape_of(k_recent));
+  STD_TORCH_CHECK(k_recent.scalar_type() == ScalarType::Float, "k_recent must be float32, got ",
+                  dtype_name(k_recent.scalar_type()));
+  const bool v_scales_ok =
+      int4 ? v_scales.dim() == 4 && v_scales.size(0) == B && v_scales.size(1) == H && v_scales.size(2) == S &&
+                 v_scales.size(3) == D / kInt4Group && (v_scales.size(3) == 1 || v_scales.stride(3) == 1)
+           : v_scales.dim() == 3 && v_scales.size(0) == B && v_scales.size(1) == H && v_scales.size(2) == S;
+  STD_TORCH_CHECK(v_scales_ok, "v_scales must be (batch, kv_heads, slots",
+                  int4 ? ", head_dim / 32) with contiguous groups" : ")", " for v_data ", shape_of(v_data), ", got ",
+                  shape_of(v_scales));
+  STD_TORCH_CHECK(v_scales.scalar_type() == scale_type, "v_scales must be ", dtype_name(scale_type), ", got ",
+                  dtype_name(v_scales.scalar_type()));
+  STD_TORCH_CHECK(v_data.stride(3) == 1, "v_data needs a contiguous last dimension");
+  // The append writes all five in place: no element may be two places at once, no two may overlap.
+  const Tensor* written[5] = {&k_codes, &k_scales, &k_recent, &v_data, &v_scales};
+  for (int i = 0; i < 5; ++i) {
+    STD_TORCH_CHECK(elements_distinct(*written[i]),
+                    "the cache's buffers must not be expanded or self-overlapping views");
+    for (int j = i + 1; j < 5; ++j)
+      STD_TORCH_CHECK(disjoint(*written[i], *written[j]),
+                      "k_codes, k_scales, k_recent, v_data and v_scales must not share memory");
+  }
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "lengths must have shape (", B, ",), got ",
+                  shape_of(lengths));
+  STD_TORCH_CHECK(lengths.scalar_type() == ScalarType::Long, "lengths must be int64, got ",
+                  dtype_name(lengths.scalar_type()));
+  for (const auto& [t, name] :
+       {std::pair{&k_codes, "k_codes"}, std::pair{&k_scales, "k_scales"}, std::pair{&k_recent, "k_recent"},
+        std::pair{&v_data, "v_data"}, std::pair{&v_scales, "v_scales"}, std::pair{&lengths, "lengths"}})
+    check_cpu_tensor(*t, name);
+  return {format, D, S};
+}
+
+// Every row's tokens fit its slots: a KIVI cache does not wrap (a ring would overwrite key groups).
+void check_rows_fit(const std::vector<int64_t>& len, const std::vector<int64_t>& extra, int64_t S, const char* what) {
+  for (size_t b = 0; b < len.size(); ++b)
+    STD_TORCH_CHECK(len[b] <= S - extra[b], "a KIVI cache holds at most ", S, " tokens per row (no ring): row ", b,
+                    " would hold ", len[b], " + ", extra[b], " ", what);
+}
+
+void append_kv_kivi(Tensor k_codes, Tensor k_scales, Tensor k_recent, Tensor v_data, Tensor v_scales, Tensor k_new,
+                    Tensor v_new, Tensor lengths, std::optional<Tensor> new_counts) {
+  const auto [format, D, S] = check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales, lengths);
+  const int64_t T = check_quantized_new_tokens(v_data, D, k_new, v_new);
+  check_cpu_tensor(k_new, "k_new");
+  check_cpu_tensor(v_new, "v_new");
+  const int64_t B = v_data.size(0), H = v_data.size(1);
+  const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
+  const std::vector<int64_t> count = row_new_counts(new_counts, B, T);
+  check_rows_fit(len, count, S, "new tokens");
+
+  const ElemType elem = elem_type_of(k_new, "k_new");
+  const int64_t scale_size = format == KvFormat::kInt4 ? 2 : 4;
+  const int64_t channel_bytes = format == KvFormat::kInt4 ? kKiviGroup / 2 : kKiviGroup;
+  char* codes = static_cast<char*>(k_codes.mutable_data_ptr());
+  char* key_scales = static_cast<char*>(k_scales.mutable_data_ptr());
+  float* recent = k_recent.mutable_data_ptr<float>();
+  char* values = static_cast<char*>(v_data.mutable_data_ptr());
+  char* value_scales = static_cast<char*>(v_scales.mutable_data_ptr());
+  const void* k_src = k_new.const_data_ptr();
+  const void* v_src = v_new.const_data_ptr();
+  // Strides read once (each read is a call into the stable ABI), in elements.
+  struct Strides {
+    int64_t k_new[4], v_new[4], codes[3], key_scales[4], recent[3], values[3], value_scales[3];
+  } st{};
+  for (int i = 0; i < 4; ++i)
+    st.k_new[i] = k_new.stride(i), st.v_new[i] = v_new.stride(i), st.key_scales[i] = k_scales.stride(i);
+  for (int i = 0; i < 3; ++i) {
+    st.codes[i] = k_codes.stride(i), st.recent[i] = k_recent.stride(i);
+    st.values[i] = v_data.stride(i), st.value_scales[i] = v_scales.stride(i);
+  }
+  // One work item per (row, KV head): its new tokens in order, so that a group fills before it is quantized.
+  torch::stable::parallel_for(
+      0, B * H, std::max<int64_t>(1, 512 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t end) {
+        float x[kMaxHeadDim], channel[kKiviGroup];
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t b = item / H, h = item % H;
+          float* row_recent = recent + b * st.recent[0] + h * st.recent[1];
+          for (int64_t t = 0; t < count[b]; ++t) {
+            const int64_t position = len[b] + t;  // checked: below S
+            const int64_t v_at = b * st.v_new[0] + h * st.v_new[1] + t * st.v_new[2];
+            for (int64_t d = 0; d < D; ++d) x[d] = kv_element_as_float(v_src, elem, v_at + d * st.v_new[3]);
+            quantize_kv_vector(
+                format, x, D, values + b * st.values[0] + h * st.values[1] + position * st.values[2],
+                value_scales +
+                    (b * st.value_scales[0] + h * st.value_scales[1] + position * st.value_scales[2]) * scale_size);
+            float* key = row_recent + (position % kKiviGroup) * st.recent[2];
+            const int64_t k_at = b * st.k_new[0] + h * st.k_new[1] + t * st.k_new[2];
+            for (int64_t d = 0; d < D; ++d) key[d] = kv_element_as_float(k_src, elem, k_at + d * st.k_new[3]);
+            if (position % kKiviGroup != kKiviGroup - 1) continue;
+            // The group is complete: each channel's kKiviGroup keys, in position order, are one vector.
+            const int64_t group = position / kKiviGroup;
+            char* group_codes = codes + b * st.codes[0] + h * st.codes[1] + group * st.codes[2];
+            const int64_t group_scales = b * st.key_scales[0] + h * st.key_scales[1] + group * st.key_scales[2];
+            for (int64_t d = 0; d < D; ++d) {
+              for (int64_t j = 0; j < kKiviGroup; ++j) channel[j] = row_recent[j * st.recent[2] + d];
+              quantize_kv_vector(format, channel, kKiviGroup, group_codes + d * channel_bytes,
+                                 key_scales + (group_scales + d * st.key_scales[3]) * scale_size);
+            }
+          }
+        }
+      });
+}
+
+PartialAttentionFn kivi_kernel(KvFormat format) {
+  switch (active_isa()) {
+#if defined(__x86_64__)
+    case Isa::kAvx512Bf16: return avx512bf16::kivi_partial_attention_kernel(format);
+    case Isa::kAvx512: return avx512::kivi_partial_attention_kernel(format);
+    case Isa::kAvx2: return avx2::kivi_partial_attention_kernel(format);
+#endif
+    default: return baseline::kivi_partial_attention_kernel(format);
+  }
+}
+
+std::tuple<Tensor, Tensor> decode_attention_kivi(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_recent,
+                                                 Tensor v_data, Tensor v_scales, Tensor lengths,
+                                                 std::optional<int64_t> window, std::optional<double> scale,
+                                                 std::optional<double> softcap, std::optional<Tensor> sinks) {
+  const auto [format, D, S] = check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales, lengths);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
+  check_cpu_tensor(q, "q");
+  const int64_t B = v_data.size(0);
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
+                  ") to match the cache, got ", shape_of(q));
+  check_quantized_queries(q, v_data.size(1), window, softcap, sinks);
+  check_new_tokens_fit(q.size(2), S);
+  const float checked = checked_scale(scale, D);
+  const std::vector<int64_t> len = row_lengths(lengths, q.size(2), "the tokens of each row, the new ones included");
+  check_rows_fit(len, std::vector<int64_t>(len.size(), 0), S, "tokens");
+
+  const ElemType elem = elem_type_of(q, "q");
+  const int64_t H_q = q.size(1), T = q.size(2);
+  std::vector<float> q_float(static_cast<size_t>(B * H_q * T * D));  // a few KB; the cache is what is large
+  const void* q_base = q.const_data_ptr();
+  for (int64_t b = 0, out = 0; b < B; ++b)
+    for (int64_t h = 0; h < H_q; ++h)
+      for (int64_t i = 0; i < T; ++i)
+        for (int64_t d = 0; d < D; ++d, ++out)
+          q_float[out] =
+              kv_element_as_float(q_base, elem, b * q.stride(0) + h * q.stride(1) + i * q.stride(2) + d * q.stride(3));
+
+  KiviProblem p{};
+  p.elem = elem;
+  p.v_cache = v_data.const_data_ptr();
+  p.lengths = len.data();
+  p.batch = B, p.q_heads = H_q, p.kv_heads = v_data.size(1), p.num_new = T, p.head_dim = D, p.slots = S;
+  p.window = std::min(window.value_or(0), kMaxLength);
+  p.scale = checked;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  p.format = format;
+  p.q_float = q_float.data();
+  p.k_codes = static_cast<const uint8_t*>(k_codes.const_data_ptr());
+  p.k_scales = k_scales.const_data_ptr();
+  p.k_recent = k_recent.const_data_ptr<float>();
+  p.v_scales = v_scales.const_data_ptr();
+  for (int i = 0; i < 3; ++i) {
+    p.v_stride[i] = v_data.stride(i);
+    p.k_code_stride[i] = k_codes.stride(i), p.k_scale_stride[i] = k_scales.stride(i);
+    p.k_recent_stride[i] = k_recent.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
+  }
+  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
+  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
+  schedule_decode_attention(p, kivi_kernel(format), out.mutable_data_ptr(), static_cast<int64_t>(q.element_size()),
+                            lse.mutable_data_ptr<float>());
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace kvcache_ext::cpu
+
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
+  m.impl("append_kv_kivi", TORCH_BOX(&kvcache_ext::cpu::append_kv_kivi));
+  m.impl("decode_attention_kivi", TORCH_BOX(&kvcache_ext::cpu::decode_attention_kivi));
+}
