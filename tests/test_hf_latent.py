@@ -78,6 +78,45 @@ def test_greedy_left_padded_batch_gives_transformers_tokens_through_the_absorbed
     assert len(calls) == MLA["num_hidden_layers"] * (NEW_TOKENS - 1)
 
 
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
+def test_sampling_left_padded_batch_gives_transformers_tokens_and_logits(kind, monkeypatch):
+    """Sampling (top-k 50, three samples per prompt, so the cache is also repeated per sample) draws from
+    the same generator state in both runs; the tokens equal transformers' because each step's logits
+    agree to float32 rounding (asserted too: within 2e-5 of logits up to ~4; the absorbed form sums in
+    another order, measured 3e-6 apart)."""
+    model = _model(kind)
+    ids, mask = _batch(3)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=True,
+        top_k=50,
+        num_return_sequences=3,
+        pad_token_id=PAD,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    model.set_attn_implementation("sdpa")
+    torch.manual_seed(0)
+    expected = model.generate(ids, **kwargs)
+    samples = expected.sequences[:, PROMPT_LEN:].view(3, 3, NEW_TOKENS)
+    assert all(len({tuple(s.tolist()) for s in prompt}) > 1 for prompt in samples), "the samples should differ"
+
+    calls = []
+    latent_op = ops.run_latent_decode_attention
+    monkeypatch.setattr(
+        ops, "run_latent_decode_attention", lambda *a, **k: calls.append(a[1].shape) or latent_op(*a, **k)
+    )
+    khf.enable_latent_attention(model)
+    torch.manual_seed(0)
+    out = model.generate(ids, cache=khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + NEW_TOKENS), **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    for step, (logits, reference) in enumerate(zip(out.logits, expected.logits)):
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=2e-5, msg=lambda m, s=step: f"step {s}: {m}")
+    assert len(calls) == MLA["num_hidden_layers"] * (NEW_TOKENS - 1)
+    assert all(shape[0] == 9 for shape in calls)  # every sample's row, after the cache was repeated
+
+
 def test_beam_search_gives_transformers_tokens():
     model = _model("deepseek_v3")
     ids, mask = _batch(2)
