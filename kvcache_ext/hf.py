@@ -88,7 +88,7 @@ DEFAULT_CHUNK_SIZE = 128
 # KVCache is a different layout and is refused by NativeCache.load, and the other way round).
 SAVED_NATIVE_CACHE_KEY = "kvcache_ext.hf.NativeCache"
 # A layer's storage buffers under the names a saved NativeCache gives them (with ".<layer>").
-_SAVED_NAMES = {"k": "keys", "v": "values", "k_scale": "key_scales", "v_scale": "value_scales"}
+_SAVED_NAMES = {"k": "keys", "v": "values", "k_scale": "key_scales", "v_scale": "value_scales", "latent": "latents"}
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -492,7 +492,8 @@ class NativeCache(Cache):
         """Write the cache to ``path`` as safetensors (no pickle), between ``generate`` calls.
 
         Saved: every layer's held slots (``keys.<i>``, ``values.<i>``; with a ``kv_dtype`` the
-        codes, and their scales ``key_scales.<i>``, ``value_scales.<i>``) and per-row ``lengths``
+        codes, and their scales ``key_scales.<i>``, ``value_scales.<i>``; a latent layer's rows
+        ``[c, k_pe]`` as ``latents.<i>``, with its widths in the metadata) and per-row ``lengths``
         (``lengths.<i>``), and metadata with the format version, ``max_cache_len``, ``chunk_size``
         and per layer its window, slots, shapes, dtype and the counters transformers and
         :meth:`NativeCacheLayer.crop` read (``seen_tokens``: columns processed, padding included;
@@ -502,10 +503,6 @@ class NativeCache(Cache):
         never half-written.
         """
         tensors, layers = {}, []
-        if any(layer.latent is not None for layer in self.layers):
-            raise NotImplementedError(
-                "saving a latent (MLA) NativeCache is not supported yet; kvcache_ext.KVCache saves latents"
-            )
         for i, layer in enumerate(self.layers):
             if layer._prompt is not None or layer._new is not None or layer._awaiting_attention:
                 raise RuntimeError("NativeCache.save() inside a forward pass: save between generate() calls")
@@ -517,6 +514,7 @@ class NativeCache(Cache):
                 "longest": layer._longest,
                 "high_water": layer._high_water,
                 "initialized": bool(layer.is_initialized),
+                "latent": None if layer.latent is None else list(layer.latent),
             }
             if layer.is_initialized:
                 used = min(layer._high_water, layer.slots)  # slots never written hold nothing
@@ -553,7 +551,7 @@ class NativeCache(Cache):
         saved one) may be larger or smaller as long as it holds the saved tokens and leaves every
         sliding-window layer's ring the same size. Refuses, with nothing created, a file that is
         unreadable, truncated or changed (checksum), of another format version or fingerprint, or
-        whose layers (count, full/sliding and window, key/value heads, head size) do not match
+        whose layers (count, full/sliding and window, latent widths, key/value heads, head size) do not match
         what ``config`` builds.
         """
 
@@ -594,9 +592,21 @@ class NativeCache(Cache):
                     f"{capacity} gives {layer.slots}; load with max_cache_len >= {entry['slots']} or "
                     f"the saved {meta['max_cache_len']}"
                 )
+            saved_latent = entry.get("latent")  # files from before latent caches have none
+            if saved_latent != (None if layer.latent is None else list(layer.latent)):
+                raise ValueError(
+                    f"{path}: layer {i} was saved with latent widths (kv_lora_rank, qk_rope_head_dim) {saved_latent}; "
+                    f"this config's layer {i} has {None if layer.latent is None else list(layer.latent)}"
+                )
             if not entry["initialized"]:
                 continue
-            if (
+            if layer.latent is not None:  # one row [c, k_pe] per token, shared by every head
+                if (entry["kv_heads"], entry["head_dim"]) != (1, sum(layer.latent)):
+                    raise ValueError(
+                        f"{path} is corrupt: latent layer {i} holds {entry['kv_heads']} heads of size "
+                        f"{entry['head_dim']}, expected 1 of size {sum(layer.latent)}"
+                    )
+            elif (
                 (kv_heads, head_dim) != (entry["kv_heads"], entry["head_dim"])
                 and kv_heads is not None
                 and head_dim is not None
@@ -610,7 +620,7 @@ class NativeCache(Cache):
                 raise ValueError(f"{path} is corrupt: layer {i} says {entry['used']} slots are used")
             # The buffers a layer of this cache allocates say what the file holds: their first `used` slots.
             shape = (entry["batch_size"], entry["kv_heads"], entry["used"], entry["head_dim"])
-            buffers = buffer_shapes(cache.kv_dtype, shape, dtype)
+            buffers = {"latent": (shape, dtype)} if layer.latent else buffer_shapes(cache.kv_dtype, shape, dtype)
             stored = {f"{_SAVED_NAMES[name]}.{i}": shape_and_dtype for name, shape_and_dtype in buffers.items()}
             stored[f"lengths.{i}"] = ((entry["batch_size"],), torch.long)
             saved_state.check_tensors(path, {name: tensors[name] for name in stored if name in tensors}, stored)

@@ -128,6 +128,47 @@ def test_beam_search_gives_transformers_tokens():
     assert torch.equal(out, expected)
 
 
+def test_a_saved_latent_cache_continues_with_transformers_tokens(tmp_path):
+    """Prefill (the prompt and one new token), save, load into a new cache, continue: the tokens of an
+    uninterrupted transformers run, with only the new columns computed after loading."""
+    model = _model("deepseek_v3")
+    ids, mask = _batch(3)
+    model.set_attn_implementation("sdpa")
+    expected = greedy(model, ids, mask, NEW_TOKENS)
+    khf.enable_latent_attention(model)
+    cache = khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + NEW_TOKENS)
+    first = greedy(model, ids, mask, 1, cache)
+    path = tmp_path / "latent.safetensors"
+    cache.save(path, fingerprint="tiny-deepseek-v3")
+
+    loaded = khf.NativeCache.load(path, model.config, fingerprint="tiny-deepseek-v3")
+    assert torch.equal(loaded.layers[0].keys[:, :, :PROMPT_LEN], cache.layers[0].keys[:, :, :PROMPT_LEN])
+    assert torch.equal(loaded.layers[1].lengths, cache.layers[1].lengths)
+    del cache
+    widths = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        out = greedy(model, first, torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1), NEW_TOKENS - 1, loaded)
+    finally:
+        hook.remove()
+    assert widths == [1] * (NEW_TOKENS - 1), "the saved prompt must be reused, not recomputed"
+    assert torch.equal(out, expected)
+
+
+def test_a_saved_latent_cache_is_refused_by_a_config_of_other_latent_widths(tmp_path):
+    model = _model("deepseek_v3")
+    ids, mask = _batch(1)
+    khf.enable_latent_attention(model)
+    cache = khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + 2)
+    greedy(model, ids, mask, 1, cache)
+    cache.save(tmp_path / "latent.safetensors")
+    other = transformers.DeepseekV3Config(**{**MLA, "kv_lora_rank": 16}, q_lora_rank=48)
+    with pytest.raises(ValueError, match=r"layer 0 was saved with latent widths .* \[32, 8\]; .* has \[16, 8\]"):
+        khf.NativeCache.load(tmp_path / "latent.safetensors", other)
+
+
 def test_without_the_switch_the_cache_says_how_to_serve_latent_attention():
     model = _model("deepseek_v3")
     ids, mask = _batch(1)
