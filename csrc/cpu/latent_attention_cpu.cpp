@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../binding_common.h"
+#include "attention_schedule.h"
 #include "cpu_isa.h"
 #include "latent_attention_problem.h"
 #include "latent_cache_checks.h"
@@ -67,16 +68,11 @@ std::tuple<Tensor, Tensor> run_latent_attention(const Tensor& q, LatentProblem& 
   Tensor out = torch::stable::empty({B, H_q, T, value_dim}, q.scalar_type(), std::nullopt, q.device());
   Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
   const int64_t group = H_q / H_kv, Dv = value_dim;
-  // Work item: (row, cache head, block of its query heads, chunk of new tokens, split of the
-  // positions); a block of heads and a chunk of tokens make at most kMaxLatentRows query rows, which
-  // read each cached latent of their positions once.
-  const int64_t heads_per_block = std::min(group, kMaxLatentRows);
-  const int64_t head_blocks = (group + heads_per_block - 1) / heads_per_block;
-  const int64_t chunk = std::max<int64_t>(1, kMaxLatentRows / heads_per_block);
-  const int64_t chunks = (T + chunk - 1) / chunk;
-  const int64_t groups = B * H_kv * head_blocks * chunks;
+  // Each item's query rows read each cached latent of their positions once (kMaxLatentRows of them).
+  const WorkItems items(B, H_kv, group, T, kMaxLatentRows);
+  const int64_t groups = items.count;
   if (groups == 0) return {out, lse};
-  const int64_t rows_max = heads_per_block * std::min(chunk, T);
+  const int64_t rows_max = items.rows_max();
   auto first_position = [&](int64_t b, int64_t query_begin) {  // first one the chunk's earliest query sees
     const int64_t n = len[b];
     int64_t lo = n > S ? n - S : 0;
@@ -85,35 +81,17 @@ std::tuple<Tensor, Tensor> run_latent_attention(const Tensor& q, LatentProblem& 
   };
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b] - first_position(b, 0));
-  // Split the positions when there are fewer work items than a few per thread, in pieces of at
-  // least kMinPositionsPerSplit (each split costs a share of the merge).
-  constexpr int64_t kMinPositionsPerSplit = 256;
+  // A latent position is hundreds of flops per query row: every item is worth a task, four per thread.
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
-  int64_t splits = 1;
-  if (threads > 1 && groups < 4 * threads)
-    splits = std::clamp<int64_t>((4 * threads + groups - 1) / groups, 1,
-                                 std::max<int64_t>(1, longest / kMinPositionsPerSplit));
-  struct Piece {
-    int64_t b, kv_head, head_begin, head_count, query_begin, query_count;
-  };
-  auto piece_of = [&](int64_t grp) {
-    const int64_t c = grp % chunks, block = (grp / chunks) % head_blocks,
-                  kv_head = (grp / (chunks * head_blocks)) % H_kv;
-    const int64_t head_begin = block * heads_per_block, query_begin = c * chunk;
-    return Piece{grp / (chunks * head_blocks * H_kv),           kv_head,     head_begin,
-                 std::min(heads_per_block, group - head_begin), query_begin, std::min(chunk, T - query_begin)};
-  };
-  auto position_range = [&](const Piece& w, int64_t split) {
-    const int64_t lo = first_position(w.b, w.query_begin), hi = len[w.b] - T + w.query_begin + w.query_count;
-    const int64_t per_split = (hi - lo + splits - 1) / splits;
-    const int64_t begin = std::min(hi, lo + split * per_split);
-    return std::pair{begin, std::min(hi, begin + per_split)};
+  const int64_t splits = position_splits(groups, threads > 1 ? 4 * threads : 1, longest);
+  auto position_range = [&](const WorkPiece& w, int64_t split) {
+    return split_range(first_position(w.b, w.query_begin), len[w.b] - T + w.query_begin + w.query_count, splits, split);
   };
   const StoreRowFn store = store_row_kernel();
   const int64_t out_elem = static_cast<int64_t>(q.element_size());
   char* out_data = static_cast<char*>(out.mutable_data_ptr());
   float* lse_data = lse.mutable_data_ptr<float>();
-  auto write_output = [&](const Piece& w, float* acc, const float* row_max, const float* row_sum) {
+  auto write_output = [&](const WorkPiece& w, float* acc, const float* row_max, const float* row_sum) {
     for (int64_t m = 0; m < w.head_count * w.query_count; ++m) {
       const int64_t h = w.kv_head * group + w.head_begin + m / w.query_count, i = w.query_begin + m % w.query_count;
       const float inv = 1.0f / row_sum[m];
@@ -131,7 +109,7 @@ std::tuple<Tensor, Tensor> run_latent_attention(const Tensor& q, LatentProblem& 
     std::vector<float> own(splits > 1 ? 0 : static_cast<size_t>(part_floats));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t split = item % splits;
-      const Piece w = piece_of(item / splits);
+      const WorkPiece w = items.piece(item / splits);
       const auto [pos_begin, pos_end] = position_range(w, split);
       float* part = splits > 1 ? parts.data() + item * part_floats : own.data();
       partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end, part,
@@ -145,32 +123,14 @@ std::tuple<Tensor, Tensor> run_latent_attention(const Tensor& q, LatentProblem& 
     torch::stable::parallel_for(0, groups * splits, 1, run_items);
   }
   if (splits == 1) return {out, lse};
-  // Merge each group's splits: every partial rescaled to the common maximum.
   torch::stable::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(static_cast<size_t>(part_floats));
     for (int64_t grp = begin; grp < end; ++grp) {
-      const Piece w = piece_of(grp);
+      const WorkPiece w = items.piece(grp);
       float* acc = merged.data();
-      float* row_max = acc + rows_max * Dv;
-      float* row_sum = row_max + rows_max;
-      for (int64_t m = 0; m < w.head_count * w.query_count; ++m) {
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < splits; ++s)
-          best = std::max(best, parts[(grp * splits + s) * part_floats + rows_max * Dv + m]);
-        float total = 0.0f;
-        std::fill(acc + m * Dv, acc + (m + 1) * Dv, 0.0f);
-        for (int64_t s = 0; s < splits; ++s) {
-          const float* part = parts.data() + (grp * splits + s) * part_floats;
-          const float part_sum = part[rows_max * (Dv + 1) + m];
-          if (part_sum == 0.0f) continue;
-          const float weight = std::exp(part[rows_max * Dv + m] - best);
-          total += part_sum * weight;
-          for (int64_t d = 0; d < Dv; ++d) acc[m * Dv + d] += part[m * Dv + d] * weight;
-        }
-        row_max[m] = best;
-        row_sum[m] = total;
-      }
-      write_output(w, acc, row_max, row_sum);
+      merge_splits(parts.data() + grp * splits * part_floats, splits, part_floats, rows_max,
+                   w.head_count * w.query_count, Dv, acc, acc + rows_max * Dv, acc + rows_max * (Dv + 1));
+      write_output(w, acc, acc + rows_max * Dv, acc + rows_max * (Dv + 1));
     }
   });
   return {out, lse};

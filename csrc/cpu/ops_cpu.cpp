@@ -168,21 +168,16 @@ int64_t select_cpu_isa(int64_t isa) {
 
 void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn partial, void* out, int64_t out_elem_size,
                                float* lse) {
-  const int64_t B = p.batch, H_kv = p.kv_heads, H_q = p.q_heads, T = p.num_new, D = p.head_dim;
-  const int64_t group = H_q / H_kv;
+  const int64_t B = p.batch, H_q = p.q_heads, T = p.num_new, D = p.head_dim;
+  const int64_t group = H_q / p.kv_heads;
   const int64_t* len = p.lengths;
 
-  // Work item: (row, KV head, block of its query heads, chunk of new tokens, split of the
-  // positions); a block of heads and a chunk of tokens make at most kMaxRowsPerCall query rows.
-  const int64_t heads_per_block = std::min(group, kMaxRowsPerCall);
-  const int64_t head_blocks = (group + heads_per_block - 1) / heads_per_block;
-  const int64_t chunk = std::max<int64_t>(1, kMaxRowsPerCall / heads_per_block);
-  const int64_t chunks = (T + chunk - 1) / chunk;
-  const int64_t groups = B * H_kv * head_blocks * chunks;
+  const WorkItems items(B, p.kv_heads, group, T, kMaxRowsPerCall);
+  const int64_t groups = items.count;
   if (groups == 0) return;  // an empty batch: nothing to compute (and the split count divides by groups)
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b] - first_visible_position(p, b));
-  const int64_t rows_per_item = heads_per_block * std::min(chunk, T);
+  const int64_t rows_max = items.rows_max();
   // Hand work to other threads only in pieces big enough to repay waking them. On a 2-core AMD
   // EPYC, 1024 query rows x positions are 6-8 us of one core's work (float32, head_dim 64-128) and
   // a fork and join costs under 10 us, so a call of two such tasks or more gains from a second
@@ -192,44 +187,25 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
   // Tasks worth running: four per thread, fewer when the whole call is small, one with one thread.
   // The product of sizes is taken in double, where it cannot overflow.
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
-  const double row_positions = static_cast<double>(groups) * static_cast<double>(rows_per_item) * longest;
+  const double row_positions = static_cast<double>(groups) * static_cast<double>(rows_max) * longest;
   const int64_t tasks =
       threads <= 1 ? 1
                    : static_cast<int64_t>(std::min<double>(
                          4 * threads, std::floor(row_positions / static_cast<double>(kMinRowPositionsPerTask))));
-  // Split the sequence when there are fewer groups than tasks (split-K): each split costs a share
-  // of a merge pass, so never more splits than tasks (none when one thread does everything).
-  constexpr int64_t kMinPositionsPerSplit = 256;
-  int64_t splits = 1;
-  if (groups < tasks)
-    splits =
-        std::clamp<int64_t>((tasks + groups - 1) / groups, 1, std::max<int64_t>(1, longest / kMinPositionsPerSplit));
+  const int64_t splits = position_splits(groups, tasks, longest);
 
   const StoreRowFn store = store_row_kernel();
-  const int64_t rows_max = heads_per_block * chunk;
+  const int64_t part_floats = rows_max * (D + 2);
   std::vector<float> scratch;
-  if (splits > 1) scratch.resize(static_cast<size_t>(groups * splits * rows_max * (D + 2)));
+  if (splits > 1) scratch.resize(static_cast<size_t>(groups * splits * part_floats));
 
-  auto row_range = [&](int64_t b, int64_t query_begin, int64_t query_end, int64_t split) {
-    const int64_t n = len[b];
-    const int64_t lo = std::max(first_visible_position(p, b), p.window > 0 ? n - T + query_begin - p.window + 1 : 0);
-    const int64_t hi = n - T + query_end;  // exclusive
-    const int64_t per_split = (hi - lo + splits - 1) / splits;
-    const int64_t begin = std::min(hi, lo + split * per_split);
-    return std::pair{begin, std::min(hi, begin + per_split)};
+  auto position_range = [&](const WorkPiece& w, int64_t split) {
+    const int64_t n = len[w.b];
+    const int64_t lo =
+        std::max(first_visible_position(p, w.b), p.window > 0 ? n - T + w.query_begin - p.window + 1 : 0);
+    return split_range(lo, n - T + w.query_begin + w.query_count, splits, split);
   };
-  // The pieces of work item (or group of splits) `grp`.
-  struct Piece {
-    int64_t b, kv_head, head_begin, head_count, query_begin, query_count;
-  };
-  auto piece_of = [&](int64_t grp) {
-    const int64_t c = grp % chunks, block = (grp / chunks) % head_blocks,
-                  kv_head = (grp / (chunks * head_blocks)) % H_kv;
-    const int64_t head_begin = block * heads_per_block, query_begin = c * chunk;
-    return Piece{grp / (chunks * head_blocks * H_kv),           kv_head,     head_begin,
-                 std::min(heads_per_block, group - head_begin), query_begin, std::min(chunk, T - query_begin)};
-  };
-  auto write_output = [&](const Piece& w, const float* acc, const float* row_max, const float* row_sum) {
+  auto write_output = [&](const WorkPiece& w, const float* acc, const float* row_max, const float* row_sum) {
     for (int64_t m = 0; m < w.head_count * w.query_count; ++m) {
       const int64_t b = w.b, h = w.kv_head * group + w.head_begin + m / w.query_count;
       const int64_t i = w.query_begin + m % w.query_count;
@@ -250,21 +226,21 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
     }
   };
 
-  const int64_t row_positions_per_item = std::max<int64_t>(1, rows_per_item * ((longest + splits - 1) / splits));
+  const int64_t row_positions_per_item = std::max<int64_t>(1, rows_max * ((longest + splits - 1) / splits));
   const int64_t grain = std::max<int64_t>(1, kMinRowPositionsPerTask / row_positions_per_item);
   auto run_items = [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
     float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t split = item % splits;
-      const Piece w = piece_of(item / splits);
-      const auto [pos_begin, pos_end] = row_range(w.b, w.query_begin, w.query_begin + w.query_count, split);
+      const WorkPiece w = items.piece(item / splits);
+      const auto [pos_begin, pos_end] = position_range(w, split);
       if (splits == 1) {
         partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end, acc,
                 row_max, row_sum);
         write_output(w, acc, row_max, row_sum);
       } else {
-        float* part = scratch.data() + item * rows_max * (D + 2);
+        float* part = scratch.data() + item * part_floats;
         partial(p, w.b, w.kv_head, w.head_begin, w.head_count, w.query_begin, w.query_count, pos_begin, pos_end, part,
                 part + rows_max * D, part + rows_max * (D + 1));
       }
@@ -275,30 +251,13 @@ void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn par
   torch::stable::parallel_for(0, groups * splits, grain, run_items);
   if (splits == 1) return;
 
-  // Merge the splits of each group: rescale every partial to the common maximum.
   torch::stable::parallel_for(0, groups, std::max<int64_t>(1, grain / splits), [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRowsPerCall * kMaxHeadDim];
     float row_max[kMaxRowsPerCall], row_sum[kMaxRowsPerCall];
     for (int64_t grp = begin; grp < end; ++grp) {
-      const Piece w = piece_of(grp);
-      const int64_t rows = w.head_count * w.query_count;
-      for (int64_t m = 0; m < rows; ++m) {
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < splits; ++s)
-          best = std::max(best, scratch[(grp * splits + s) * rows_max * (D + 2) + rows_max * D + m]);
-        float total = 0.0f;
-        std::fill(acc + m * D, acc + (m + 1) * D, 0.0f);
-        for (int64_t s = 0; s < splits; ++s) {
-          const float* part = scratch.data() + (grp * splits + s) * rows_max * (D + 2);
-          const float part_max = part[rows_max * D + m], part_sum = part[rows_max * (D + 1) + m];
-          if (part_sum == 0.0f) continue;
-          const float weight = std::exp(part_max - best);
-          total += part_sum * weight;
-          for (int64_t d = 0; d < D; ++d) acc[m * D + d] += part[m * D + d] * weight;
-        }
-        row_max[m] = best;
-        row_sum[m] = total;
-      }
+      const WorkPiece w = items.piece(grp);
+      merge_splits(scratch.data() + grp * splits * part_floats, splits, part_floats, rows_max,
+                   w.head_count * w.query_count, D, acc, row_max, row_sum);
       write_output(w, acc, row_max, row_sum);
     }
   });
