@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -415,7 +414,10 @@ print(kvcache_ext.native_available())
 
 def test_the_pure_pytorch_fallback_computes_what_the_native_ops_do(unbuilt_clone, tmp_path):  # noqa: F811
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVCACHE_EXT_")}
-    for where, root in (("fallback", unbuilt_clone), ("native", Path(__file__).resolve().parents[1])):
+    # The native run starts in an empty directory, so that it imports the installed package (CI
+    # installs it; a checkout's root would put its unbuilt source tree first on sys.path).
+    (tmp_path / "elsewhere").mkdir()
+    for where, root in (("fallback", unbuilt_clone), ("native", tmp_path / "elsewhere")):
         run = subprocess.run(
             [sys.executable, "-W", "ignore", "-c", LATENT_STEPS, str(tmp_path / where)],
             cwd=root,
