@@ -26,10 +26,4 @@ struct KiviProblem : AttentionProblem {
   int64_t v_scale_stride[3];   // batch, head, slot, in elements (int4 groups contiguous)
 };
 
-// The quantizer of python_ref/quantize.py for one vector x[0, n) of code format `format` (defined in
-// ops_quantized_cpu.cpp): codes into `data`, the scale(s) into `scales`.
-void quantize_kv_vector(KvFormat format, const float* x, int64_t n, void* data, void* scales);
-// Element `index` (through strides) of a float32/bfloat16/float16 tensor's data, widened exactly.
-float kv_element_as_float(const void* base, ElemType elem, int64_t index);
-
 }  // namespace kvcache_ext::cpu

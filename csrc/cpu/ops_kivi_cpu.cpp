@@ -20,6 +20,7 @@
 #include "cpu_isa.h"
 #include "kivi_problem.h"
 #include "paged_rows.h"  // check_cpu_tensor
+#include "quantizer.h"
 
 namespace kvcache_ext::cpu {
 
@@ -161,14 +162,14 @@ void append_kv_kivi(Tensor k_codes, Tensor k_scales, Tensor k_recent, Tensor v_d
           for (int64_t t = 0; t < count[b]; ++t) {
             const int64_t position = len[b] + t;  // checked: below S
             const int64_t v_at = b * st.v_new[0] + h * st.v_new[1] + t * st.v_new[2];
-            for (int64_t d = 0; d < D; ++d) x[d] = kv_element_as_float(v_src, elem, v_at + d * st.v_new[3]);
-            quantize_kv_vector(
+            for (int64_t d = 0; d < D; ++d) x[d] = quantizer::element_as_float(v_src, elem, v_at + d * st.v_new[3]);
+            quantizer::quantize_vector(
                 format, x, D, values + b * st.values[0] + h * st.values[1] + position * st.values[2],
                 value_scales +
                     (b * st.value_scales[0] + h * st.value_scales[1] + position * st.value_scales[2]) * scale_size);
             float* key = row_recent + (position % kKiviGroup) * st.recent[2];
             const int64_t k_at = b * st.k_new[0] + h * st.k_new[1] + t * st.k_new[2];
-            for (int64_t d = 0; d < D; ++d) key[d] = kv_element_as_float(k_src, elem, k_at + d * st.k_new[3]);
+            for (int64_t d = 0; d < D; ++d) key[d] = quantizer::element_as_float(k_src, elem, k_at + d * st.k_new[3]);
             if (position % kKiviGroup != kKiviGroup - 1) continue;
             // The group is complete: each channel's kKiviGroup keys, in position order, are one vector.
             const int64_t group = position / kKiviGroup;
@@ -176,8 +177,8 @@ void append_kv_kivi(Tensor k_codes, Tensor k_scales, Tensor k_recent, Tensor v_d
             const int64_t group_scales = b * st.key_scales[0] + h * st.key_scales[1] + group * st.key_scales[2];
             for (int64_t d = 0; d < D; ++d) {
               for (int64_t j = 0; j < kKiviGroup; ++j) channel[j] = row_recent[j * st.recent[2] + d];
-              quantize_kv_vector(format, channel, kKiviGroup, group_codes + d * channel_bytes,
-                                 key_scales + (group_scales + d * st.key_scales[3]) * scale_size);
+              quantizer::quantize_vector(format, channel, kKiviGroup, group_codes + d * channel_bytes,
+                                         key_scales + (group_scales + d * st.key_scales[3]) * scale_size);
             }
           }
         }
@@ -214,13 +215,8 @@ std::tuple<Tensor, Tensor> decode_attention_kivi(Tensor q, Tensor k_codes, Tenso
   const ElemType elem = elem_type_of(q, "q");
   const int64_t H_q = q.size(1), T = q.size(2);
   std::vector<float> q_float(static_cast<size_t>(B * H_q * T * D));  // a few KB; the cache is what is large
-  const void* q_base = q.const_data_ptr();
-  for (int64_t b = 0, out = 0; b < B; ++b)
-    for (int64_t h = 0; h < H_q; ++h)
-      for (int64_t i = 0; i < T; ++i)
-        for (int64_t d = 0; d < D; ++d, ++out)
-          q_float[out] =
-              kv_element_as_float(q_base, elem, b * q.stride(0) + h * q.stride(1) + i * q.stride(2) + d * q.stride(3));
+  quantizer::widen_to_float(q.const_data_ptr(), elem, {B, H_q, T, D},
+                            {q.stride(0), q.stride(1), q.stride(2), q.stride(3)}, q_float.data());
 
   KiviProblem p{};
   p.elem = elem;

@@ -22,7 +22,6 @@
 #include "../binding_common.h"
 #include "attention_schedule.h"
 #include "cpu_isa.h"
-#include "kivi_problem.h"
 #include "paged_rows.h"
 #include "quantized_problem.h"
 #include "quantizer.h"
@@ -202,13 +201,8 @@ std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat for
   const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
   // The queries widened to float once (they are a few KB; the cache is what is large).
   std::vector<float> q_float(static_cast<size_t>(B * H_q * T * D));
-  const void* q_base = q.const_data_ptr();
-  for (int64_t b = 0, out = 0; b < B; ++b)
-    for (int64_t h = 0; h < H_q; ++h)
-      for (int64_t i = 0; i < T; ++i)
-        for (int64_t d = 0; d < D; ++d, ++out)
-          q_float[out] =
-              element_as_float(q_base, elem, b * q.stride(0) + h * q.stride(1) + i * q.stride(2) + d * q.stride(3));
+  quantizer::widen_to_float(q.const_data_ptr(), elem, {B, H_q, T, D},
+                            {q.stride(0), q.stride(1), q.stride(2), q.stride(3)}, q_float.data());
   if (rotate_keys)
     for (size_t row = 0; row < q_float.size(); row += static_cast<size_t>(D)) rotate_in_place(q_float.data() + row, D);
 
@@ -284,14 +278,6 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
 }
 
 }  // namespace
-
-// For the KIVI ops (ops_kivi_cpu.cpp, kivi_problem.h): the same quantizer and widening.
-void quantize_kv_vector(KvFormat format, const float* x, int64_t n, void* data, void* scales) {
-  quantize_vector(format, x, n, data, scales);
-}
-float kv_element_as_float(const void* base, ElemType elem, int64_t index) {
-  return element_as_float(base, elem, index);
-}
 
 }  // namespace kvcache_ext::cpu
 

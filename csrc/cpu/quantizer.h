@@ -1,5 +1,6 @@
 // The quantizer of python_ref/quantize.py, bit for bit: its scalar conversions and the quantization
-// of one vector, shared by the quantized appends (ops_quantized_cpu.cpp, latent_append_quantized_cpu.cpp).
+// of one vector, shared by the quantized appends (ops_quantized_cpu.cpp, latent_append_quantized_cpu.cpp,
+// ops_kivi_cpu.cpp).
 #pragma once
 
 #include <algorithm>
@@ -89,6 +90,17 @@ inline float element_as_float(const void* base, ElemType elem, int64_t index) {
     case ElemType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[index]);
   }
   return 0.0f;
+}
+
+// The [size[0], size[1], size[2], size[3]] float32/bfloat16/float16 tensor at `base` (element
+// strides `stride`) widened exactly into `out`, row-major: an attention op's queries, once per call.
+inline void widen_to_float(const void* base, ElemType elem, const int64_t (&size)[4], const int64_t (&stride)[4],
+                           float* out) {
+  for (int64_t a = 0; a < size[0]; ++a)
+    for (int64_t h = 0; h < size[1]; ++h)
+      for (int64_t i = 0; i < size[2]; ++i)
+        for (int64_t d = 0; d < size[3]; ++d)
+          *out++ = element_as_float(base, elem, a * stride[0] + h * stride[1] + i * stride[2] + d * stride[3]);
 }
 
 }  // namespace kvcache_ext::cpu::quantizer
