@@ -23,7 +23,6 @@ sdpa / cache (goal >= 1.0). The CPU model and the kernel copy that ran are print
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 import kvcache_ext
 from kvcache_ext import KVCache, PagedKVCache
-from kvcache_ext.benchmarks.common import HEAD_SHAPES, cpu_model
+from kvcache_ext.benchmarks.common import HEAD_SHAPES, alternating_medians, cpu_model
 
 LAYERS, BLOCK = 12, 16
 FORMATS = {"plain": None, "int8": "int8", "fp8_e4m3": "fp8_e4m3", "int4": "int4"}
@@ -120,18 +119,6 @@ def sdpa_steps(heads, context, dtype, steps):
     return run
 
 
-def measure(fns, rounds, clock):
-    for fn in fns.values():
-        fn()  # warm-up
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = clock()
-            fn()
-            times[name].append(clock() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -174,7 +161,7 @@ def main():
             )
         sdpa = sdpa_steps(heads, context, dtype, args.steps)
         for name, make in layouts.items():
-            t = measure(
+            t = alternating_medians(
                 {
                     "cache": cache_steps(make, heads, context, dtype, args.steps),
                     "bare": bare_steps(make, heads, context, dtype, args.steps),

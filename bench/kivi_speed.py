@@ -10,28 +10,15 @@ interleaved rounds (so that a shared machine's load hits every variant alike), m
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import kvcache_ext
+from kvcache_ext.benchmarks.common import alternating_medians
 from python_ref.quantize import KIVI_FORMATS, kivi_shapes, quantize, quantize_keys, rotates_keys
 
 SHAPES = {"GPT-2": (12, 12, 64), "Llama-8B": (32, 8, 128)}  # query heads, KV heads, head_dim
 FORMATS = ("bfloat16", "int8", "int8_rot", "int8_kivi", "int4", "int4_rot", "int4_kivi")
-
-
-def median_times(calls: dict, rounds: int) -> dict:
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()  # warm-up
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def kivi_cache(fmt, k, v):
@@ -92,7 +79,7 @@ def main() -> None:
     print(f"{args.shape} ({H_q} query heads, {H_kv} KV heads, D={D}), B={B}, L={L}, one thread, {args.rounds} rounds")
     print("| kv_dtype | attention (ms) | vs bfloat16 | decode step: append + attention (ms) | vs bfloat16 |")
     print("|---|---|---|---|---|")
-    t_attention, t_step = median_times(attention, args.rounds), median_times(step, args.rounds)
+    t_attention, t_step = alternating_medians(attention, args.rounds), alternating_medians(step, args.rounds)
     for fmt in FORMATS:
         print(
             f"| {fmt} | {t_attention[fmt] * 1e3:.2f} | {t_attention['bfloat16'] / t_attention[fmt]:.2f}x "

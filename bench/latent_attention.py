@@ -34,13 +34,12 @@ them once).
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from kvcache_ext import KVCache, ops
-from kvcache_ext.benchmarks.common import cpu_model
+from kvcache_ext.benchmarks.common import alternating_medians, cpu_model
 from python_ref.latent import quantize_latent
 from python_ref.mla import MLA_CONFIGS
 
@@ -51,22 +50,6 @@ QUANTIZED_STORAGES = (
     ("fp8, k_pe bf16", "fp8_e4m3", False),
     ("fp8, k_pe fp8", "fp8_e4m3", True),
 )
-
-
-def seconds(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def medians(fns, rounds):
-    for fn in fns.values():
-        fn()  # warm-up
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(seconds(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def memory_table(dtype):
@@ -108,7 +91,7 @@ def attention_table(lengths, batch, rounds, dtype, mqa):
             k_exp = torch.randn(batch, H, L, nope + rope, generator=g).to(dtype)
             v_exp = torch.randn(batch, H, L, v_dim, generator=g).to(dtype)
             fns["expanded"] = lambda: F.scaled_dot_product_attention(q_exp, k_exp, v_exp, scale=scale)
-        t = medians(fns, rounds)
+        t = alternating_medians(fns, rounds)
         latent_bytes = batch * L * Dk * dtype.itemsize
         expanded, mqa_time = t.get("expanded"), t.get("mqa")
         print(
@@ -144,7 +127,7 @@ def dtype_table(lengths, rounds):
             )
             for d in dtypes
         }
-        t = medians(fns, rounds)
+        t = alternating_medians(fns, rounds)
         print(f"| {L} | " + " | ".join(f"{t[d] * 1e3:.1f} ms" for d in dtypes) + " |")
 
 
@@ -217,7 +200,7 @@ def quantized_time_table(lengths, rounds):
         fns = {
             name: (lambda attend=attend: attend(q, lengths_t, scale)) for name, attend in _storages(rows, Dv).items()
         }
-        t = medians(fns, rounds)
+        t = alternating_medians(fns, rounds)
         ratio = t["int8, k_pe bf16"] / t["bf16 latent"]
         print(f"| {L} | " + " | ".join(f"{t[n] * 1e3:.1f} ms" for n in names) + f" | {ratio:.2f}x |")
 

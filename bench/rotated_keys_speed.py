@@ -14,28 +14,15 @@ quantized as rotated) against the bfloat16 kernel.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import kvcache_ext
+from kvcache_ext.benchmarks.common import alternating_medians
 from python_ref.quantize import quantize, quantize_keys, rotates_keys
 
 SHAPES = (("GPT-2", 12, 12, 64), ("Llama-8B", 32, 8, 128))  # name, query heads, KV heads, head_dim
 FORMATS = ("bfloat16", "int8", "int8_rot", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot")
-
-
-def median_times(calls: dict, rounds: int) -> dict:
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()  # warm-up
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -57,7 +44,7 @@ def main() -> None:
         if args.what == "cost":
             for fmt in ("int8", "fp8_e4m3", "int4"):
                 cache = (*quantize(k, fmt), *quantize(v, fmt))
-                t = median_times(
+                t = alternating_medians(
                     {
                         rotate: lambda rotate=rotate: kvcache_ext.decode_attention_quantized(
                             q, *cache, lengths, rotate_keys=rotate
@@ -68,7 +55,7 @@ def main() -> None:
                 )
                 short = tuple(t[:, :, :16] for t in cache)
                 sixteen = torch.full((B,), 16)
-                tiny = median_times(
+                tiny = alternating_medians(
                     {
                         rotate: lambda rotate=rotate: kvcache_ext.decode_attention_quantized(
                             q, *short, sixteen, rotate_keys=rotate
@@ -89,7 +76,7 @@ def main() -> None:
                 calls[fmt] = lambda cache=cache, fmt=fmt: kvcache_ext.decode_attention_quantized(
                     q, *cache, lengths, rotate_keys=rotates_keys(fmt)
                 )
-            t = median_times(calls, args.rounds)
+            t = alternating_medians(calls, args.rounds)
             for fmt in FORMATS:
                 print(f"  {fmt}: {t[fmt] * 1e3:.2f} ms ({t['bfloat16'] / t[fmt]:.2f}x the bfloat16 kernel)")
 

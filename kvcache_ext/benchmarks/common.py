@@ -1,9 +1,12 @@
 """What the benchmarks share (the suites here and the scripts in the repository's bench/): run
-settings, head shapes, dtypes, the article's prompt, the CPU's name, and parametrisation by mode."""
+settings, head shapes, dtypes, the article's prompt, the CPU's name, parametrisation by mode, and
+medians of alternating rounds."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -106,3 +109,17 @@ def cpu_model() -> str:
         return "unknown (lscpu failed)"
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
+
+
+def alternating_medians(calls: dict, rounds: int, clock=time.perf_counter) -> dict:
+    """Median ``clock`` seconds of each call (name -> function) over ``rounds`` rounds in which the
+    calls take turns, after one warm-up call each: the load of a shared machine weighs on all alike."""
+    for call in calls.values():
+        call()  # warm-up
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = clock()
+            call()
+            times[name].append(clock() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
