@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 import case_builders as cases
 import kvcache_ext
 from attention_oracle import attention_plain
+from python_ref import latent as latent_ref
 from python_ref import quantize as qref
 from python_ref import reference_attention
 from python_ref.caches import append_to_slots
@@ -760,7 +761,7 @@ def test_decode_attention_fuzz(request, fuzz_tally):
 
 
 # --- every op: the raw op refuses what its wrapper refuses ------------------------------------
-# For each of the nine public ops, hypothesis draws sizes with 0 and extremes in every dimension
+# For each public op, hypothesis draws sizes with 0 and extremes in every dimension
 # (batch, kv/query heads, new tokens, slots, head_dim, blocks, block size, table width), extreme
 # lengths, counts, table entries, windows, scales and softcaps, and now and then a wrong dtype or
 # shape. The same call (built three times from one seed) goes to check_X, to the wrapper X and to
@@ -792,8 +793,9 @@ def guarded(shape, dtype, generator, token_major: bool):
 
 ODD_PARAMETERS = (
     "H_kv", "H_q", "T", "S", "D", "num_blocks", "block_size", "width", "lengths", "counts", "table",
-    "src_rows", "window", "scale", "softcap", "sinks", "fault",
+    "src_rows", "window", "scale", "softcap", "sinks", "fault", "rope", "value_dim",
 )  # fmt: skip
+KIVI_FORMATS = tuple(qref.KIVI_FORMATS)
 
 
 @st.composite
@@ -804,12 +806,18 @@ def op_calls(draw, name: str):
     odd = draw(st.sets(st.sampled_from(ODD_PARAMETERS), max_size=2))
     attention, paged = "attention" in name, name.startswith("paged")
     p = dict(name=name, seed=draw(st.integers(0, 2**16)), token_major=draw(st.booleans()))
-    p["dtype"], p["fmt"] = pick(DTYPES), pick(qref.FORMATS)
+    kivi, latent = "kivi" in name, "latent" in name
+    p["dtype"] = pick(DTYPES)
+    p["fmt"] = pick(KIVI_FORMATS if kivi else latent_ref.LATENT_FORMATS if latent else qref.FORMATS)
+    # latent caches: rows of value_dim = D latent values and `rope` rotary ones (key_dim = D + rope)
+    p["rope"] = pick([0, 3, 520]) if "rope" in odd else pick([8, 16])
+    p["value_dim"] = pick([0, 7, "wider than the cache"]) if "value_dim" in odd else None
+    p["rope_quantized"] = draw(st.booleans())
     p["B"] = pick([0, 1, 2, 3])  # an empty batch is valid: the wrappers accept it
     p["H_kv"] = 0 if "H_kv" in odd else pick([1, 2])
     p["H_q"] = pick([0, p["H_kv"] * 2 + 1]) if "H_q" in odd else p["H_kv"] * pick([1, 2, 3])
     p["T"] = 0 if "T" in odd else pick([1, 2, 3])
-    p["S"] = pick([0, max(p["T"] - 1, 0)]) if "S" in odd else p["T"] + pick([0, 1, 5])
+    p["S"] = pick([0, max(p["T"] - 1, 0)]) if "S" in odd else p["T"] + pick([0, 1, 5] + [40] * kivi)
     p["D"] = pick([0, 7, 8, 40, 264]) if "D" in odd else pick([32, 64])
     p["block_size"] = pick([0, 3, 512]) if "block_size" in odd else pick([1, 2, 4])
     block_size = max(p["block_size"], 1)
@@ -820,7 +828,8 @@ def op_calls(draw, name: str):
     if "lengths" in odd:
         special = [-1, -(2**63), MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, capacity + 1, p["T"] - 1]
         p["lengths"] = [pick(special) if draw(st.booleans()) else 0 for _ in range(p["B"])]
-    elif paged:
+    elif paged or kivi:  # a KIVI row does not wrap: its tokens fit the slots
+        capacity = capacity if paged else p["S"]
         low, high = (p["T"], capacity) if attention else (0, capacity - p["T"])
         p["lengths"] = [draw(st.integers(low, max(low, high))) for _ in range(p["B"])]
     else:
@@ -851,7 +860,9 @@ def op_calls(draw, name: str):
 
 def op_call(name: str, **changes):
     """A valid call of ``name`` in op_calls' terms, with ``changes``: the pinned regressions."""
-    p = dict(name=name, seed=0, token_major=False, dtype=torch.float32, fmt="int8", B=2, H_kv=2, H_q=4, T=2, S=6)
+    fmt = "int8_kivi" if "kivi" in name else "int8"
+    p = dict(name=name, seed=0, token_major=False, dtype=torch.float32, fmt=fmt, B=2, H_kv=2, H_q=4, T=2, S=6)
+    p.update(rope=8, value_dim=None, rope_quantized=False)
     p.update(D=32, block_size=2, width=3, num_blocks=8, counts=None, table=list(range(6)), table_int32=True)
     p.update(src_rows=[1, 0], window=None, scale=None, softcap=None, sinks=None, fault=None)
     p["lengths"] = [2, 6] if "attention" in name else [0, 4]
@@ -891,7 +902,24 @@ def build_call(p):
 
     quantized, paged = "quantized" in name, name.startswith("paged")
     outer, slots = (p["num_blocks"], p["block_size"]) if paged else (B, S)
-    if quantized:
+    key_dim = D + p["rope"]
+    if "kivi" in name:
+        shapes = qref.kivi_shapes(p["fmt"], (B, H, S, D))
+        storage = [tensor(shape, dtype) for shape, dtype in shapes.values()]
+        if fault == "v_shape":  # v_data one slot longer than the keys' buffers
+            storage[3] = tensor((B, H, S + 1, *shapes["v_data"][0][3:]), shapes["v_data"][1])
+    elif "latent" in name and quantized:
+        codes = qref.storage_dtype(p["fmt"])
+        rope_dtype = codes if p["rope_quantized"] else dtype
+        storage = [
+            tensor((B, H, S, D), codes),
+            tensor((B, H, S), torch.float32),
+            tensor((B, H, S + (fault == "v_shape"), p["rope"]), rope_dtype),
+            tensor((B, H, S), torch.float32) if p["rope_quantized"] else None,
+        ]
+    elif "latent" in name:
+        storage = [tensor((B, H, S, key_dim))]
+    elif quantized:
         fmt = p["fmt"]
         head_dim = 2 * (D // 2) if fmt == "int4" else D
         data_shape = qref.data_shape(fmt, (outer, H, slots, head_dim))
@@ -922,8 +950,19 @@ def build_call(p):
         table = table.float()
     sinks = {None: None, "per_head": torch.randn(H_q, generator=g), "short": torch.randn(max(H_q - 1, 0))}[p["sinks"]]
     options = (p["window"], p["scale"], p["softcap"], sinks)
+    if "latent" in name:
+        q = torch.randn(B, T, H_q, key_dim, generator=g).to(q.dtype).transpose(1, 2)
+        if name == "append_latent_quantized":
+            latent_new = torch.randn(B, H, T, key_dim + (fault == "v_shape"), generator=g).to(v_new.dtype)
+            return (*storage, latent_new, lengths, counts), buffers
+        if name == "latent_decode_attention":
+            value_dim = {None: D, "wider than the cache": key_dim + 8}.get(p["value_dim"], p["value_dim"])
+            return (q, *storage, lengths, value_dim, p["window"], p["scale"]), buffers
+        return (q, *storage, lengths, p["window"], p["scale"]), buffers
     if name == "gather_rows":
         return (*storage, torch.tensor(p["src_rows"], dtype=torch.long)), buffers
+    if name == "decode_attention_kivi":
+        return (q, *storage, lengths, *options), buffers
     if name == "decode_attention" or name == "decode_attention_quantized":
         return (q, *storage, lengths, *options), buffers
     if name == "paged_decode_attention" or name == "paged_decode_attention_quantized":
@@ -938,6 +977,9 @@ def raw_arguments(name, args):
     scale and softcap."""
     if "attention" not in name:
         return args
+    if "latent" in name:
+        *front, window, scale = args
+        return (*front, window, None if scale is None else float(scale))
     *front, window, scale, softcap, sinks = args
     as_float = lambda x: None if x is None else float(x)  # noqa: E731
     return (*front, window, as_float(scale), as_float(softcap), sinks)
@@ -958,11 +1000,9 @@ def output_bytes(result):
 
 def check_wrapper_and_raw_op_agree(p) -> str:
     name = p["name"]
-    from kvcache_ext import ops
-
     check_args, check_buffers = build_call(p)
     before = [b.clone() for b in check_buffers]
-    _, refusal = outcome_of(lambda: getattr(ops, f"check_{name}")(*check_args))
+    _, refusal = outcome_of(lambda: getattr(cases.op_module(name), f"check_{name}")(*check_args))
     if refusal is not None and not isinstance(refusal, (ValueError, TypeError)):
         raise ContractViolation(f"check_{name} raised {type(refusal).__name__}: {refusal}")
     if not all(torch.equal(a, b) for a, b in zip(check_buffers, before)):
