@@ -28,6 +28,11 @@ constexpr int64_t kMaxBlockSize = 256;
 // kHeadDimMultiple up to kMaxLatentKeyDim (DeepSeek's 576 and room); CPU kernels only so far.
 constexpr int64_t kMaxLatentKeyDim = 1024;
 
+// Plain and paged caches whose values have a head_dim of their own (any supported head_dim,
+// independent of the keys'; MLA's expanded 192/128): the CPU kernels take them, the CUDA ones not yet.
+constexpr bool kCpuValueDimMayDiffer = true;
+constexpr bool kCudaValueDimMayDiffer = false;
+
 inline bool block_size_supported(int64_t block_size) {
   return block_size >= 1 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0;
 }
@@ -58,6 +63,8 @@ inline std::string capabilities_json(bool cuda) {
          ", \"paged_kv_formats\": " + kKvFormatsJson +
          // KIVI formats the kernels store and attend over (contiguous caches, CPU only).
          ", \"kivi_kv_formats\": " + (cuda ? "[]" : kKiviFormatsJson) +
+         // Values of a head_dim of their own in plain and paged caches.
+         ", \"independent_value_head_dim\": " + ((cuda ? kCudaValueDimMayDiffer : kCpuValueDimMayDiffer) ? "true" : "false") +
          // Widest latent cache row the latent kernel takes (0: none on this device).
          ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
          // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).

@@ -76,6 +76,9 @@ class Capabilities:
     # device through the native KIVI ops (or, on the python fallback, python_ref's KIVI reference);
     # what they refuse: KIVI_UNSUPPORTED.
     kivi_kv_formats: tuple[str, ...] = ()
+    # Whether plain and paged caches may keep values of a head_dim of their own (any the table
+    # takes, independent of the keys': MLA's expanded 192/128); quantized and KIVI caches may not.
+    independent_value_head_dim: bool = False
 
     @property
     def native(self) -> bool:
@@ -85,10 +88,10 @@ class Capabilities:
         if dtype not in self.dtypes:
             raise TypeError(f"{what} must be one of {self.dtypes} on {self.device_type}, got {dtype}")
 
-    def check_head_dim(self, head_dim: int) -> None:
+    def check_head_dim(self, head_dim: int, what: str = "head_dim") -> None:
         m, top = self.head_dim_multiple, self.max_head_dim
         if head_dim % m or not m <= head_dim <= top:
-            raise ValueError(f"head_dim must be a multiple of {m} between {m} and {top}, got {head_dim}")
+            raise ValueError(f"{what} must be a multiple of {m} between {m} and {top}, got {head_dim}")
 
     def check_slots(self, slots: int) -> None:
         if not 1 <= slots <= self.max_slots:
@@ -144,6 +147,7 @@ def kernel_table(device_type: str) -> Capabilities:
         latent_max_key_dim=table["latent_max_key_dim"],
         latent_kv_formats=tuple(table["latent_kv_formats"]),
         kivi_kv_formats=tuple(table.get("kivi_kv_formats", ())),
+        independent_value_head_dim=table["independent_value_head_dim"],
     )
 
 
@@ -163,6 +167,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         paged_kv_formats=(),
         latent_kv_formats=LATENT_FORMATS,
         kivi_kv_formats=tuple(KIVI_FORMATS),
+        independent_value_head_dim=True,
     )
 
 
@@ -180,6 +185,7 @@ LIMIT_TITLES = {
     "kernels": "kernels",
     "dtypes": "dtypes",
     "head_dim": "head_dim",
+    "value_head_dim": "values' `head_dim` (`v_head_dim`)",
     "group": "query heads per KV head",
     "length": "tokens per row (`lengths`)",
     "slots": "slots",
@@ -200,6 +206,9 @@ def readable_limits(table: Capabilities) -> dict[str, str]:
         "kernels": table.kernels,
         "dtypes": ", ".join(str(d).removeprefix("torch.") for d in table.dtypes),
         "head_dim": f"multiples of {m} from {m} to {table.max_head_dim}" if m > 1 else "any",
+        "value_head_dim": "any head_dim, independent of the keys' (plain and paged caches)"
+        if table.independent_value_head_dim
+        else "the keys' head_dim",
         "group": "any" if table.max_group is None else f"at most {table.max_group}",
         "length": f"0 to {readable_count(table.max_length)}",
         "slots": f"at most {readable_count(table.max_slots)}",

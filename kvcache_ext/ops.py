@@ -101,14 +101,24 @@ def _check_buffer_pair(first, second, names, layout, check_dim2) -> None:
     a, b = names
     if len(shape) != 4:
         raise ValueError(f"{a} must be {layout}, got shape {tuple(shape)}")
-    if second.shape != shape:
-        raise ValueError(f"{b} must have {a}'s shape {tuple(shape)}, got {tuple(second.shape)}")
+    second_shape = second.shape
+    if second_shape != shape:
+        if second.device == device and capabilities(device).independent_value_head_dim:
+            if len(second_shape) != 4 or second_shape[:3] != shape[:3]:
+                raise ValueError(
+                    f"{b} must have {a}'s first three dimensions {tuple(shape[:3])} (its head_dim may differ), got "
+                    f"{tuple(second_shape)}"
+                )
+        else:
+            raise ValueError(f"{b} must have {a}'s shape {tuple(shape)}, got {tuple(second_shape)}")
     if second.device != device:
         raise ValueError(f"{a} and {b} must be on one device, got {device} and {second.device}")
     table = capabilities(device)
     if dtype not in table.dtypes or second.dtype != dtype:
         raise TypeError(f"{a} and {b} must share one of {table.dtypes}, got {dtype} and {second.dtype}")
     table.check_head_dim(shape[3])
+    if second_shape[3] != shape[3]:
+        table.check_head_dim(second_shape[3], "the values' head_dim")
     check_dim2(table, shape[2])
     first_strides, second_strides = first.stride(), second.stride()
     if first_strides[3] != 1 or second_strides[3] != 1:
@@ -189,8 +199,8 @@ def check_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) ->
     """Every check of :func:`append_kv`'s arguments (values of ``lengths`` and ``new_counts`` as
     :func:`check_length_values` checks them)."""
     check_cache_pair(k_cache, v_cache)
-    B, H, S, D = k_cache.shape
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
+    B, H, S, _ = k_cache.shape
+    for name, t, D in (("k_new", k_new, k_cache.shape[3]), ("v_new", v_new, v_cache.shape[3])):
         if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != D:
             raise ValueError(f"{name} must be (batch={B}, kv_heads={H}, num_new, head_dim={D}), got {tuple(t.shape)}")
         if t.dtype != k_cache.dtype:
@@ -253,10 +263,11 @@ def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> No
             raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
-def _attention_outputs_like(q) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``(out, lse)`` of an attention op for queries ``q`` (the fake implementations' result)."""
-    B, H_q, T, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+def _attention_outputs_like(q, value_dim=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(out, lse)`` of an attention op for queries ``q`` and values ``value_dim`` wide (None:
+    q's head_dim), the fake implementations' result."""
+    B, H_q, T, D = q.shape
+    return q.new_empty((B, H_q, T, value_dim or D)), q.new_empty((B, H_q, T), dtype=torch.float32)
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
@@ -369,7 +380,7 @@ if _native.available:
     @torch.library.register_fake("kvcache_ext::decode_attention")
     def _decode_attention_fake(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
         _check_one_device(q, k_cache, v_cache, lengths, sinks)
-        return _attention_outputs_like(q)
+        return _attention_outputs_like(q, v_cache.shape[3])
 
     @torch.library.register_fake("kvcache_ext::gather_rows")
     def _gather_rows_fake(k_cache, v_cache, src_rows):
@@ -692,7 +703,7 @@ if _native.available:
         q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
     ):
         _check_one_device(q, k_pool, v_pool, block_tables, lengths, sinks)
-        return _attention_outputs_like(q)
+        return _attention_outputs_like(q, v_pool.shape[3])
 
 
 # ---- quantized paged pools ------------------------------------------------------------------

@@ -19,7 +19,7 @@ from python_ref.caches import check_step_tensors, checked_step_counts
 from .block_pool import BlockPool, PoolExhaustedError, checked_token_ids
 from .prefix_tiers import DiskTier, HostTier, check_disk_tier_arguments, check_host_tier_bytes
 from .storage.layout import StorageAttributes
-from .storage import check_kv_format, kv_format, paged_layout
+from .storage import check_kv_format, check_value_head_dim, kv_format, paged_layout
 from .storage.paged import check_block_size
 
 __all__ = ["BlockPool", "PagedKVCache", "PoolExhaustedError"]
@@ -48,7 +48,8 @@ class PagedKVCache(StorageAttributes):
     (``python_ref/quantize.py``), as ``KVCache(kv_dtype=...)`` does: then
     ``k``/``v`` hold the codes, ``(num_layers, num_blocks, kv_heads, block_size, head_dim)`` (head_dim / 2
     bytes for int4), and ``k_scale``/``v_scale`` their scales, which copy-on-write copies with them;
-    ``dtype`` stays that of q, k, v and the attention output.
+    ``dtype`` stays that of q, k, v and the attention output. ``v_head_dim`` gives unquantized values a
+    head_dim of their own, as ``KVCache(v_head_dim=...)`` does (``v`` then ``(..., v_head_dim)``).
 
     ``window=W`` (None: every token is attended): sliding-window attention in every layer, as
     ``KVCache(window=W)`` and ``reference_attention(window=W)`` have it (the query at position ``p``
@@ -82,12 +83,14 @@ class PagedKVCache(StorageAttributes):
         disk_tier_bytes: int | None = None,
         fingerprint: str | None = None,
         host_tier_bytes: int | None = None,
+        v_head_dim: int | None = None,
     ):
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
         check_kv_format(fmt, dtype, head_dim, device, "PagedKVCache dtype")
+        check_value_head_dim(v_head_dim, head_dim, fmt, device)
         check_block_size(block_size)
         if disk_tier is not None:
             check_disk_tier_arguments(disk_tier, disk_tier_bytes, fingerprint)
@@ -96,7 +99,9 @@ class PagedKVCache(StorageAttributes):
         if host_tier_bytes is not None:
             check_host_tier_bytes(host_tier_bytes, device)
         self.pool = BlockPool(num_blocks, block_size, window)  # checks window before any pool is allocated
-        self.storage = paged_layout(fmt, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device)
+        self.storage = paged_layout(
+            fmt, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device, v_head_dim
+        )
         self.disk_tier = None if disk_tier is None else DiskTier(disk_tier, disk_tier_bytes, fingerprint, self.storage)
         self.host_tier = None if host_tier_bytes is None else HostTier(host_tier_bytes, self.storage, self.disk_tier)
         self.pool.tier = self.host_tier or self.disk_tier
@@ -202,7 +207,7 @@ class PagedKVCache(StorageAttributes):
             self._step_shapes
         ):
             expected = (batch, self.kv_heads, num_new, self.head_dim)
-            check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.k.device)
+            check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.k.device, self.v_head_dim)
         if block_tables is None:  # the first step of an unscheduled cache: one new sequence per row
             counts = self._step_counts or [num_new] * batch
             if len(counts) != batch:

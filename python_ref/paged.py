@@ -39,10 +39,10 @@ def check_block_tables(block_tables: torch.Tensor, batch: int, device: torch.dev
 
 
 def _check_pool(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
-    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
+    if k_pool.dim() != 4 or v_pool.dim() != 4 or v_pool.shape[:3] != k_pool.shape[:3]:
         raise ValueError(
-            "k_pool and v_pool must both be (num_blocks, kv_heads, block_size, head_dim), got shapes "
-            f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+            "k_pool and v_pool must both be (num_blocks, kv_heads, block_size, head_dim) (their head_dims may "
+            f"differ), got shapes {tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
         )
     if v_pool.dtype != k_pool.dtype or v_pool.device != k_pool.device:
         raise ValueError(
@@ -82,12 +82,13 @@ def check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, len
     """Shapes, dtypes and devices of ``paged_append_reference``'s arguments (not the values of
     ``lengths``, ``new_counts`` and ``block_tables``: those need reading the tensors)."""
     _check_pool(k_pool, v_pool)
-    H, D = k_pool.shape[1], k_pool.shape[3]
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if t.dim() != 4 or t.shape[1] != H or t.shape[3] != D or t.shape != k_new.shape:
+    H = k_pool.shape[1]
+    for name, t, pool in (("k_new", k_new, k_pool), ("v_new", v_new, v_pool)):
+        D = pool.shape[3]
+        if t.dim() != 4 or t.shape[1] != H or t.shape[3] != D or t.shape[:3] != k_new.shape[:3]:
             raise ValueError(
-                f"k_new and v_new must both be (batch, kv_heads={H}, num_new, head_dim={D}), got "
-                f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"
+                f"k_new and v_new must both be (batch, kv_heads={H}, num_new, head_dim) with their pool's head_dim "
+                f"({k_pool.shape[3]}, {v_pool.shape[3]}), got {tuple(k_new.shape)} and {tuple(v_new.shape)}"
             )
         if t.dtype != k_pool.dtype or t.device != k_pool.device:
             raise TypeError(

@@ -28,9 +28,9 @@ using torch::stable::Tensor;
 
 void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths,
                      std::optional<Tensor> new_counts) {
-  const int64_t shift = check_pool_layout(k_pool, v_pool);
-  const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1), D = k_pool.size(3);
-  const int64_t T = check_paged_new_tokens(k_pool, k_new, v_new);
+  const int64_t shift = check_pool_layout(k_pool, v_pool, kCpuValueDimMayDiffer);
+  const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1), D = std::max(k_pool.size(3), v_pool.size(3));
+  const int64_t T = check_paged_new_tokens(k_pool, k_new, v_new, v_pool.size(3));
   check_cpu_tensor(k_new, "k_new");
   check_cpu_tensor(v_new, "v_new");
   check_cpu_tensor(k_pool, "k_pool");
@@ -49,16 +49,19 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
     const char* src;
     int64_t pool_stride[3];
     int64_t src_stride[4];
+    int64_t width;  // head_dim of this side
   };
   const Side sides[2] = {
       {static_cast<char*>(k_pool.mutable_data_ptr()),
        static_cast<const char*>(k_new.const_data_ptr()),
        {k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},
-       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)}},
+       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)},
+       k_pool.size(3)},
       {static_cast<char*>(v_pool.mutable_data_ptr()),
        static_cast<const char*>(v_new.const_data_ptr()),
        {v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)},
-       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
+       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)},
+       v_pool.size(3)},
   };
   // One work item per (K or V, row, head); the distinct-writes check makes the items' writes disjoint.
   torch::stable::parallel_for(
@@ -74,9 +77,10 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
             const char* src =
                 side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
             if (side.src_stride[3] == 1) {
-              std::memcpy(dst, src, D * elem);
+              std::memcpy(dst, src, side.width * elem);
             } else {
-              for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
+              for (int64_t d = 0; d < side.width; ++d)
+                std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
             }
           }
         }
@@ -87,7 +91,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
                                                   Tensor lengths, std::optional<int64_t> window,
                                                   std::optional<double> scale, std::optional<double> softcap,
                                                   std::optional<Tensor> sinks) {
-  const int64_t shift = check_pool_layout(k_pool, v_pool);
+  const int64_t shift = check_pool_layout(k_pool, v_pool, kCpuValueDimMayDiffer);
   const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
   check_paged_queries(q, k_pool, window);
   const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
@@ -110,7 +114,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   p.k_cache = k_pool.const_data_ptr();
   p.v_cache = v_pool.const_data_ptr();
   p.lengths = rows.end.data();
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D,
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.value_dim = v_pool.size(3),
   p.slots = block_tables.size(1) << shift;
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_pool.stride(i), p.v_stride[i] = v_pool.stride(i);
@@ -123,7 +127,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   p.blocks_per_row = rows.width;
   p.block_shift = shift;
 
-  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
+  Tensor out = torch::stable::empty({B, H_q, T, p.value_dim}, q.scalar_type(), std::nullopt, q.device());
   Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
   schedule_decode_attention(p, partial_attention_kernel(), out.mutable_data_ptr(),
                             static_cast<int64_t>(q.element_size()), lse.mutable_data_ptr<float>());

@@ -22,7 +22,7 @@ The quantized ones store codes and scales (``python_ref/quantize.py``) and dequa
 from python_ref import quantize as quant
 
 from .contiguous import ContiguousLayout
-from .formats import KV_DTYPES, check_kivi_format, check_kv_format, kv_format
+from .formats import KV_DTYPES, check_kivi_format, check_kv_format, check_value_head_dim, kv_format
 from .kivi import KiviLayout
 from .latent import LatentLayout, check_latent_format
 from .paged import PagedLayout, PagedQuantizedLayout
@@ -30,11 +30,12 @@ from .quantized import QuantizedLayout, quantized_shapes
 from .quantized_latent import QuantizedLatentLayout
 
 
-def contiguous_layout(kv_dtype, num_layers, batch_size, kv_heads, slots, head_dim, dtype, device):
-    """The contiguous layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype)."""
+def contiguous_layout(kv_dtype, num_layers, batch_size, kv_heads, slots, head_dim, dtype, device, v_head_dim=None):
+    """The contiguous layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype;
+    values ``v_head_dim`` wide, None: ``head_dim``, see ``check_value_head_dim``)."""
     shape = (num_layers, batch_size, kv_heads, slots, head_dim)
     if kv_dtype is None:
-        return ContiguousLayout(*shape, dtype, device)
+        return ContiguousLayout(*shape, dtype, device, v_head_dim)
     if kv_dtype in quant.KIVI_FORMATS:
         return KiviLayout(*shape, dtype, kv_dtype, device)
     return QuantizedLayout(*shape, dtype, kv_dtype, device)
@@ -46,11 +47,12 @@ def buffer_shapes(kv_dtype, shape: tuple, dtype) -> dict:
     return {"k": (shape, dtype), "v": (shape, dtype)} if kv_dtype is None else quantized_shapes(kv_dtype, shape)
 
 
-def paged_layout(kv_dtype, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device):
-    """The paged layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype)."""
+def paged_layout(kv_dtype, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device, v_head_dim=None):
+    """The paged layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype; values
+    ``v_head_dim`` wide, None: ``head_dim``)."""
     shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
     if kv_dtype is None:
-        return PagedLayout(*shape, dtype, device)
+        return PagedLayout(*shape, dtype, device, v_head_dim)
     return PagedQuantizedLayout(*shape, dtype, kv_dtype, device)
 
 
@@ -66,6 +68,7 @@ __all__ = [
     "buffer_shapes",
     "check_kivi_format",
     "check_kv_format",
+    "check_value_head_dim",
     "check_latent_format",
     "contiguous_layout",
     "kv_format",
