@@ -190,8 +190,9 @@ inline int64_t check_paged_new_tokens(const torch::stable::Tensor& k_pool, const
   for (const auto& [t, name, width] : {std::tuple{&k_new, "k_new", D}, std::tuple{&v_new, "v_new", Dv}}) {
     STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == width && k_new.dim() == 4 &&
                         t->size(0) == k_new.size(0) && t->size(2) == k_new.size(2),
-                    "k_new and v_new must be (batch, kv_heads=", H, ", num_new, head_dim=", D, ") and (batch, kv_heads=",
-                    H, ", num_new, ", Dv, "), got ", shape_of(k_new), " and ", shape_of(v_new));
+                    "k_new and v_new must be (batch, kv_heads=", H, ", num_new, head_dim=", D,
+                    ") and (batch, kv_heads=", H, ", num_new, ", Dv, "), got ", shape_of(k_new), " and ",
+                    shape_of(v_new));
     STD_TORCH_CHECK(t->scalar_type() == k_pool.scalar_type(), name, " must be ", dtype_name(k_pool.scalar_type()),
                     " like the pool, got ", dtype_name(t->scalar_type()));
   }

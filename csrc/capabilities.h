@@ -64,7 +64,8 @@ inline std::string capabilities_json(bool cuda) {
          // KIVI formats the kernels store and attend over (contiguous caches, CPU only).
          ", \"kivi_kv_formats\": " + (cuda ? "[]" : kKiviFormatsJson) +
          // Values of a head_dim of their own in plain and paged caches.
-         ", \"independent_value_head_dim\": " + ((cuda ? kCudaValueDimMayDiffer : kCpuValueDimMayDiffer) ? "true" : "false") +
+         ", \"independent_value_head_dim\": " +
+         ((cuda ? kCudaValueDimMayDiffer : kCpuValueDimMayDiffer) ? "true" : "false") +
          // Widest latent cache row the latent kernel takes (0: none on this device).
          ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
          // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).

@@ -19,7 +19,7 @@ using torch::stable::Tensor;
 // One of the two caches: where row b, head h, slot s starts, in bytes.
 struct CacheSide {
   char* data;
-  int64_t stride[3];  // batch, head, slot; in elements
+  int64_t stride[3];     // batch, head, slot; in elements
   int64_t vector_bytes;  // one slot's head_dim elements (keys and values may differ)
   char* at(int64_t b, int64_t h, int64_t s, int64_t elem) const {
     return data + (b * stride[0] + h * stride[1] + s * stride[2]) * elem;
@@ -63,7 +63,8 @@ void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
   // Staged rows, contiguous (row, head, slot, head_dim), the keys' block then the values'.
   // Uninitialised (new char[], not std::vector): every byte is written before it is read.
   const int64_t num_staged = static_cast<int64_t>(staged.size());
-  const int64_t side_bytes[2] = {num_staged * H * S * sides[0].vector_bytes, num_staged * H * S * sides[1].vector_bytes};
+  const int64_t side_bytes[2] = {num_staged * H * S * sides[0].vector_bytes,
+                                 num_staged * H * S * sides[1].vector_bytes};
   const std::unique_ptr<char[]> scratch(new char[static_cast<size_t>(side_bytes[0] + side_bytes[1])]);
   auto scratch_at = [&](int64_t side, int64_t slot, int64_t h, int64_t s) {
     return scratch.get() + side * side_bytes[0] + ((slot * H + h) * S + s) * sides[side].vector_bytes;
