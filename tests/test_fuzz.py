@@ -201,6 +201,14 @@ def common_shapes(draw):
     return B, H_kv, S, T, D, dtype
 
 
+def value_head_dim(draw):
+    """The values' head_dim: mostly the keys', a quarter of the time another the kernels take, now
+    and then one they refuse."""
+    if rarely(draw, 15):
+        return draw(st.sampled_from([4, 12, 264]))
+    return 8 * draw(st.integers(1, 32)) if rarely(draw, 4) else None
+
+
 @dataclass(frozen=True)
 class AppendCase:
     api: str
@@ -218,6 +226,7 @@ class AppendCase:
     v_new_layout: Layout
     fault: str | None
     seed: int
+    D_v: int | None = None  # the values' head_dim (None: D; the CPU kernels take their own)
 
 
 APPEND_FAULTS = [
@@ -259,6 +268,7 @@ def append_cases(draw):
         v_new_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
         fault=draw(st.sampled_from(APPEND_FAULTS)) if rarely(draw, 6) else None,
         seed=draw(st.integers(0, 2**31 - 1)),
+        D_v=value_head_dim(draw),
     )
 
 
@@ -281,6 +291,7 @@ class DecodeCase:
     v_cache_layout: Layout
     fault: str | None
     seed: int
+    D_v: int | None = None  # the values' head_dim (None: D; the CPU kernels take their own)
 
 
 DECODE_FAULTS = [
@@ -337,6 +348,7 @@ def decode_cases(draw):
         v_cache_layout=draw(cache_layouts()),
         fault=draw(st.sampled_from(DECODE_FAULTS)) if rarely(draw, 6) else None,
         seed=draw(st.integers(0, 2**31 - 1)),
+        D_v=value_head_dim(draw),
     )
 
 
@@ -423,13 +435,13 @@ def pinned(cases):
 
 def cache_refusals(k_cache, v_cache, D):
     """(must refuse, may refuse) reasons shared by both ops; each reason is a word a helpful error
-    message names."""
+    message names. The values may have a head_dim of their own (the CPU kernels take it)."""
     must, may = [], []
     if k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype:
         must.append("dtype")
-    if v_cache.shape != k_cache.shape:
+    if v_cache.shape[:3] != k_cache.shape[:3]:
         must.append("shape")
-    if D % 8 or not 8 <= D <= 256:
+    if any(width % 8 or not 8 <= width <= 256 for width in (D, v_cache.shape[3])):
         must.append("head_dim")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         may.append("contiguous")
@@ -447,12 +459,12 @@ def append_contract(case: AppendCase, k_cache, v_cache, k_new, v_new, lengths):
     must += lengths_refusals(lengths, case.B)
     if has_internal_overlap(k_cache) or has_internal_overlap(v_cache):
         must.append("overlap")
-    for new in (k_new, v_new):
+    for new, cache in ((k_new, k_cache), (v_new, v_cache)):
         if new.dtype != k_cache.dtype:
             must.append("dtype")
         if new.device.type != "cpu":
             must.append("device")
-        if new.shape[:2] != k_cache.shape[:2] or new.shape[3] != k_cache.shape[3]:
+        if new.shape[:2] != k_cache.shape[:2] or new.shape[3] != cache.shape[3]:
             must.append("shape")
     if k_new.shape[2] != v_new.shape[2]:
         must.append("tokens")
@@ -532,16 +544,16 @@ def expect_refusal_or_pass(case, call, must, may):
 def build_append(case: AppendCase):
     generator = torch.Generator().manual_seed(case.seed)
     cache_dtype = torch.float64 if case.fault == "float64" else case.dtype
-    shape = (case.B, case.H, case.S, case.D)
+    shape, D_v = (case.B, case.H, case.S, case.D), case.D_v or case.D
     k_buffer, k_cache = carve(shape, cache_dtype, case.k_cache_layout, generator)
-    v_shape = (case.B, case.H, case.S + 1, case.D) if case.fault == "v_cache_slots" else shape
+    v_shape = (case.B, case.H, case.S + (case.fault == "v_cache_slots"), D_v)
     v_dtype = other_dtype(case.dtype) if case.fault == "v_cache_dtype" else cache_dtype
     v_buffer, v_cache = carve(v_shape, v_dtype, case.v_cache_layout, generator)
     k_shape = list((case.B, case.H, case.T, case.D))
     for fault, dim in (("k_new_batch", 0), ("k_new_heads", 1), ("k_new_head_dim", 3)):
         if case.fault == fault:
             k_shape[dim] += 1
-    v_new_shape = (case.B, case.H, case.T + 1 if case.fault == "v_new_tokens" else case.T, case.D)
+    v_new_shape = (case.B, case.H, case.T + 1 if case.fault == "v_new_tokens" else case.T, D_v)
     k_new_dtype = other_dtype(case.dtype) if case.fault == "k_new_dtype" else cache_dtype
     if case.fault == "k_new_meta":
         k_new = torch.empty(k_shape, dtype=k_new_dtype, device="meta")
@@ -587,7 +599,7 @@ def build_decode(case: DecodeCase):
     cache_dtype = torch.float64 if case.fault == "float64" else case.dtype
     shape = (case.B, case.H_kv, case.S, case.D)
     k_buffer, k_cache = carve(shape, cache_dtype, case.k_cache_layout, generator)
-    v_shape = (case.B, case.H_kv, case.S + 1, case.D) if case.fault == "v_cache_slots" else shape
+    v_shape = (case.B, case.H_kv, case.S + (case.fault == "v_cache_slots"), case.D_v or case.D)
     v_dtype = other_dtype(case.dtype) if case.fault == "v_cache_dtype" else cache_dtype
     v_buffer, v_cache = carve(v_shape, v_dtype, case.v_cache_layout, generator)
     q_shape = [case.B, case.H_kv * case.group, case.T, case.D]
@@ -627,7 +639,8 @@ def check_decode(case: DecodeCase) -> str:
         return "refused"
     out, lse = result
     B, H_q, T, D = q.shape
-    if out.shape != q.shape or out.dtype != q.dtype or lse.shape != (B, H_q, T) or lse.dtype != torch.float32:
+    out_shape = (B, H_q, T, v_cache.shape[3])
+    if out.shape != out_shape or out.dtype != q.dtype or lse.shape != (B, H_q, T) or lse.dtype != torch.float32:
         raise ContractViolation(
             "wrong output shape or dtype", f"out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)} {lse.dtype}"
         )
