@@ -60,6 +60,8 @@ inline std::string capabilities_json(bool cuda) {
          ", \"kivi_kv_formats\": " + (cuda ? "[]" : kKiviFormatsJson) +
          // Widest latent cache row the latent kernel takes (0: none on this device).
          ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
+         // Widest row of a paged latent pool (paged_latent_decode_attention; 0: no kernel on this device).
+         ", \"paged_latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
          // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).
          ", \"latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") + "}";
 }

@@ -22,6 +22,7 @@ import torch
 
 from . import quantize
 from .attention import reference_attention
+from .latent import reference_latent_attention
 
 BLOCK_TABLE_DTYPES = (torch.int32, torch.int64)
 
@@ -401,4 +402,75 @@ def paged_quantized_attention_reference(
         return_lse=return_lse,
         softcap=softcap,
         sinks=sinks,
+    )
+
+
+# ---- latent pools ------------------------------------------------------------------------------
+# The latent (MLA) layout of python_ref/latent.py with blocks in place of rows: per layer, one pool
+# (num_blocks, H_kv, block_size, key_dim) whose rows are the keys and whose first value_dim columns
+# are the values (DeepSeek: H_kv 1, rows [c, k_pe] of 512 + 64), stored once for every query head.
+# Block tables, lengths and new_counts mean what they mean above; the append writes the rows as they
+# come and the attention is latent.reference_latent_attention on the gathered rows, so a latent pool
+# and a contiguous latent cache holding the same rows agree by construction.
+
+
+def _check_latent_pool(pool) -> None:
+    if pool.dim() != 4 or pool.shape[2] < 1:
+        raise ValueError(
+            f"pool must be (num_blocks, kv_heads, block_size >= 1, key_dim), got shape {tuple(pool.shape)}"
+        )
+
+
+def check_paged_latent_append_arguments(pool, latent_new, block_tables, lengths, new_counts=None) -> None:
+    """Shapes, dtypes and devices of ``paged_latent_append_reference``'s arguments (not the values of
+    ``lengths``, ``new_counts`` and ``block_tables``)."""
+    _check_latent_pool(pool)
+    H, D = pool.shape[1], pool.shape[3]
+    if latent_new.dim() != 4 or latent_new.shape[1] != H or latent_new.shape[3] != D:
+        raise ValueError(
+            f"latent_new must be (batch, kv_heads={H}, num_new, key_dim={D}), got {tuple(latent_new.shape)}"
+        )
+    if latent_new.dtype != pool.dtype or latent_new.device != pool.device:
+        raise TypeError(
+            f"latent_new must be {pool.dtype} on {pool.device} like the pool, got {latent_new.dtype} on "
+            f"{latent_new.device}"
+        )
+    B = latent_new.shape[0]
+    check_block_tables(block_tables, B, pool.device)
+    _check_lengths(lengths, B, pool.device)
+    if new_counts is not None:
+        _check_lengths(new_counts, B, pool.device, "new_counts")
+
+
+def check_paged_latent_attention_arguments(q, pool, block_tables, lengths, window=None) -> None:
+    """Shapes, dtypes and devices of ``paged_latent_attention_reference``'s arguments (not the values
+    of ``lengths`` and ``block_tables``)."""
+    _check_latent_pool(pool)
+    _check_queries(q, pool.shape[1], pool.shape[3], pool.device, block_tables, lengths, window)
+
+
+def paged_latent_append_reference(pool, latent_new, block_tables, lengths, new_counts=None) -> None:
+    """:func:`paged_append_reference` for a latent pool: token ``t < new_counts[b]`` of row ``b`` of
+    ``latent_new`` ``(B, H_kv, T, key_dim)`` is written, as it comes, to position ``lengths[b] + t``
+    of the row, in place. The same refusals, before anything is written."""
+    check_paged_latent_append_arguments(pool, latent_new, block_tables, lengths, new_counts)
+    counts = _check_append_values(pool, latent_new, block_tables, lengths, new_counts)
+    rows, t, blocks, offsets = _written_slots(pool, latent_new, block_tables, lengths, counts)
+    pool[blocks, :, offsets] = latent_new[rows, :, t]
+
+
+def paged_latent_attention_reference(
+    q, pool, block_tables, lengths, value_dim, window=None, scale=None, return_lse=False
+):
+    """``latent.reference_latent_attention`` over the rows a block table holds: the rows of the
+    positions some query sees are gathered into a contiguous latent cache (slot ``p`` holds position
+    ``p``; the others hold zeros), the keys those rows and the values their first ``value_dim``
+    columns. ``q`` ``(B, H_q, T, key_dim)``; returns ``(B, H_q, T, value_dim)`` in q's dtype (and
+    with ``return_lse`` the log-sum-exp ``(B, H_q, T)`` float32). Lengths, window, the refusals and
+    the blocks read as for :func:`paged_attention_reference`."""
+    check_paged_latent_attention_arguments(q, pool, block_tables, lengths, window)
+    _check_attention_values(q, pool, block_tables, lengths, window)
+    gather = _row_gather(q.shape[2], pool.shape[2], block_tables, lengths, window)
+    return reference_latent_attention(
+        q, gather(pool), lengths, value_dim, window=window, scale=scale, return_lse=return_lse
     )

@@ -1,5 +1,7 @@
-// CPU implementations of latent_decode_attention and latent_decode_attention_quantized (csrc/ops.cpp): input checks,
-// the split of the work over threads, the merge of split partial results, and the choice of the kernel copy.
+// CPU implementations of latent_decode_attention, latent_decode_attention_quantized and
+// paged_latent_decode_attention (csrc/ops.cpp): input checks, the split of the work over threads, the
+// merge of split partial results, and the choice of the kernel copy. The paged op is the same kernel
+// in its block-table address mode (LatentProblem::block_ids).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -18,6 +20,7 @@
 #include "cpu_isa.h"
 #include "latent_attention_problem.h"
 #include "latent_cache_checks.h"
+#include "paged_rows.h"
 
 namespace kvcache_ext::cpu {
 
@@ -207,10 +210,38 @@ std::tuple<Tensor, Tensor> latent_decode_attention_quantized(Tensor q, Tensor c_
   return run_latent_attention(q, p, len, window, checked);
 }
 
+std::tuple<Tensor, Tensor> paged_latent_decode_attention(Tensor q, Tensor pool, Tensor block_tables, Tensor lengths,
+                                                         int64_t value_dim, std::optional<int64_t> window,
+                                                         std::optional<double> scale) {
+  const int64_t shift = check_latent_pool(pool);
+  const int64_t num_blocks = pool.size(0), H_kv = pool.size(1), Dk = pool.size(3);
+  check_latent_dims(Dk, value_dim);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
+  const int64_t B = q.size(0), T = q.size(2);
+  check_attention_block_tables(block_tables, B, shift, T);
+  check_cpu_tensor(block_tables, "block_tables");
+  const int64_t capacity = block_tables.size(1) << shift;  // positions a table holds: no ring
+  const std::vector<int64_t> len = check_latent_queries(q, pool.scalar_type(), lengths, B, H_kv, capacity, Dk, window);
+  const float checked = checked_scale(scale, Dk);
+  // Positions some query of a row sees, [first, length), and their checked block ids: blocks before
+  // first are never read (a sliding-window pool may have released them).
+  const PagedRows rows = paged_read_rows(block_tables, lengths, T, window, shift, num_blocks);
+
+  LatentProblem p{};
+  p.elem = elem_type_of(q, "q");
+  p.batch = B, p.kv_heads = H_kv, p.key_dim = Dk, p.value_dim = value_dim, p.slots = capacity;
+  p.parts[0] = {pool.const_data_ptr(), {pool.stride(0), pool.stride(1), pool.stride(2)}, 0, Dk, nullptr, {}};
+  p.block_ids = rows.ids.data();
+  p.blocks_per_row = rows.width;
+  p.block_shift = shift;
+  return run_latent_attention(q, p, len, window, checked);
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("latent_decode_attention", TORCH_BOX(&kvcache_ext::cpu::latent_decode_attention));
   m.impl("latent_decode_attention_quantized", TORCH_BOX(&kvcache_ext::cpu::latent_decode_attention_quantized));
+  m.impl("paged_latent_decode_attention", TORCH_BOX(&kvcache_ext::cpu::paged_latent_decode_attention));
 }

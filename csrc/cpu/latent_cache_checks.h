@@ -1,5 +1,6 @@
 // The checks of a latent (MLA) cache's buffers that its bindings share (latent_attention_cpu.cpp,
-// latent_append_quantized_cpu.cpp): the widths and the parts of a quantized latent cache.
+// latent_append_quantized_cpu.cpp, paged_latent_append_cpu.cpp): the widths, the parts of a
+// quantized latent cache and the pools of a paged one.
 #pragma once
 
 #include <torch/csrc/stable/tensor.h>
@@ -52,6 +53,23 @@ inline LatentPart check_latent_part(const Tensor& data, const std::optional<Tens
   part.scales = scales->const_data_ptr<float>();
   for (int i = 0; i < 3; ++i) part.scale_stride[i] = scales->stride(i);
   return part;
+}
+
+// A paged latent pool (num_blocks, kv_heads, block_size, key_dim) of rows in one of the kernels'
+// dtypes: its block size (a power of two up to kMaxBlockSize) and a contiguous last dimension;
+// key_dim is the caller's to check (check_latent_dims). Returns log2(block_size).
+inline int64_t check_latent_pool(const Tensor& pool) {
+  STD_TORCH_CHECK(pool.dim() == 4, "pool must be (num_blocks, kv_heads, block_size, key_dim), got shape ",
+                  shape_of(pool));
+  STD_TORCH_CHECK(pool.is_cpu(), "pool must be a CPU tensor for the CPU kernel");
+  elem_type_of(pool, "pool");
+  const int64_t block_size = pool.size(2);
+  STD_TORCH_CHECK(block_size_supported(block_size), "block_size (pool's dimension 2) must be a power of two from 1 to ",
+                  kMaxBlockSize, ", got ", block_size);
+  STD_TORCH_CHECK(pool.stride(3) == 1, "pool needs a contiguous last (key_dim) dimension, got stride ", pool.stride(3));
+  int64_t shift = 0;
+  while ((int64_t{1} << shift) < block_size) ++shift;
+  return shift;
 }
 
 // The codes' format of a quantized latent cache (int8 or fp8_e4m3: one scale per token).

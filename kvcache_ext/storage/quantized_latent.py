@@ -14,7 +14,7 @@ from python_ref import quantize as quant
 
 from .. import ops
 from ..capabilities import capabilities
-from .latent import LatentLayout
+from .latent import LatentLayout, check_no_softcap_or_sinks, check_values_are_keys
 
 
 class QuantizedLatentLayout(LatentLayout):
@@ -42,19 +42,14 @@ class QuantizedLatentLayout(LatentLayout):
 
     def check_append(self, k, v, lengths, counts) -> None:
         """The new latent rows ``k`` ``(B, kv_heads, T, key_dim)``, passed as both k and v."""
-        if v is not k and (v.shape != k.shape or v.data_ptr() != k.data_ptr() or v.stride() != k.stride()):
-            raise ValueError(
-                "a latent cache stores one tensor per token: pass the latents as both k and v (its values are "
-                f"their first {self.value_dim} columns), got a v that is not k"
-            )
+        check_values_are_keys(k, v, self.value_dim)
         ops.check_append_latent_quantized(*self.buffers(0), k, lengths, counts)
 
     def append(self, layer, k, v, lengths, counts) -> None:
         ops.run_append_latent_quantized(*self.buffers(layer), k, lengths, counts)
 
     def check_attention(self, q, lengths, window, scale, softcap=None, sinks=None) -> None:
-        if softcap is not None or sinks is not None:
-            raise ValueError("a latent cache's attention takes no softcap or sinks (MLA models use neither)")
+        check_no_softcap_or_sinks(softcap, sinks)
         ops.check_latent_decode_attention_quantized(q, *self.buffers(0), lengths, window, scale)
 
     def attention(self, layer, q, lengths, window, scale, softcap=None, sinks=None):
