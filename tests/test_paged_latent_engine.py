@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from kvcache_ext import Engine, KVCache, PagedKVCache
 from python_ref import NoCache, PreallocatedCache, generate
@@ -147,3 +148,21 @@ def test_refusals_at_construction_say_why(model):
         latent = torch.zeros(1, 1, 1, cfg.latent_dim)
         cache.attend(0, torch.zeros(1, cfg.n_heads, 1, cfg.latent_dim), latent, latent.clone())
     assert engine.cache.pool.sequences == [0] and cache.pool.length(0) == 0
+
+
+def test_the_disk_tier_stores_latent_blocks_and_restores_them(model, tmp_path):
+    # One request at a time on 16 blocks of 4 tokens: each 41-token prompt takes 11, so the next
+    # request recycles the previous one's blocks into the tier, and the first prompt comes back from it.
+    rng = random.Random(11)
+    first, *others = [[rng.randrange(model.cfg.vocab_size) for _ in range(41)] for _ in range(3)]
+    cache = latent_cache(model, 16, disk_tier=tmp_path, disk_tier_bytes=10**8, fingerprint="mla-tiny")
+    engine = Engine(model, cache, chunk_size=8, max_batch_size=1)
+    expected = alone(model, first, 5)
+    assert engine.generate([first, *others], 5)[0] == expected
+    before = engine.prompt_tokens_computed
+    assert engine.generate([first], 5) == [expected]
+    assert engine.prompt_tokens_computed - before == 1  # every full block restored, the last token computed
+    assert engine.prefix_stats()["disk"]["hits"] >= 1 and engine.prefix_stats()["disk"]["rejected"] == 0
+    files = sorted(tmp_path.glob("*.kvblock"))
+    with safe_open(files[0], framework="pt") as f:
+        assert list(f.keys()) == ["latent"] and f.get_tensor("latent").shape == (model.cfg.n_layers, 1, 4, 40)
