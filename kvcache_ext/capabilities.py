@@ -44,14 +44,6 @@ KIVI_UNSUPPORTED = {
     "slots; key groups are laid out per channel)",
 }
 
-# What a paged latent (MLA) pool (PagedKVCache(value_dim=...)) cannot do yet, on every device, and
-# why: PagedKVCache refuses it at construction with this.
-PAGED_LATENT_UNSUPPORTED = {
-    "kv_dtype": "a paged latent pool stores its rows in the cache's dtype: quantized latent blocks (int8/fp8 codes "
-    "with one scale per token) have no paged append or attention yet; KVCache(value_dim=..., kv_dtype=...) stores "
-    "quantized latents in contiguous rows",
-}
-
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -79,8 +71,11 @@ class Capabilities:
     latent_max_key_dim: int = 0
     # Widest row of a paged latent pool (python_ref/paged.py's latent pools) the native paged latent
     # ops take on this device; 0: none here, and they run python_ref's paged latent reference (same
-    # semantics and checks). Quantized paged latent pools: none yet (PAGED_LATENT_UNSUPPORTED).
+    # semantics and checks).
     paged_latent_max_key_dim: int = 0
+    # Quantized latent formats the native paged latent ops store on this device; the others run
+    # python_ref's paged quantized latent reference (same semantics and checks).
+    paged_latent_kv_formats: tuple[str, ...] = ()
     # Quantized latent formats (python_ref/latent.py) the native latent kernel stores and attends
     # over on this device; where it has no latent kernel, python_ref's reference serves them all.
     latent_kv_formats: tuple[str, ...] = ()
@@ -156,6 +151,7 @@ def kernel_table(device_type: str) -> Capabilities:
         latent_max_key_dim=table["latent_max_key_dim"],
         latent_kv_formats=tuple(table["latent_kv_formats"]),
         paged_latent_max_key_dim=table["paged_latent_max_key_dim"],
+        paged_latent_kv_formats=tuple(table["paged_latent_kv_formats"]),
         kivi_kv_formats=tuple(table.get("kivi_kv_formats", ())),
     )
 
@@ -228,7 +224,8 @@ def readable_limits(table: Capabilities) -> dict[str, str]:
         + (", ".join(table.latent_kv_formats) or "none")
         if table.latent_max_key_dim
         else "none (python_ref's latent reference runs)",
-        "paged_latent": f"multiples of {m} from {m} to {table.paged_latent_max_key_dim}; quantized: none"
+        "paged_latent": f"multiples of {m} from {m} to {table.paged_latent_max_key_dim}; quantized: "
+        + (", ".join(table.paged_latent_kv_formats) or "none")
         if table.paged_latent_max_key_dim
         else "none (python_ref's paged latent reference runs)",
         "kivi_kv_formats": ", ".join(table.kivi_kv_formats) or "none",

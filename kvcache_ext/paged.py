@@ -19,8 +19,14 @@ from python_ref.caches import check_step_tensors, checked_step_counts
 from .block_pool import BlockPool, PoolExhaustedError, checked_token_ids
 from .prefix_tiers import DiskTier, HostTier, check_disk_tier_arguments, check_host_tier_bytes
 from .storage.layout import StorageAttributes
-from .capabilities import PAGED_LATENT_UNSUPPORTED
-from .storage import PagedLatentLayout, check_kv_format, check_latent_format, kv_format, paged_layout
+from .storage import (
+    PagedLatentLayout,
+    PagedQuantizedLatentLayout,
+    check_kv_format,
+    check_latent_format,
+    kv_format,
+    paged_layout,
+)
 from .storage.paged import check_block_size
 
 __all__ = ["BlockPool", "PagedKVCache", "PoolExhaustedError"]
@@ -57,8 +63,10 @@ class PagedKVCache(StorageAttributes):
     pool ``latent`` ``(num_layers, num_blocks, kv_heads, block_size, head_dim)`` (block size 64 as
     FlashMLA and vLLM use; any ``block_size`` the pools take works). ``attend`` then takes the new
     latents as both ``k`` and ``v`` and returns ``(B, H_q, T, value_dim)``, each cached row read once
-    for all query heads (``paged_latent_decode_attention``). What it refuses, at construction and
-    with the reason: ``capabilities.PAGED_LATENT_UNSUPPORTED`` (quantized latent blocks).
+    for all query heads (``paged_latent_decode_attention``). With ``kv_dtype`` ``"int8"`` or
+    ``"fp8_e4m3"`` the pools hold the quantized latent layout, as ``KVCache(value_dim=...,
+    kv_dtype=...)`` does: ``c`` as codes with one scale per token, ``k_pe`` in ``dtype`` or, with
+    ``quantize_rope``, as codes too.
 
     ``window=W`` (None: every token is attended): sliding-window attention in every layer, as
     ``KVCache(window=W)`` and ``reference_attention(window=W)`` have it (the query at position ``p``
@@ -93,6 +101,7 @@ class PagedKVCache(StorageAttributes):
         fingerprint: str | None = None,
         host_tier_bytes: int | None = None,
         value_dim: int | None = None,
+        quantize_rope: bool = False,
     ):
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -100,10 +109,10 @@ class PagedKVCache(StorageAttributes):
         fmt = kv_format(kv_dtype)
         if value_dim is None:
             check_kv_format(fmt, dtype, head_dim, device, "PagedKVCache dtype")
-        elif fmt is not None:
-            raise ValueError(f"kv_dtype {fmt!r} with value_dim: {PAGED_LATENT_UNSUPPORTED['kv_dtype']}")
+            if quantize_rope:
+                raise ValueError("quantize_rope is a latent cache's (value_dim) option")
         else:
-            check_latent_format(dtype, head_dim, value_dim, device)
+            check_latent_format(dtype, head_dim, value_dim, device, fmt, quantize_rope)
         check_block_size(block_size)
         if disk_tier is not None:
             check_disk_tier_arguments(disk_tier, disk_tier_bytes, fingerprint)
@@ -114,9 +123,13 @@ class PagedKVCache(StorageAttributes):
         self.pool = BlockPool(num_blocks, block_size, window)  # checks window before any pool is allocated
         if value_dim is None:
             self.storage = paged_layout(fmt, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device)
-        else:
+        elif fmt is None:
             self.storage = PagedLatentLayout(
                 num_layers, num_blocks, kv_heads, block_size, head_dim, value_dim, dtype, device
+            )
+        else:
+            self.storage = PagedQuantizedLatentLayout(
+                num_layers, num_blocks, kv_heads, block_size, head_dim, value_dim, dtype, fmt, quantize_rope, device
             )
         self.disk_tier = None if disk_tier is None else DiskTier(disk_tier, disk_tier_bytes, fingerprint, self.storage)
         self.host_tier = None if host_tier_bytes is None else HostTier(host_tier_bytes, self.storage, self.disk_tier)

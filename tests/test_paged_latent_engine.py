@@ -131,8 +131,14 @@ def test_the_latent_pool_matches_the_contiguous_latent_cache_step_by_step(model)
 
 def test_refusals_at_construction_say_why(model):
     cfg = model.cfg
-    with pytest.raises(ValueError, match="quantized latent blocks .* have no paged append or attention yet"):
-        PagedKVCache(2, 1, 40, 8, value_dim=32, kv_dtype="int8")
+    with pytest.raises(ValueError, match="int4's scale per 32 values and the rotated formats have no latent kernel"):
+        PagedKVCache(2, 1, 40, 8, value_dim=32, kv_dtype="int4")
+    with pytest.raises(ValueError, match="quantize_rope quantizes a quantized latent cache's rotary part"):
+        PagedKVCache(2, 1, 40, 8, value_dim=32, quantize_rope=True)
+    with pytest.raises(ValueError, match="a quantized latent cache needs a rotary part"):
+        PagedKVCache(2, 1, 40, 8, value_dim=40, kv_dtype="int8")
+    with pytest.raises(ValueError, match="quantize_rope is a latent cache's"):
+        PagedKVCache(2, 1, 40, 8, kv_dtype="int8", quantize_rope=True)
     with pytest.raises(ValueError, match="value_dim must be a multiple of 8 from 8 to head_dim=40, got 44"):
         PagedKVCache(2, 1, 40, 8, value_dim=44)
     with pytest.raises(ValueError, match="block_size must be one of"):

@@ -4,11 +4,17 @@ kv_heads, block_size, key_dim)`` (DeepSeek: kv_heads 1, rows ``[c, k_pe]`` of 51
 64 tokens as FlashMLA and vLLM use). Position ``p`` of row ``b`` lives in block
 ``block_tables[b, p // block_size]`` at offset ``p % block_size``; a token's latent is stored once,
 its first ``value_dim`` columns being the values. Written by ``paged_append_latent``, read once per
-call for all heads by ``paged_latent_decode_attention`` (``python_ref/paged.py``'s latent pools)."""
+call for all heads by ``paged_latent_decode_attention`` (``python_ref/paged.py``'s latent pools).
+:class:`PagedQuantizedLatentLayout` holds the quantized latent layout (``quantized_latent.py``) in
+blocks: codes ``c`` with a scale per token ``c_scale``, ``k_pe`` in the cache's dtype or, with
+``quantize_rope``, as codes with ``k_pe_scale``; ``paged_append_latent_quantized`` and
+``paged_latent_decode_attention_quantized`` write and read them."""
 
 from __future__ import annotations
 
 import torch
+
+from python_ref import quantize as quant
 
 from .. import ops
 from .latent import check_no_softcap_or_sinks, check_values_are_keys
@@ -44,4 +50,55 @@ class PagedLatentLayout(Layout):
     def attention(self, layer, q, block_tables, lengths, window, scale, softcap=None, sinks=None):
         return ops.run_paged_latent_decode_attention(
             q, self.layer(layer)[0], block_tables, lengths, self.value_dim, window, scale
+        )
+
+
+class PagedQuantizedLatentLayout(Layout):
+    def __init__(
+        self,
+        num_layers,
+        num_blocks,
+        kv_heads,
+        block_size,
+        key_dim,
+        value_dim,
+        dtype,
+        kv_dtype,
+        quantize_rope,
+        device=None,
+    ):
+        check_block_size(block_size)
+        lead = (num_layers, num_blocks, kv_heads, block_size)
+        codes = quant.storage_dtype(kv_dtype)
+        shapes = {
+            "c": ((*lead, value_dim), codes),
+            "c_scale": (lead, torch.float32),
+            "k_pe": ((*lead, key_dim - value_dim), codes if quantize_rope else dtype),
+            "k_pe_scale": (lead, torch.float32),
+        }
+        # An instance's buffers: k_pe's scales only where k_pe is quantized.
+        object.__setattr__(self, "op_order", ("c", "c_scale", "k_pe", "k_pe_scale")[: 4 if quantize_rope else 3])
+        super().__init__(shapes, dtype, kv_dtype, key_dim, device)
+        self.value_dim, self.quantize_rope = value_dim, quantize_rope
+
+    def buffers(self, layer: int) -> tuple:
+        """Layer ``layer``'s ``(c_data, c_scales, k_pe, k_pe_scales)`` as the ops take them."""
+        views = self.layer(layer)
+        return views if self.quantize_rope else (*views, None)
+
+    def check_append(self, k, v, block_tables, lengths, counts) -> None:
+        """The new latent rows ``k`` ``(B, kv_heads, T, key_dim)``, passed as both k and v."""
+        check_values_are_keys(k, v, self.value_dim)
+        ops.check_paged_append_latent_quantized(*self.buffers(0), k, block_tables, lengths, counts)
+
+    def append(self, layer, k, v, block_tables, lengths, counts) -> None:
+        ops.run_paged_append_latent_quantized(*self.buffers(layer), k, block_tables, lengths, counts)
+
+    def check_attention(self, q, block_tables, lengths, window, scale, softcap=None, sinks=None) -> None:
+        check_no_softcap_or_sinks(softcap, sinks)
+        ops.check_paged_latent_decode_attention_quantized(q, *self.buffers(0), block_tables, lengths, window, scale)
+
+    def attention(self, layer, q, block_tables, lengths, window, scale, softcap=None, sinks=None):
+        return ops.run_paged_latent_decode_attention_quantized(
+            q, *self.buffers(layer), block_tables, lengths, window, scale
         )
