@@ -139,7 +139,7 @@ def test_refusals_at_construction_say_why(model):
         PagedKVCache(2, 1, 40, 8, value_dim=40, kv_dtype="int8")
     with pytest.raises(ValueError, match="quantize_rope is a latent cache's"):
         PagedKVCache(2, 1, 40, 8, kv_dtype="int8", quantize_rope=True)
-    with pytest.raises(ValueError, match="value_dim must be a multiple of 8 from 8 to head_dim=40, got 44"):
+    with pytest.raises(ValueError, match="value_dim must be a multiple of .* to head_dim=40, got 44"):
         PagedKVCache(2, 1, 40, 8, value_dim=44)
     with pytest.raises(ValueError, match="block_size must be one of"):
         PagedKVCache(2, 1, 40, 8, block_size=48, value_dim=32)
