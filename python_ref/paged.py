@@ -63,6 +63,14 @@ def _check_lengths(lengths: torch.Tensor, batch: int, device: torch.device, name
         raise ValueError(f"{name} must be on the pool's device {device}, got {lengths.device}")
 
 
+def _check_append_rows(block_tables, lengths, new_counts, batch: int, device: torch.device) -> None:
+    """Shapes, dtypes and devices of an append's ``block_tables``, ``lengths`` and ``new_counts``."""
+    check_block_tables(block_tables, batch, device)
+    _check_lengths(lengths, batch, device)
+    if new_counts is not None:
+        _check_lengths(new_counts, batch, device, "new_counts")
+
+
 def _first_bad_row(bad: torch.Tensor) -> int | None:
     rows = bad.nonzero()
     return int(rows[0, 0]) if len(rows) else None
@@ -94,11 +102,7 @@ def check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, len
             raise TypeError(
                 f"{name} must be {k_pool.dtype} on {k_pool.device} like the pool, got {t.dtype} on {t.device}"
             )
-    B = k_new.shape[0]
-    check_block_tables(block_tables, B, k_pool.device)
-    _check_lengths(lengths, B, k_pool.device)
-    if new_counts is not None:
-        _check_lengths(new_counts, B, k_pool.device, "new_counts")
+    _check_append_rows(block_tables, lengths, new_counts, k_new.shape[0], k_pool.device)
 
 
 def _written_slots(pool, k_new, block_tables, lengths, counts):
@@ -335,11 +339,7 @@ def check_paged_append_quantized_arguments(
             )
         if t.device != k_data.device:
             raise ValueError(f"{name} must be on the pool's device {k_data.device}, got {t.device}")
-    B = k_new.shape[0]
-    check_block_tables(block_tables, B, k_data.device)
-    _check_lengths(lengths, B, k_data.device)
-    if new_counts is not None:
-        _check_lengths(new_counts, B, k_data.device, "new_counts")
+    _check_append_rows(block_tables, lengths, new_counts, k_new.shape[0], k_data.device)
 
 
 def paged_append_quantized_reference(
@@ -435,11 +435,7 @@ def check_paged_latent_append_arguments(pool, latent_new, block_tables, lengths,
             f"latent_new must be {pool.dtype} on {pool.device} like the pool, got {latent_new.dtype} on "
             f"{latent_new.device}"
         )
-    B = latent_new.shape[0]
-    check_block_tables(block_tables, B, pool.device)
-    _check_lengths(lengths, B, pool.device)
-    if new_counts is not None:
-        _check_lengths(new_counts, B, pool.device, "new_counts")
+    _check_append_rows(block_tables, lengths, new_counts, latent_new.shape[0], pool.device)
 
 
 def check_paged_latent_attention_arguments(q, pool, block_tables, lengths, window=None) -> None:
@@ -527,11 +523,7 @@ def paged_latent_append_quantized_reference(
         raise TypeError(f"latent_new must be {k_pe.dtype} like the unquantized k_pe, got {latent_new.dtype}")
     if latent_new.device != c_data.device:
         raise ValueError(f"latent_new must be on the pool's device {c_data.device}, got {latent_new.device}")
-    B = latent_new.shape[0]
-    check_block_tables(block_tables, B, c_data.device)
-    _check_lengths(lengths, B, c_data.device)
-    if new_counts is not None:
-        _check_lengths(new_counts, B, c_data.device, "new_counts")
+    _check_append_rows(block_tables, lengths, new_counts, latent_new.shape[0], c_data.device)
     counts = _check_append_values(c_data, latent_new, block_tables, lengths, new_counts)
     rows, t, blocks, offsets = _written_slots(c_data, latent_new, block_tables, lengths, counts)
     parts = quantize_latent(latent_new[rows, :, t], c_data.shape[3], latent_format(c_data), k_pe_scales is not None)

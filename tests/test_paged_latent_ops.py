@@ -7,8 +7,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
 
 import case_builders as cases
+import paged_cases
 from kvcache_ext import capabilities, ops
 from python_ref.paged import paged_latent_append_reference, paged_latent_attention_reference
 
@@ -263,4 +265,59 @@ def test_opcheck():
     torch.library.opcheck(
         op.paged_append_latent.default,
         (args["pool"], args["new"], args["table"], args["lengths"], torch.tensor([2, 1])),
+    )
+
+
+# ---- fuzz of block tables (tests/paged_cases.py's calls) -------------------------------------------
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(paged_cases.append_calls())
+def test_fuzz_append_block_tables(call):
+    """Accepted exactly when the contract accepts the call, and then each written token at its (block,
+    offset); refused with nothing written otherwise, by the wrapper, the raw op and the reference."""
+    B, T, block_size, num_blocks, table, wide, lengths, counts = call
+    pool = torch.randn(num_blocks, 1, block_size, 16)
+    new = torch.randn(B, 1, T, 16)
+    block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32).reshape(B, len(table[0]))
+    lengths_t, counts_t = torch.tensor(lengths), None if counts is None else torch.tensor(counts)
+    accepted = paged_cases.valid_append(table, block_size, num_blocks, lengths, counts, T)
+    event("append accepted" if accepted else "append refused")
+    for call_op, errors in (
+        (ops.paged_append_latent, paged_cases.WRAPPER_REFUSALS),
+        (torch.ops.kvcache_ext.paged_append_latent, RuntimeError),
+        (paged_latent_append_reference, paged_cases.REFUSALS),
+    ):
+        written = pool.clone()
+        if accepted:
+            call_op(written, new, block_tables, lengths_t, counts_t)
+            expected = pool.clone()
+            for b in range(B):
+                for t in range(T if counts is None else counts[b]):
+                    p = lengths[b] + t
+                    expected[table[b][p // block_size], :, p % block_size] = new[b, :, t]
+            assert torch.equal(written, expected)
+        else:
+            with pytest.raises(errors):
+                call_op(written, new, block_tables, lengths_t, counts_t)
+            assert torch.equal(written, pool)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(paged_cases.attention_calls())
+def test_fuzz_attention_block_tables(call):
+    """Refused exactly when a row's length is out of range or a position some query sees has no valid
+    block; otherwise the reference's result."""
+    T, block_size, num_blocks, table, wide, lengths, window = call
+    pool = torch.randn(num_blocks, 1, block_size, 16)
+    block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32)
+    q = torch.randn(len(table), 3, T, 16)
+    readable = paged_cases.readable_attention(T, block_size, num_blocks, table, lengths, window)
+    event("attention accepted" if readable else "attention refused")
+    paged_cases.check_attention_verdict(
+        readable,
+        (q, pool, block_tables, torch.tensor(lengths), 8, window),
+        ops.paged_latent_decode_attention,
+        torch.ops.kvcache_ext.paged_latent_decode_attention,
+        paged_latent_attention_reference,
     )

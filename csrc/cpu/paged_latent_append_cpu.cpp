@@ -7,8 +7,6 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/Exception.h>
 
-#include <algorithm>
-#include <cstring>
 #include <optional>
 
 #include "../binding_common.h"
@@ -40,29 +38,8 @@ void paged_append_latent(Tensor pool, Tensor latent_new, Tensor block_tables, Te
 
   const PagedRows rows = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
 
-  const int64_t elem = static_cast<int64_t>(pool.element_size()), in_block = (int64_t{1} << shift) - 1;
-  char* base = static_cast<char*>(pool.mutable_data_ptr());
-  const char* src_base = static_cast<const char*>(latent_new.const_data_ptr());
-  const int64_t pool_stride[3] = {pool.stride(0), pool.stride(1), pool.stride(2)};
-  const int64_t src_stride[4] = {latent_new.stride(0), latent_new.stride(1), latent_new.stride(2),
-                                 latent_new.stride(3)};
-  // One work item per (row, head); the distinct-writes check makes the items' writes disjoint.
-  auto write_items = [&](int64_t begin, int64_t stop) {
-    for (int64_t item = begin; item < stop; ++item) {
-      const int64_t b = item / H, h = item % H;
-      for (int64_t pos = rows.first[b]; pos < rows.end[b]; ++pos) {
-        const int64_t block = rows.ids[b * rows.width + (pos >> shift)], t = pos - rows.first[b];
-        char* dst = base + (block * pool_stride[0] + h * pool_stride[1] + (pos & in_block) * pool_stride[2]) * elem;
-        const char* src = src_base + (b * src_stride[0] + h * src_stride[1] + t * src_stride[2]) * elem;
-        if (src_stride[3] == 1) {
-          std::memcpy(dst, src, Dk * elem);
-        } else {
-          for (int64_t d = 0; d < Dk; ++d) std::memcpy(dst + d * elem, src + d * src_stride[3] * elem, elem);
-        }
-      }
-    }
-  };
-  torch::stable::parallel_for(0, B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(T * Dk, 1)), write_items);
+  const PoolCopy copy = pool_copy(pool, latent_new);
+  copy_into_blocks(&copy, 1, rows, H, T, Dk, static_cast<int64_t>(pool.element_size()), shift);
 }
 
 }  // namespace

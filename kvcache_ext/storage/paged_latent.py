@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from python_ref import quantize as quant
-
 from .. import ops
 from .latent import check_no_softcap_or_sinks, check_values_are_keys
 from .layout import Layout
 from .paged import check_block_size
+from .quantized_latent import quantized_latent_buffers
 
 
 class PagedLatentLayout(Layout):
@@ -69,15 +68,8 @@ class PagedQuantizedLatentLayout(Layout):
     ):
         check_block_size(block_size)
         lead = (num_layers, num_blocks, kv_heads, block_size)
-        codes = quant.storage_dtype(kv_dtype)
-        shapes = {
-            "c": ((*lead, value_dim), codes),
-            "c_scale": (lead, torch.float32),
-            "k_pe": ((*lead, key_dim - value_dim), codes if quantize_rope else dtype),
-            "k_pe_scale": (lead, torch.float32),
-        }
-        # An instance's buffers: k_pe's scales only where k_pe is quantized.
-        object.__setattr__(self, "op_order", ("c", "c_scale", "k_pe", "k_pe_scale")[: 4 if quantize_rope else 3])
+        shapes, order = quantized_latent_buffers(lead, key_dim, value_dim, dtype, kv_dtype, quantize_rope)
+        object.__setattr__(self, "op_order", order)  # an instance's buffers
         super().__init__(shapes, dtype, kv_dtype, key_dim, device)
         self.value_dim, self.quantize_rope = value_dim, quantize_rope
 

@@ -17,20 +17,27 @@ from ..capabilities import capabilities
 from .latent import LatentLayout, check_no_softcap_or_sinks, check_values_are_keys
 
 
+def quantized_latent_buffers(lead: tuple, key_dim, value_dim, dtype, kv_dtype, quantize_rope) -> tuple[dict, tuple]:
+    """The buffers of a quantized latent layout whose tokens are indexed by ``lead`` (layers, rows or
+    blocks, kv_heads, slots): ``name -> (shape, dtype)`` and their op order (k_pe's scales only where
+    k_pe is quantized)."""
+    codes = quant.storage_dtype(kv_dtype)
+    shapes = {
+        "c": ((*lead, value_dim), codes),
+        "c_scale": (lead, torch.float32),
+        "k_pe": ((*lead, key_dim - value_dim), codes if quantize_rope else dtype),
+        "k_pe_scale": (lead, torch.float32),
+    }
+    return shapes, ("c", "c_scale", "k_pe", "k_pe_scale")[: 4 if quantize_rope else 3]
+
+
 class QuantizedLatentLayout(LatentLayout):
     def __init__(
         self, num_layers, batch_size, kv_heads, slots, key_dim, value_dim, dtype, kv_dtype, quantize_rope, device=None
     ):
         lead = (num_layers, batch_size, kv_heads, slots)
-        codes = quant.storage_dtype(kv_dtype)
-        shapes = {
-            "c": ((*lead, value_dim), codes),
-            "c_scale": (lead, torch.float32),
-            "k_pe": ((*lead, key_dim - value_dim), codes if quantize_rope else dtype),
-            "k_pe_scale": (lead, torch.float32),
-        }
-        # An instance's buffers: k_pe's scales only where k_pe is quantized.
-        object.__setattr__(self, "op_order", ("c", "c_scale", "k_pe", "k_pe_scale")[: 4 if quantize_rope else 3])
+        shapes, order = quantized_latent_buffers(lead, key_dim, value_dim, dtype, kv_dtype, quantize_rope)
+        object.__setattr__(self, "op_order", order)  # an instance's buffers
         super(LatentLayout, self).__init__(shapes, dtype, kv_dtype, key_dim, device)
         capabilities(device).check_slots(slots)
         self.value_dim, self.quantize_rope = value_dim, quantize_rope
