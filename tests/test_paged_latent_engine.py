@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import TINY_MODELS
 
 from kvcache_ext import Engine, KVCache, PagedKVCache
 from python_ref import NoCache, PreallocatedCache, generate
@@ -147,6 +148,12 @@ def test_refusals_at_construction_say_why(model):
     expanded = build_mla("deepseek-v3-tiny").set_form("expanded")
     with pytest.raises(ValueError, match="the cache holds 1 KV heads of 40 values in 2 layers"):
         Engine(expanded, latent_cache(model, 8))
+    with pytest.raises(ValueError, match="a latent cache .value_dim=24. holds rows .* this model's value_dim is 32"):
+        Engine(model, PagedKVCache(cfg.n_layers, 1, cfg.latent_dim, 8, value_dim=24))
+    llama = TINY_MODELS["llama"]()  # its layers store keys and values apart: a latent cache cannot serve it
+    kv = llama.kv_shape
+    with pytest.raises(ValueError, match="this model's value_dim is None"):
+        Engine(llama, PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 8, value_dim=8))
     cache = latent_cache(model, 8)
     engine = Engine(model, cache)
     with pytest.raises(ValueError, match="pass the latents as both k and v"):
