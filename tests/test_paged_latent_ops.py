@@ -321,3 +321,21 @@ def test_fuzz_attention_block_tables(call):
         torch.ops.kvcache_ext.paged_latent_decode_attention,
         paged_latent_attention_reference,
     )
+
+
+def test_a_paged_latent_step_compiles_without_graph_breaks():
+    """Append then attend under torch.compile(fullgraph=True): the wrappers' checks are shape checks
+    dynamo traces, and the fake implementations give the ops' results their shapes."""
+    pool = torch.zeros(6, 1, 4, 40)
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32)
+    lengths, counts = torch.tensor([3, 6]), torch.tensor([2, 1])
+    new, q = torch.randn(2, 1, 2, 40), torch.randn(2, 4, 1, 40)
+
+    def step(pool):
+        ops.paged_append_latent(pool, new, table, lengths, counts)
+        return ops.paged_latent_decode_attention(q, pool, table, lengths + counts, 32)
+
+    eager_pool = pool.clone()
+    expected = step(eager_pool)
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(pool)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1]) and torch.equal(pool, eager_pool)
