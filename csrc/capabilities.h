@@ -68,6 +68,10 @@ inline std::string capabilities_json(bool cuda) {
          ((cuda ? kCudaValueDimMayDiffer : kCpuValueDimMayDiffer) ? "true" : "false") +
          // Widest latent cache row the latent kernel takes (0: none on this device).
          ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
+         // Widest row of a paged latent pool (paged_latent_decode_attention; 0: no kernel on this device).
+         ", \"paged_latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
+         // Quantized formats of paged latent pools (the latent ones, in blocks).
+         ", \"paged_latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") +
          // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).
          ", \"latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") + "}";
 }

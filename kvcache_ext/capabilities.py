@@ -69,6 +69,13 @@ class Capabilities:
     # kernel takes on this device; 0: no latent kernel here, and latent_decode_attention runs
     # python_ref's latent reference (same semantics and checks).
     latent_max_key_dim: int = 0
+    # Widest row of a paged latent pool (python_ref/paged.py's latent pools) the native paged latent
+    # ops take on this device; 0: none here, and they run python_ref's paged latent reference (same
+    # semantics and checks).
+    paged_latent_max_key_dim: int = 0
+    # Quantized latent formats the native paged latent ops store on this device; the others run
+    # python_ref's paged quantized latent reference (same semantics and checks).
+    paged_latent_kv_formats: tuple[str, ...] = ()
     # Quantized latent formats (python_ref/latent.py) the native latent kernel stores and attends
     # over on this device; where it has no latent kernel, python_ref's reference serves them all.
     latent_kv_formats: tuple[str, ...] = ()
@@ -146,6 +153,8 @@ def kernel_table(device_type: str) -> Capabilities:
         paged_kv_formats=tuple(table["paged_kv_formats"]),
         latent_max_key_dim=table["latent_max_key_dim"],
         latent_kv_formats=tuple(table["latent_kv_formats"]),
+        paged_latent_max_key_dim=table["paged_latent_max_key_dim"],
+        paged_latent_kv_formats=tuple(table["paged_latent_kv_formats"]),
         kivi_kv_formats=tuple(table.get("kivi_kv_formats", ())),
         independent_value_head_dim=table["independent_value_head_dim"],
     )
@@ -193,6 +202,7 @@ LIMIT_TITLES = {
     "paged_block_sizes": "paged `block_size`",
     "paged_kv_formats": "paged quantized `kv_dtype`",
     "latent": "latent (MLA) `key_dim`",
+    "paged_latent": "paged latent (MLA) `key_dim`",
     "kivi_kv_formats": "per-channel-key (KIVI) `kv_dtype`",
 }
 
@@ -223,6 +233,10 @@ def readable_limits(table: Capabilities) -> dict[str, str]:
         + (", ".join(table.latent_kv_formats) or "none")
         if table.latent_max_key_dim
         else "none (python_ref's latent reference runs)",
+        "paged_latent": f"multiples of {m} from {m} to {table.paged_latent_max_key_dim}; quantized: "
+        + (", ".join(table.paged_latent_kv_formats) or "none")
+        if table.paged_latent_max_key_dim
+        else "none (python_ref's paged latent reference runs)",
         "kivi_kv_formats": ", ".join(table.kivi_kv_formats) or "none",
     }
 

@@ -358,6 +358,13 @@ class MLAModel(nn.Module):
         key_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         return dict(num_layers=cfg.n_layers, kv_heads=cfg.n_heads, head_dim=key_width, v_head_dim=cfg.v_head_dim)
 
+    @property
+    def value_dim(self) -> int | None:
+        """The columns of a cached row that are its value, in the absorbed form: ``kv_lora_rank`` (the
+        latent ``c``; what a latent cache's ``value_dim`` must be). None in the expanded form, whose
+        caches hold separate keys and values."""
+        return self.cfg.kv_lora_rank if self.trf_blocks[0].att.form == "absorbed" else None
+
     @classmethod
     def from_state_dict(cls, cfg: MLAConfig, state: dict[str, torch.Tensor]) -> MLAModel:
         """The model holding ``state``'s weights (our names, whole tensors)."""

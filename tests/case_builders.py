@@ -168,6 +168,10 @@ TENSOR_OPS = (
     "append_latent_quantized",
     "append_kv_kivi",
     "decode_attention_kivi",
+    "paged_append_latent",
+    "paged_latent_decode_attention",
+    "paged_append_latent_quantized",
+    "paged_latent_decode_attention_quantized",
 )
 
 

@@ -921,17 +921,17 @@ def build_call(p):
         storage = [tensor(shape, dtype) for shape, dtype in shapes.values()]
         if fault == "v_shape":  # v_data one slot longer than the keys' buffers
             storage[3] = tensor((B, H, S + 1, *shapes["v_data"][0][3:]), shapes["v_data"][1])
-    elif "latent" in name and quantized:
+    elif "latent" in name and quantized:  # rows (contiguous) or blocks (paged) of quantized latents
         codes = qref.storage_dtype(p["fmt"])
         rope_dtype = codes if p["rope_quantized"] else dtype
         storage = [
-            tensor((B, H, S, D), codes),
-            tensor((B, H, S), torch.float32),
-            tensor((B, H, S + (fault == "v_shape"), p["rope"]), rope_dtype),
-            tensor((B, H, S), torch.float32) if p["rope_quantized"] else None,
+            tensor((outer, H, slots, D), codes),
+            tensor((outer, H, slots), torch.float32),
+            tensor((outer, H, slots + (fault == "v_shape"), p["rope"]), rope_dtype),
+            tensor((outer, H, slots), torch.float32) if p["rope_quantized"] else None,
         ]
     elif "latent" in name:
-        storage = [tensor((B, H, S, key_dim))]
+        storage = [tensor((outer, H, slots, key_dim))]
     elif quantized:
         fmt = p["fmt"]
         head_dim = 2 * (D // 2) if fmt == "int4" else D
@@ -965,13 +965,13 @@ def build_call(p):
     options = (p["window"], p["scale"], p["softcap"], sinks)
     if "latent" in name:
         q = torch.randn(B, T, H_q, key_dim, generator=g).to(q.dtype).transpose(1, 2)
-        if name == "append_latent_quantized":
+        tables = (table,) if paged else ()
+        if "append" in name:
             latent_new = torch.randn(B, H, T, key_dim + (fault == "v_shape"), generator=g).to(v_new.dtype)
-            return (*storage, latent_new, lengths, counts), buffers
-        if name == "latent_decode_attention":
-            value_dim = {None: D, "wider than the cache": key_dim + 8}.get(p["value_dim"], p["value_dim"])
-            return (q, *storage, lengths, value_dim, p["window"], p["scale"]), buffers
-        return (q, *storage, lengths, p["window"], p["scale"]), buffers
+            return (*storage, latent_new, *tables, lengths, counts), buffers
+        value_dim = {None: D, "wider than the cache": key_dim + 8}.get(p["value_dim"], p["value_dim"])
+        widths = () if quantized else (value_dim,)  # a quantized cache's value_dim is c_data's width
+        return (q, *storage, *tables, lengths, *widths, p["window"], p["scale"]), buffers
     if name == "gather_rows":
         return (*storage, torch.tensor(p["src_rows"], dtype=torch.long)), buffers
     if name == "decode_attention_kivi":

@@ -252,6 +252,9 @@ def valid_calls():
     latent_q = torch.randn(B, 4, T, D + 16, generator=g)
     c_data, c_scales, k_pe, _ = quantize_latent(latent, D, "int8")
     codes = [c_data, c_scales, k_pe.contiguous(), None]
+    latent_pool = torch.randn(4, 1, 4, D + 16, generator=g)  # 4 blocks of 4 latent rows
+    c_data, c_scales, k_pe, _ = quantize_latent(latent_pool, D, "int8")
+    latent_codes = [c_data, c_scales, k_pe.contiguous(), None]
     kivi = {
         name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in kivi_shapes("int8_kivi", (B, H, S, D)).items()
     }
@@ -263,6 +266,10 @@ def valid_calls():
         "append_latent_quantized": (*codes, latent_new, torch.tensor([3, 5]), counts),
         "append_kv_kivi": (*kivi, new, new.clone(), torch.tensor([3, 6]), counts),
         "decode_attention_kivi": (q, *kivi, torch.tensor([3, 8]), 5, 0.3, 20.0, torch.randn(2 * H, generator=g)),
+        "paged_append_latent": (latent_pool, latent_new, table, torch.tensor([1, 5]), counts),
+        "paged_latent_decode_attention": (latent_q, latent_pool, table, torch.tensor([3, 8]), D, 5, 0.3),
+        "paged_append_latent_quantized": (*latent_codes, latent_new, table, torch.tensor([1, 5]), counts),
+        "paged_latent_decode_attention_quantized": (latent_q, *latent_codes, table, torch.tensor([3, 8]), None, 0.2),
         "append_kv": (k, v, new, new.clone(), torch.tensor([3, 7]), counts),
         "decode_attention": (q, k, v, torch.tensor([3, 8]), 5, 0.3, 20.0, torch.randn(2 * H, generator=g)),
         "gather_rows": (k, v, torch.tensor([1, 1])),
@@ -325,8 +332,10 @@ def test_check_refuses_and_run_leaves_the_checks_to_the_binding(name):
         args[0] = args[0].double()  # q of a dtype no kernel takes
     elif name == "gather_rows":
         args[2] = args[2].int()
-    elif name == "append_latent_quantized":
+    elif name in ("append_latent_quantized", "paged_append_latent_quantized"):
         args[4] = args[4][..., :32]  # latent rows narrower than the cache's
+    elif name == "paged_append_latent":
+        args[1] = args[1][..., :32]
     else:
         new_at = {"append_kv": 2, "paged_append_kv": 2, "append_kv_kivi": 5}.get(name, 4)
         args[new_at + 1] = args[new_at + 1][..., :32]  # v_new of another head_dim

@@ -9,7 +9,6 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <algorithm>
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -29,7 +28,7 @@ using torch::stable::Tensor;
 void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths,
                      std::optional<Tensor> new_counts) {
   const int64_t shift = check_pool_layout(k_pool, v_pool, kCpuValueDimMayDiffer);
-  const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1), D = std::max(k_pool.size(3), v_pool.size(3));
+  const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1);
   const int64_t T = check_paged_new_tokens(k_pool, k_new, v_new, v_pool.size(3));
   check_cpu_tensor(k_new, "k_new");
   check_cpu_tensor(v_new, "v_new");
@@ -43,48 +42,8 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
 
   const PagedRows rows = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
 
-  const int64_t elem = static_cast<int64_t>(k_pool.element_size()), in_block = (int64_t{1} << shift) - 1;
-  struct Side {
-    char* pool;
-    const char* src;
-    int64_t pool_stride[3];
-    int64_t src_stride[4];
-    int64_t width;  // head_dim of this side
-  };
-  const Side sides[2] = {
-      {static_cast<char*>(k_pool.mutable_data_ptr()),
-       static_cast<const char*>(k_new.const_data_ptr()),
-       {k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},
-       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)},
-       k_pool.size(3)},
-      {static_cast<char*>(v_pool.mutable_data_ptr()),
-       static_cast<const char*>(v_new.const_data_ptr()),
-       {v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)},
-       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)},
-       v_pool.size(3)},
-  };
-  // One work item per (K or V, row, head); the distinct-writes check makes the items' writes disjoint.
-  torch::stable::parallel_for(
-      0, 2 * B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t stop) {
-        for (int64_t item = begin; item < stop; ++item) {
-          const Side& side = sides[item / (B * H)];
-          const int64_t b = (item % (B * H)) / H, h = item % H;
-          for (int64_t pos = rows.first[b]; pos < rows.end[b]; ++pos) {
-            const int64_t block = rows.ids[b * rows.width + (pos >> shift)], t = pos - rows.first[b];
-            char* dst =
-                side.pool +
-                (block * side.pool_stride[0] + h * side.pool_stride[1] + (pos & in_block) * side.pool_stride[2]) * elem;
-            const char* src =
-                side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
-            if (side.src_stride[3] == 1) {
-              std::memcpy(dst, src, side.width * elem);
-            } else {
-              for (int64_t d = 0; d < side.width; ++d)
-                std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
-            }
-          }
-        }
-      });
+  const PoolCopy copies[2] = {pool_copy(k_pool, k_new), pool_copy(v_pool, v_new)};
+  copy_into_blocks(copies, 2, rows, H, T, static_cast<int64_t>(k_pool.element_size()), shift);
 }
 
 std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables,

@@ -16,7 +16,8 @@ Paged layouts (:class:`PagedLayout`, :class:`PagedQuantizedLayout`) hold pools o
 The quantized ones store codes and scales (``python_ref/quantize.py``) and dequantize in the kernel.
 :class:`KiviLayout` (the KIVI formats) holds keys per channel over groups of 32 positions, no ring.
 :class:`LatentLayout` holds one latent per token (MLA: keys whose first columns are the values),
-:class:`QuantizedLatentLayout` its int8/fp8 codes with one scale per token.
+:class:`QuantizedLatentLayout` its int8/fp8 codes with one scale per token, :class:`PagedLatentLayout`
+and :class:`PagedQuantizedLatentLayout` the two in pools of blocks.
 """
 
 from python_ref import quantize as quant
@@ -26,6 +27,7 @@ from .formats import KV_DTYPES, check_kivi_format, check_kv_format, check_value_
 from .kivi import KiviLayout
 from .latent import LatentLayout, check_latent_format
 from .paged import PagedLayout, PagedQuantizedLayout
+from .paged_latent import PagedLatentLayout, PagedQuantizedLatentLayout
 from .quantized import QuantizedLayout, quantized_shapes
 from .quantized_latent import QuantizedLatentLayout
 
@@ -61,6 +63,8 @@ __all__ = [
     "ContiguousLayout",
     "KiviLayout",
     "LatentLayout",
+    "PagedLatentLayout",
+    "PagedQuantizedLatentLayout",
     "PagedLayout",
     "PagedQuantizedLayout",
     "QuantizedLatentLayout",
