@@ -16,8 +16,7 @@ from .storage import (
     LatentLayout,
     QuantizedLatentLayout,
     check_kivi_format,
-    check_kv_format,
-    check_latent_format,
+    check_storage_format,
     check_value_head_dim,
     contiguous_layout,
     kv_format,
@@ -91,21 +90,13 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
-        if fmt in quant.KIVI_FORMATS and value_dim is None:
+        if fmt in quant.KIVI_FORMATS and value_dim is None:  # stored by KVCache alone
             check_kivi_format(fmt, dtype, head_dim, device, window, sink_tokens)
-        elif value_dim is None:
-            check_kv_format(fmt, dtype, head_dim, device, "KVCache dtype")
-            if quantize_rope:
-                raise ValueError("quantize_rope is a latent cache's (value_dim) option")
+            check_value_head_dim(v_head_dim, head_dim, fmt, device)
         else:
-            check_latent_format(dtype, head_dim, value_dim, device, fmt, quantize_rope)
-            if sink_tokens:
-                raise ValueError(f"a latent cache (value_dim) keeps no sink tokens, got sink_tokens={sink_tokens}")
-        if v_head_dim is not None and value_dim is not None:
-            raise ValueError(
-                "a latent cache's values are its keys' first value_dim columns: give value_dim or v_head_dim"
-            )
-        check_value_head_dim(v_head_dim, head_dim, fmt, device)
+            check_storage_format(fmt, dtype, head_dim, device, "KVCache dtype", value_dim, quantize_rope, v_head_dim)
+        if value_dim is not None and sink_tokens:
+            raise ValueError(f"a latent cache (value_dim) keeps no sink tokens, got sink_tokens={sink_tokens}")
         self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
         self.num_layers, self.kv_heads, self.head_dim, self.value_dim = num_layers, kv_heads, head_dim, value_dim
         if value_dim is None:

@@ -22,9 +22,7 @@ from .storage.layout import StorageAttributes
 from .storage import (
     PagedLatentLayout,
     PagedQuantizedLatentLayout,
-    check_kv_format,
-    check_latent_format,
-    check_value_head_dim,
+    check_storage_format,
     kv_format,
     paged_layout,
 )
@@ -110,17 +108,7 @@ class PagedKVCache(StorageAttributes):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
-        if value_dim is None:
-            check_kv_format(fmt, dtype, head_dim, device, "PagedKVCache dtype")
-            if quantize_rope:
-                raise ValueError("quantize_rope is a latent cache's (value_dim) option")
-        else:
-            check_latent_format(dtype, head_dim, value_dim, device, fmt, quantize_rope)
-        if v_head_dim is not None and value_dim is not None:
-            raise ValueError(
-                "a latent cache's values are its keys' first value_dim columns: give value_dim or v_head_dim"
-            )
-        check_value_head_dim(v_head_dim, head_dim, fmt, device)
+        check_storage_format(fmt, dtype, head_dim, device, "PagedKVCache dtype", value_dim, quantize_rope, v_head_dim)
         check_block_size(block_size)
         if disk_tier is not None:
             check_disk_tier_arguments(disk_tier, disk_tier_bytes, fingerprint)

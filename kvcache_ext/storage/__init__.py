@@ -32,6 +32,23 @@ from .quantized import QuantizedLayout, quantized_shapes
 from .quantized_latent import QuantizedLatentLayout
 
 
+def check_storage_format(fmt, dtype, head_dim, device, what, value_dim=None, quantize_rope=False, v_head_dim=None):
+    """Whether ``device``'s kernels store what a cache's constructor asks for: keys and values of
+    format ``fmt`` (``check_kv_format``; values ``v_head_dim`` wide: ``check_value_head_dim``), or with
+    ``value_dim`` a latent cache (``check_latent_format``). ``what`` names the dtype argument."""
+    if value_dim is None:
+        check_kv_format(fmt, dtype, head_dim, device, what)
+        if quantize_rope:
+            raise ValueError("quantize_rope is a latent cache's (value_dim) option")
+    else:
+        check_latent_format(dtype, head_dim, value_dim, device, fmt, quantize_rope)
+        if v_head_dim is not None:
+            raise ValueError(
+                "a latent cache's values are its keys' first value_dim columns: give value_dim or v_head_dim"
+            )
+    check_value_head_dim(v_head_dim, head_dim, fmt, device)
+
+
 def contiguous_layout(kv_dtype, num_layers, batch_size, kv_heads, slots, head_dim, dtype, device, v_head_dim=None):
     """The contiguous layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype;
     values ``v_head_dim`` wide, None: ``head_dim``, see ``check_value_head_dim``)."""
@@ -72,6 +89,7 @@ __all__ = [
     "buffer_shapes",
     "check_kivi_format",
     "check_kv_format",
+    "check_storage_format",
     "check_value_head_dim",
     "check_latent_format",
     "contiguous_layout",
