@@ -72,6 +72,13 @@ def test_concurrent_requests_get_the_tokens_they_get_alone(model, block_size):
         assert engine.reused_tokens > 0  # the shared system prompt's blocks were taken from the prefix cache
 
 
+def test_deepseek_v2_lites_attention_without_a_query_lora_is_served_too():
+    lite = build_mla("deepseek-v2-lite-tiny")
+    prompts, max_new = workload(lite, 4, seed=8)
+    engine = Engine(lite, latent_cache(lite, 30), chunk_size=8)
+    assert engine.generate(prompts, max_new) == [alone(lite, p, n) for p, n in zip(prompts, max_new)]
+
+
 def test_a_small_pool_preempts_and_recomputes_to_the_same_tokens(model):
     prompts, _ = workload(model, 6, seed=3)
     max_new = [30] * len(prompts)  # outputs that outgrow the pool while the others run

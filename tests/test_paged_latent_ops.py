@@ -36,11 +36,11 @@ def paged_latent_formula(q, pool, table, lengths, value_dim, window=None, scale=
             seen = range(max(0, p - window + 1 if window else 0), p + 1)
             blocks = torch.tensor([int(table[b, j // block_size]) for j in seen])
             offsets = torch.tensor([j % block_size for j in seen])
-            for h in range(H_q):
-                keys = pool[blocks, h // (H_q // H_kv), offsets].double()
-                scores = keys @ q[b, h, i].double() * scale
-                out[b, h, i] = torch.softmax(scores, dim=0) @ keys[:, :value_dim]
-                lse[b, h, i] = torch.logsumexp(scores, dim=0)
+            # Each query head's keys: its group's KV head's rows, (H_q, positions, key_dim).
+            keys = pool[blocks, :, offsets].double().transpose(0, 1).repeat_interleave(H_q // H_kv, dim=0)
+            scores = torch.einsum("hd,hjd->hj", q[b, :, i].double(), keys) * scale
+            out[b, :, i] = torch.einsum("hj,hjd->hd", torch.softmax(scores, dim=-1), keys[..., :value_dim])
+            lse[b, :, i] = torch.logsumexp(scores, dim=-1)
     return out, lse
 
 
