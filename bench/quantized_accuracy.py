@@ -470,7 +470,18 @@ def outliers(args) -> None:
                 print(f"  [{time.perf_counter() - start:.0f}s] s={s:g} {label} done", file=sys.stderr, flush=True)
 
 
-PROBE_FORMATS = (None, "int8", "int8_rot", "int8_kivi", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot", "int4_kivi")
+PROBE_FORMATS = (
+    None,
+    "int8",
+    "int8_rot",
+    "int8_kivi",
+    "fp8_e4m3",
+    "fp8_e4m3_rot",
+    "fp8_e4m3_kivi",
+    "int4",
+    "int4_rot",
+    "int4_kivi",
+)
 PROBE_CHANNELS = (3, 40, 77, 100)  # the four outlier channels of every key
 
 

@@ -240,6 +240,14 @@ def test_refusals_write_nothing_and_say_what_was_expected(through):
         append(*cache[:2], torch.zeros(2, 1, G, 32), *cache[3:], new, new, torch.tensor([0, 0]))
     with pytest.raises(error, match="k_codes must be"):
         append(cache[0][:, :, :1], *cache[1:], new, new, torch.tensor([0, 0]))
+    with pytest.raises(error, match="k_scales"):  # the symmetric formats' one scale per (group, channel)
+        append(cache[0], cache[1][..., 0].contiguous(), *cache[2:], new, new, torch.tensor([0, 0]))
+    with pytest.raises(error, match="k_scales"):  # (scale, minimum) pairs not contiguous
+        append(
+            cache[0], cache[1].transpose(3, 4).contiguous().transpose(3, 4), *cache[2:], new, new, torch.tensor([0, 0])
+        )
+    with pytest.raises(error, match="v_scales"):
+        append(*cache[:4], cache[4][..., :1].contiguous(), new, new, torch.tensor([0, 0]))
     with pytest.raises(error, match="k_new must be|like the cache"):
         append(*cache, new[..., :32], new, torch.tensor([0, 0]))
     with pytest.raises(error, match="new_counts must be|counts"):
