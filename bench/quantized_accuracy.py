@@ -58,6 +58,8 @@ from python_ref.quantize import (
     code_format,
     data_shape,
     dequantize,
+    kivi_dequantize,
+    kivi_quantize,
     kivi_shapes,
     per_channel_keys,
     quantize,
@@ -387,7 +389,7 @@ OUTLIER_KV_DTYPES = (
     "int4_rot",
     "int4_kivi",
 )
-PER_CHANNEL_FORMATS = ("int8", "int4")  # python_ref's per-channel (KIVI) keys, values per token
+PER_CHANNEL_FORMATS = ("int8", "int4")  # python_ref's KIVI keys and values (asymmetric), the native formats' spec
 
 
 def with_outlier_keys(model: LlamaModel, s: float) -> LlamaModel:
@@ -468,7 +470,18 @@ def outliers(args) -> None:
                 print(f"  [{time.perf_counter() - start:.0f}s] s={s:g} {label} done", file=sys.stderr, flush=True)
 
 
-PROBE_FORMATS = (None, "int8", "int8_rot", "int8_kivi", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot", "int4_kivi")
+PROBE_FORMATS = (
+    None,
+    "int8",
+    "int8_rot",
+    "int8_kivi",
+    "fp8_e4m3",
+    "fp8_e4m3_rot",
+    "fp8_e4m3_kivi",
+    "int4",
+    "int4_rot",
+    "int4_kivi",
+)
 PROBE_CHANNELS = (3, 40, 77, 100)  # the four outlier channels of every key
 
 
@@ -523,8 +536,8 @@ def probe_errors(length: int, outlier: float, seed: int = 0) -> dict[str, float]
             out, _ = kvcache_ext.decode_attention_quantized(q, *cache, lengths, rotate_keys=rotate)
         errors[fmt or "bfloat16"] = ((out.double() - exact).norm() / exact.norm()).item()
     for fmt in PER_CHANNEL_FORMATS:
-        keys = per_channel_keys(k16, fmt)
-        values = dequantize(*quantize(v16, fmt), fmt)
+        keys = per_channel_keys(k16, f"{fmt}_kivi")
+        values = kivi_dequantize(*kivi_quantize(v16, f"{fmt}_kivi"), f"{fmt}_kivi")
         out = attention64(q, keys, values)
         errors[f"{fmt}, per-channel keys (KIVI, python_ref)"] = ((out - exact).norm() / exact.norm()).item()
     return errors

@@ -62,10 +62,15 @@ def check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales) -> tuple[str
             raise ValueError(f"{name} must not be an expanded view (writes would collide)")
     if k_codes.stride(4) != 1 or k_codes.stride(3) != k_codes.shape[4]:
         raise ValueError("k_codes needs each group's (head_dim, codes) block contiguous")
-    if k_scales.stride(3) != 1 or k_recent.stride(3) != 1 or v_data.stride(3) != 1:
-        raise ValueError("k_scales, k_recent and v_data need a contiguous head_dim (last) dimension")
-    if code == "int4" and v_scales.shape[3] > 1 and v_scales.stride(3) != 1:
-        raise ValueError("v_scales needs contiguous groups (last dimension)")
+    if k_recent.stride(3) != 1 or v_data.stride(3) != 1:
+        raise ValueError("k_recent and v_data need a contiguous head_dim (last) dimension")
+    if quant.kivi_asymmetric(fmt):  # (scale, minimum) pairs: each contiguous, and int4's groups of them
+        if k_scales.stride(4) != 1 or k_scales.stride(3) != 2:
+            raise ValueError("k_scales needs contiguous (head_dim, 2) (scale, minimum) pairs")
+        if v_scales.stride(-1) != 1 or (code == "int4" and v_scales.shape[3] > 1 and v_scales.stride(3) != 2):
+            raise ValueError("v_scales needs contiguous (scale, minimum) pairs (int4: contiguous groups of them)")
+    elif k_scales.stride(3) != 1:
+        raise ValueError("k_scales needs a contiguous head_dim (last) dimension")
     return fmt, head_dim, S
 
 

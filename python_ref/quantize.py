@@ -60,25 +60,55 @@ these operations, so a rotated append is bit for bit this reference's.
 Per-channel key scales (KIVI): ``"int8_kivi"``, ``"fp8_e4m3_kivi"``, ``"int4_kivi"`` (code formats
 int8, fp8_e4m3, int4). The keys of positions ``[G g, G g + G)`` of a row (``G = KIVI_GROUP = 32``)
 form key group ``g``; once it is complete, each channel ``d``'s ``G`` keys of the group, in position
-order, are quantized as one vector of the code format (:func:`quantize` of that ``G``-vector: int8/fp8
-one float32 scale, int4 one float16 scale per (group, channel) and the same rounding), while the keys
-of the newest, incomplete group stay in full precision (float32: exactly the keys as they came)
-until it fills. Values are quantized per token exactly as the code format stores them. A channel far
-larger than the rest then gets its own scales and costs the others nothing. Per layer, with
-``n_g = ceil(S / G)`` key groups for ``S`` slots (no ring: position ``p`` in slot ``p``)::
+order, are quantized as one vector (:func:`kivi_quantize` of that ``G``-vector), while the keys of the
+newest, incomplete group stay in full precision (float32: exactly the keys as they came) until it
+fills. Values are quantized per token (:func:`kivi_quantize` of each token's ``D``-vector). A channel
+far larger than the rest then gets its own scales and costs the others nothing.
+
+The integer KIVI formats are *asymmetric*, as in the KIVI paper: a scale ``s`` and a zero point
+``m`` (the minimum) per quantized vector, unsigned codes ``u`` spanning ``[min, max]`` with all
+``2^bits`` levels (a symmetric max-abs scale leaves half the range unused on a channel whose keys
+are all of one sign, as trained models' outlier channels are)::
+
+    "int8_kivi" (one (s, m) per vector):
+        m = min(x)                      s = (max(x) - m) / 255
+        u = clamp(round((x - m) / s), 0, 255)   (0 where s == 0)
+        stored int8 u - 128 (two's complement; the byte is u ^ 0x80), scales float32 [..., (s, m)]
+        value   u * s + m
+    "int4_kivi" (one (s, m) per 32 consecutive values of the vector, as int4's groups):
+        m = float16(clamp(min(x_group), -65504, 65504))
+        s = float16(clamp((max(x_group) - float(m)) / 15, 0, 65504))
+        u = clamp(round((x - float(m)) / float(s)), 0, 15)   (0 where s == 0)
+        nibbles u (int4's byte layout, without its + 8), scales float16 [..., (s, m)]
+        value   u * float(s) + float(m)
+
+All arithmetic float32 (``(x - m) / s`` two roundings, the value's ``u * s + m`` two roundings);
+int4's ``m`` and ``s`` are rounded to float16 before they are used, so quantizer and dequantizer use
+the same ones. ``"fp8_e4m3_kivi"`` stays symmetric (int8's max-abs float32 scale, e4m3 codes, as
+:func:`quantize`): e4m3 is a floating grid, its error relative to each value (3 mantissa bits) and
+its signed codes already span ``[-448, 448]``; a zero point would not add levels, only move values
+away from zero where the grid is densest. One format per name: the symmetric integer KIVI formats
+of the first version are replaced (their caches were never saved: KIVI caches refuse save/load).
+
+Per layer, with ``n_g = ceil(S / G)`` key groups for ``S`` slots (no ring: position ``p`` in slot
+``p``)::
 
     k_codes   data_shape(code, (B, H_kv, n_g, D, G))   group g, channel d: the codes of positions
                                                        G g ... G g + G - 1 (int4: two per byte as above)
-    k_scales  scale_shape(code, (B, H_kv, n_g, D, G))  float32 (B, H_kv, n_g, D), int4 float16 (..., D, 1)
+    k_scales  int8/int4: (B, H_kv, n_g, D, 2) (s, m) per (group, channel), float32 / float16;
+              fp8: float32 (B, H_kv, n_g, D)
     k_recent  float32 (B, H_kv, G, D)                  position p of the newest incomplete group in row p % G
-    v_data, v_scales                                   the code format's (B, H_kv, S, ...), per token
+    v_data    data_shape(code, (B, H_kv, S, D))        per token
+    v_scales  int8: float32 (B, H_kv, S, 2); int4: float16 (B, H_kv, S, D / 32, 2); fp8: float32 (B, H_kv, S)
 
 A row holding ``n`` tokens has groups ``[0, n // G)`` in ``k_codes`` and positions
 ``[G (n // G), n)`` in ``k_recent``; what other entries hold is not read. Appending position ``p``
 writes its key to ``k_recent[p % G]`` and, when ``p % G == G - 1``, quantizes ``k_recent`` per channel
 into group ``p // G`` (:func:`append_kivi`). The attention (:func:`reference_kivi_attention`) is
-``reference_attention`` over the keys :func:`kivi_keys` stands for (float32). A kernel may compute a
-complete group's scores as ``sum_d (q_d s_{g,d}) code_{t,d}``: the query scaled per group once.
+``reference_attention`` over the keys :func:`kivi_keys` stands for and the values
+:func:`kivi_dequantize` gives (float32). A kernel may compute a complete group's scores as
+``sum_d (q_d s_{g,d}) u_{t,d} + sum_d q_d m_{g,d}``: the query scaled per group once and one constant
+per group and query row; a value row as ``sum_j (w_j s_j) u_j + sum_j w_j m_j``.
 What the format cannot do: wrap a ring (a window), or rewind a row into a quantized group (the
 full-precision keys of that group's earlier positions are gone); caches refuse those.
 :func:`per_channel_keys` is the same keys for positions held in order (the accuracy benchmark's).
@@ -99,8 +129,10 @@ float32 scale per token (``quantize(k_pe)``)::
 int4 and the rotated formats have no latent form.
 
 Bytes per cached vector with D = 128 (keys or values), against bfloat16's 256: int8 132
-(0.516x), fp8 132 (0.516x), int4 72 (0.281x); KIVI keys: int8/fp8 144 (a float32 scale per channel
-per 32 positions), int4 72, plus each row's ``k_recent`` (32 D float32 per KV head and layer).
+(0.516x), fp8 132 (0.516x), int4 72 (0.281x). KIVI, per token: int8 keys 160 (128 codes and a float32
+(s, m) per channel per 32 positions) and values 136 (0.578x together); int4 keys 80 (64 and a float16
+(s, m) per channel per 32 positions) and values 80 (0.3125x); fp8 keys 144 and values 132; plus each
+row's ``k_recent`` (32 D float32 per KV head and layer).
 """
 
 from __future__ import annotations
@@ -250,6 +282,59 @@ def kivi_code_format(fmt: str) -> str:
     return KIVI_FORMATS[fmt]
 
 
+def kivi_asymmetric(fmt: str) -> bool:
+    """Whether KIVI format ``fmt`` quantizes with a zero point (int8, int4; fp8 is symmetric)."""
+    return kivi_code_format(fmt) != "fp8_e4m3"
+
+
+def kivi_scale_shape(fmt: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the scales :func:`kivi_quantize` gives for vectors of ``shape`` (last dimension
+    their length): ``(..., 2)`` (s, m) for int8, ``(..., n / 32, 2)`` for int4, ``(...)`` for fp8."""
+    code = kivi_code_format(fmt)
+    if code == "fp8_e4m3":
+        return scale_shape(code, shape)
+    return (*scale_shape(code, shape), 2)
+
+
+def kivi_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectors ``x`` ``(..., n)`` -> ``(codes, scales)`` as KIVI format ``fmt`` stores them (the
+    specification's asymmetric quantizer for int8/int4; :func:`quantize` for fp8)."""
+    code = kivi_code_format(fmt)
+    if code == "fp8_e4m3":
+        return quantize(x, code)
+    check_head_dim(code, x.shape[-1])
+    x = x.float()
+    if code == "int4":
+        groups = x.unflatten(-1, (-1, INT4_GROUP))  # (..., n / 32, 32)
+        low = groups.amin(-1).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+        m = low.float().unsqueeze(-1)
+        step = ((groups.amax(-1, keepdim=True) - m) / torch.tensor(15.0)).clamp(0, _FP16_MAX).to(torch.float16)
+        s = step.float()
+        u = torch.where(s > 0, torch.round((groups - m) / s), 0.0).clamp(0, 15).to(torch.int32)
+        codes = (u[..., :16] | (u[..., 16:] << 4)).to(torch.uint8).flatten(-2)
+        return codes, torch.stack((step.squeeze(-1), low), dim=-1)
+    low = x.amin(-1, keepdim=True)
+    s = (x.amax(-1, keepdim=True) - low) / torch.tensor(255.0)
+    u = torch.where(s > 0, torch.round((x - low) / s), 0.0).clamp(0, 255)
+    return (u - 128).to(torch.int8), torch.cat((s, low), dim=-1)
+
+
+def kivi_dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32):
+    """The values ``(codes, scales)`` of KIVI format ``fmt`` stand for (``u * s + m``, in float32 or
+    float64), then cast to ``dtype``."""
+    code = kivi_code_format(fmt)
+    if code == "fp8_e4m3":
+        return dequantize(codes, scales, code, dtype)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    s, m = scales[..., 0].to(wide), scales[..., 1].to(wide)
+    if code == "int4":
+        groups = codes.unflatten(-1, (-1, INT4_GROUP // 2))  # (..., n / 32, 16)
+        u = torch.cat([groups & 15, groups >> 4], dim=-1).to(wide)  # (..., n / 32, 32)
+        return (u * s.unsqueeze(-1) + m.unsqueeze(-1)).flatten(-2).to(dtype)
+    u = codes.to(wide) + 128
+    return (u * s.unsqueeze(-1) + m.unsqueeze(-1)).to(dtype)
+
+
 def kivi_shapes(fmt: str, shape: tuple[int, ...]) -> dict:
     """``name -> (shape, dtype)`` of a KIVI cache of format ``fmt`` for values of ``shape``
     ``(..., S, D)`` (leading dimensions kept): ``k_codes``, ``k_scales``, ``k_recent``, ``v_data``,
@@ -257,12 +342,15 @@ def kivi_shapes(fmt: str, shape: tuple[int, ...]) -> dict:
     code = kivi_code_format(fmt)
     *lead, S, D = shape
     groups = (*lead, -(-S // KIVI_GROUP), D, KIVI_GROUP)
+    key_scales = kivi_scale_shape(fmt, groups)
+    if code == "int4":  # one int4 group per channel's 32 positions: (..., D, 1, 2) held as (..., D, 2)
+        key_scales = (*groups[:-1], 2)
     return {
         "k_codes": (data_shape(code, groups), storage_dtype(code)),
-        "k_scales": (scale_shape(code, groups), scale_dtype(code)),
+        "k_scales": (key_scales, scale_dtype(code)),
         "k_recent": ((*lead, KIVI_GROUP, D), torch.float32),
         "v_data": (data_shape(code, tuple(shape)), storage_dtype(code)),
-        "v_scales": (scale_shape(code, tuple(shape)), scale_dtype(code)),
+        "v_scales": (kivi_scale_shape(fmt, tuple(shape)), scale_dtype(code)),
     }
 
 
@@ -270,25 +358,30 @@ def append_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, len
     """Append ``k_new``/``v_new`` ``(B, H_kv, T, D)`` to a KIVI cache of format ``fmt`` in place (the
     specification's append; the native ``append_kv_kivi``): token ``t < counts[b]`` (all ``T``
     without ``counts``) of row ``b`` is position ``lengths[b] + t`` (no ring: below the slots)."""
-    code = kivi_code_format(fmt)
     rows, tokens, slots = written_slots(lengths, counts, k_new.shape[0], k_new.shape[2], v_data.shape[2])
-    codes, scales = quantize(v_new[rows, :, tokens], code)
+    codes, scales = kivi_quantize(v_new[rows, :, tokens], fmt)
     v_data.view(torch.uint8)[rows, :, slots] = codes.view(torch.uint8)
     v_scales[rows, :, slots] = scales
     for b, t, p in zip(rows.tolist(), tokens.tolist(), slots.tolist()):
         k_recent[b, :, p % KIVI_GROUP] = k_new[b, :, t].float()
         if p % KIVI_GROUP == KIVI_GROUP - 1:  # the group is complete: per channel, over its positions
-            codes, scales = quantize(k_recent[b].transpose(-1, -2), code)  # (H_kv, D, G) vectors
+            codes, scales = kivi_quantize(k_recent[b].transpose(-1, -2), fmt)  # (H_kv, D, G) vectors
             k_codes.view(torch.uint8)[b, :, p // KIVI_GROUP] = codes.view(torch.uint8)
-            k_scales[b, :, p // KIVI_GROUP] = scales
+            k_scales[b, :, p // KIVI_GROUP] = scales.view(k_scales.shape[1:2] + k_scales.shape[3:])
+
+
+def _key_groups(k_codes, k_scales, fmt: str) -> torch.Tensor:
+    """Every key group dequantized, float32 ``(B, H_kv, n_g, D, G)``."""
+    if kivi_code_format(fmt) == "int4":
+        k_scales = k_scales.unsqueeze(-2)  # (..., D, 2) -> the one int4 group of each channel
+    return kivi_dequantize(k_codes, k_scales, fmt)
 
 
 def kivi_keys(k_codes, k_scales, k_recent, lengths, fmt: str) -> torch.Tensor:
     """The keys ``(B, H_kv, n_g * G, D)`` float32 a KIVI cache stands for: row ``b``'s complete groups
     dequantized, positions ``[G (n // G), n)`` (``n = lengths[b]``) from ``k_recent``; later positions
     hold what the codes there stand for (not read by an attention over ``lengths``)."""
-    groups = dequantize(k_codes, k_scales, kivi_code_format(fmt))  # (B, H_kv, n_g, D, G)
-    keys = groups.transpose(-1, -2).flatten(-3, -2).clone()
+    keys = _key_groups(k_codes, k_scales, fmt).transpose(-1, -2).flatten(-3, -2).clone()
     for b, n in enumerate(lengths.tolist()):
         start = n // KIVI_GROUP * KIVI_GROUP
         keys[b, :, start:n] = k_recent[b, :, : n - start]
@@ -313,7 +406,7 @@ def reference_kivi_attention(
     """``reference_attention`` of ``q`` over the keys and values a KIVI cache of format ``fmt`` stands
     for (float32); the output in q's dtype."""
     keys = kivi_keys(k_codes, k_scales, k_recent, lengths, fmt)
-    values = dequantize(v_data, v_scales, kivi_code_format(fmt))
+    values = kivi_dequantize(v_data, v_scales, fmt)
     return reference_attention(
         q,
         keys[..., : values.shape[2], :],
@@ -328,13 +421,13 @@ def reference_kivi_attention(
 
 
 def per_channel_keys(keys: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The keys ``(..., L, D)`` (positions along dimension -2) as a KIVI cache of code format ``fmt``
-    holds them, float32: complete groups of ``KIVI_GROUP`` positions dequantized per channel, the
-    newest incomplete group exact."""
+    """The keys ``(..., L, D)`` (positions along dimension -2) as a cache of KIVI format ``fmt`` holds
+    them, float32: complete groups of ``KIVI_GROUP`` positions dequantized per channel, the newest
+    incomplete group exact."""
     keys = keys.float()
     complete = keys.shape[-2] // KIVI_GROUP * KIVI_GROUP
     groups = keys[..., :complete, :].unflatten(-2, (-1, KIVI_GROUP)).transpose(-1, -2)  # (..., groups, D, G)
-    stored = dequantize(*quantize(groups, fmt), fmt).transpose(-1, -2).flatten(-3, -2)
+    stored = kivi_dequantize(*kivi_quantize(groups, fmt), fmt).transpose(-1, -2).flatten(-3, -2)
     return torch.cat([stored, keys[..., complete:, :]], dim=-2)
 
 

@@ -18,12 +18,14 @@ struct KiviProblem : AttentionProblem {
   const float* q_float;        // q widened to float32, contiguous [batch, q_heads, num_new, head_dim]
   const uint8_t* k_codes;      // [batch, kv_heads, groups, head_dim, kKiviGroup codes (int4: bytes of two)]
   int64_t k_code_stride[3];    // batch, head, group, in bytes; the (head_dim, codes) block is contiguous
-  const void* k_scales;        // float32 (int8, fp8) or float16 (int4) [batch, kv_heads, groups, head_dim]
-  int64_t k_scale_stride[3];   // batch, head, group, in elements; head_dim contiguous
+  const void* k_scales;        // [batch, kv_heads, groups, head_dim]: fp8 float32 scales; int8 float32 and
+                               // int4 float16 (scale, minimum) pairs, contiguous
+  int64_t k_scale_stride[3];   // batch, head, group, in elements
   const float* k_recent;       // [batch, kv_heads, kKiviGroup, head_dim]: position p in row p % kKiviGroup
   int64_t k_recent_stride[3];  // batch, head, row, in elements; head_dim contiguous
-  const void* v_scales;        // float32 [batch, kv_heads, slots] or float16 [batch, kv_heads, slots, head_dim / 32]
-  int64_t v_scale_stride[3];   // batch, head, slot, in elements (int4 groups contiguous)
+  const void* v_scales;        // fp8 float32 [batch, kv_heads, slots]; int8 float32 (scale, minimum) pairs
+                               // [.., slots, 2]; int4 float16 pairs [.., slots, head_dim / 32, 2]
+  int64_t v_scale_stride[3];   // batch, head, slot, in elements (the pairs contiguous)
 };
 
 }  // namespace kvcache_ext::cpu

@@ -41,6 +41,48 @@ namespace {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
+// float16 bits of f, |f| <= 65504, round to nearest even (the sign apart: float_to_half takes magnitudes).
+uint16_t signed_float_to_half(float f) {
+  return uint16_t((std::signbit(f) ? 0x8000u : 0u) | quantizer::float_to_half(std::fabs(f)));
+}
+
+// Quantizes one vector x[0, n) of a KIVI format into `data` and its scales, per python_ref's
+// kivi_quantize: fp8 symmetric (the per-token quantizer), int8/int4 asymmetric with a (scale, zero
+// point = minimum) pair per vector (int8, float32) or per kInt4Group values (int4, float16).
+void kivi_quantize_vector(KvFormat format, const float* x, int64_t n, void* data, void* scales) {
+  if (format == KvFormat::kFp8E4M3) return quantizer::quantize_vector(format, x, n, data, scales);
+  if (format == KvFormat::kInt4) {
+    auto* bytes = static_cast<uint8_t*>(data);
+    auto* pairs = static_cast<uint16_t*>(scales);
+    for (int64_t g0 = 0; g0 < n; g0 += kInt4Group) {
+      float low = x[g0], high = x[g0];
+      for (int64_t d = g0 + 1; d < g0 + kInt4Group; ++d) low = std::min(low, x[d]), high = std::max(high, x[d]);
+      const uint16_t min_bits = signed_float_to_half(std::clamp(low, -65504.0f, 65504.0f));
+      const float m = quantizer::half_to_float(min_bits);
+      const uint16_t scale_bits = quantizer::float_to_half(std::clamp((high - m) / 15.0f, 0.0f, 65504.0f));
+      const float s = quantizer::half_to_float(scale_bits);
+      pairs[2 * (g0 / kInt4Group)] = scale_bits, pairs[2 * (g0 / kInt4Group) + 1] = min_bits;
+      for (int64_t i = 0; i < kInt4Group / 2; ++i) {  // values i and i + 16 of the group share byte i
+        int nibbles[2];
+        for (int k = 0; k < 2; ++k) {
+          const float u = s > 0.0f ? std::nearbyint((x[g0 + i + k * kInt4Group / 2] - m) / s) : 0.0f;
+          nibbles[k] = static_cast<int>(std::clamp(u, 0.0f, 15.0f));
+        }
+        bytes[g0 / 2 + i] = uint8_t(nibbles[0] | nibbles[1] << 4);
+      }
+    }
+    return;
+  }
+  float low = x[0], high = x[0];
+  for (int64_t d = 1; d < n; ++d) low = std::min(low, x[d]), high = std::max(high, x[d]);
+  const float s = (high - low) / 255.0f;
+  static_cast<float*>(scales)[0] = s, static_cast<float*>(scales)[1] = low;
+  for (int64_t d = 0; d < n; ++d) {
+    const float u = s > 0.0f ? std::clamp(std::nearbyint((x[d] - low) / s), 0.0f, 255.0f) : 0.0f;
+    static_cast<int8_t*>(data)[d] = static_cast<int8_t>(static_cast<int>(u) - 128);
+  }
+}
+
 // A KIVI cache's shape: its code format, head_dim and slots (positions a row can hold).
 struct KiviLayout {
   KvFormat format;
@@ -71,11 +113,14 @@ KiviLayout check_kivi_cache(const Tensor& k_codes, const Tensor& k_scales, const
   STD_TORCH_CHECK(k_codes.stride(4) == 1 && k_codes.stride(3) == channel_bytes,
                   "k_codes needs each group's (head_dim, codes) block contiguous");
   const ScalarType scale_type = int4 ? ScalarType::Half : ScalarType::Float;
-  STD_TORCH_CHECK(k_scales.dim() == (int4 ? 5 : 4) && k_scales.size(0) == B && k_scales.size(1) == H &&
-                      k_scales.size(2) == groups && k_scales.size(3) == D && (!int4 || k_scales.size(4) == 1) &&
-                      k_scales.stride(3) == 1,
+  // int8/int4: a (scale, minimum) pair per (group, channel) and per value vector (int4: per 32 values), contiguous.
+  const bool pairs = format != KvFormat::kFp8E4M3;
+  STD_TORCH_CHECK(k_scales.dim() == (pairs ? 5 : 4) && k_scales.size(0) == B && k_scales.size(1) == H &&
+                      k_scales.size(2) == groups && k_scales.size(3) == D && (!pairs || k_scales.size(4) == 2) &&
+                      k_scales.stride(3) == (pairs ? 2 : 1) && (!pairs || k_scales.stride(4) == 1),
                   "k_scales must be (batch=", B, ", kv_heads=", H, ", groups=", groups, ", head_dim=", D,
-                  int4 ? ", 1)" : ")", " with a contiguous head_dim, got ", shape_of(k_scales));
+                  pairs ? ", 2) with contiguous (head_dim, 2)" : ") with a contiguous head_dim", ", got ",
+                  shape_of(k_scales));
   STD_TORCH_CHECK(k_scales.scalar_type() == scale_type, "k_scales must be ", dtype_name(scale_type), ", got ",
                   dtype_name(k_scales.scalar_type()));
   STD_TORCH_CHECK(k_recent.dim() == 4 && k_recent.size(0) == B && k_recent.size(1) == H &&
@@ -85,12 +130,17 @@ KiviLayout check_kivi_cache(const Tensor& k_codes, const Tensor& k_scales, const
   STD_TORCH_CHECK(k_recent.scalar_type() == ScalarType::Float, "k_recent must be float32, got ",
                   dtype_name(k_recent.scalar_type()));
   const bool v_scales_ok =
-      int4 ? v_scales.dim() == 4 && v_scales.size(0) == B && v_scales.size(1) == H && v_scales.size(2) == S &&
-                 v_scales.size(3) == D / kInt4Group && (v_scales.size(3) == 1 || v_scales.stride(3) == 1)
-           : v_scales.dim() == 3 && v_scales.size(0) == B && v_scales.size(1) == H && v_scales.size(2) == S;
+      int4    ? v_scales.dim() == 5 && v_scales.size(0) == B && v_scales.size(1) == H && v_scales.size(2) == S &&
+                    v_scales.size(3) == D / kInt4Group && v_scales.size(4) == 2 && v_scales.stride(4) == 1 &&
+                    (v_scales.size(3) == 1 || v_scales.stride(3) == 2)
+      : pairs ? v_scales.dim() == 4 && v_scales.size(0) == B && v_scales.size(1) == H && v_scales.size(2) == S &&
+                    v_scales.size(3) == 2 && v_scales.stride(3) == 1
+              : v_scales.dim() == 3 && v_scales.size(0) == B && v_scales.size(1) == H && v_scales.size(2) == S;
   STD_TORCH_CHECK(v_scales_ok, "v_scales must be (batch, kv_heads, slots",
-                  int4 ? ", head_dim / 32) with contiguous groups" : ")", " for v_data ", shape_of(v_data), ", got ",
-                  shape_of(v_scales));
+                  int4    ? ", head_dim / 32, 2) with contiguous (groups, 2)"
+                  : pairs ? ", 2) with a contiguous last dimension"
+                          : ")",
+                  " for v_data ", shape_of(v_data), ", got ", shape_of(v_scales));
   STD_TORCH_CHECK(v_scales.scalar_type() == scale_type, "v_scales must be ", dtype_name(scale_type), ", got ",
                   dtype_name(v_scales.scalar_type()));
   STD_TORCH_CHECK(v_data.stride(3) == 1, "v_data needs a contiguous last dimension");
@@ -163,7 +213,7 @@ void append_kv_kivi(Tensor k_codes, Tensor k_scales, Tensor k_recent, Tensor v_d
             const int64_t position = len[b] + t;  // checked: below S
             const int64_t v_at = b * st.v_new[0] + h * st.v_new[1] + t * st.v_new[2];
             for (int64_t d = 0; d < D; ++d) x[d] = quantizer::element_as_float(v_src, elem, v_at + d * st.v_new[3]);
-            quantizer::quantize_vector(
+            kivi_quantize_vector(
                 format, x, D, values + b * st.values[0] + h * st.values[1] + position * st.values[2],
                 value_scales +
                     (b * st.value_scales[0] + h * st.value_scales[1] + position * st.value_scales[2]) * scale_size);
@@ -177,8 +227,8 @@ void append_kv_kivi(Tensor k_codes, Tensor k_scales, Tensor k_recent, Tensor v_d
             const int64_t group_scales = b * st.key_scales[0] + h * st.key_scales[1] + group * st.key_scales[2];
             for (int64_t d = 0; d < D; ++d) {
               for (int64_t j = 0; j < kKiviGroup; ++j) channel[j] = row_recent[j * st.recent[2] + d];
-              quantizer::quantize_vector(format, channel, kKiviGroup, group_codes + d * channel_bytes,
-                                         key_scales + (group_scales + d * st.key_scales[3]) * scale_size);
+              kivi_quantize_vector(format, channel, kKiviGroup, group_codes + d * channel_bytes,
+                                   key_scales + (group_scales + d * st.key_scales[3]) * scale_size);
             }
           }
         }
