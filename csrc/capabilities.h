@@ -25,8 +25,11 @@ constexpr int64_t kMaxSlotsCuda = (int64_t{1} << 31) - 1;
 constexpr int64_t kMaxBlockSize = 256;
 
 // Latent (MLA) caches (latent_decode_attention): rows of key_dim values, a multiple of
-// kHeadDimMultiple up to kMaxLatentKeyDim (DeepSeek's 576 and room); CPU kernels only so far.
+// kHeadDimMultiple up to kMaxLatentKeyDim on the CPU (DeepSeek's 576 and room) and
+// kMaxLatentKeyDimCuda on CUDA (DeepSeek's 576: the CUDA kernel holds a row's slice per thread in
+// registers, csrc/cuda/latent_attention.cuh).
 constexpr int64_t kMaxLatentKeyDim = 1024;
+constexpr int64_t kMaxLatentKeyDimCuda = 576;
 
 inline bool block_size_supported(int64_t block_size) {
   return block_size >= 1 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0;
@@ -59,7 +62,7 @@ inline std::string capabilities_json(bool cuda) {
          // KIVI formats the kernels store and attend over (contiguous caches, CPU only).
          ", \"kivi_kv_formats\": " + (cuda ? "[]" : kKiviFormatsJson) +
          // Widest latent cache row the latent kernel takes (0: none on this device).
-         ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
+         ", \"latent_max_key_dim\": " + std::to_string(cuda ? kMaxLatentKeyDimCuda : kMaxLatentKeyDim) +
          // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).
          ", \"latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") + "}";
 }

@@ -5,6 +5,8 @@
 #include "../../csrc/cuda/decode_attention.cu"  // plan_decode_attention, launch_decode_attention
 #include "../../csrc/cuda/decode_attention.cuh"
 #include "../../csrc/cuda/key_rotation.cuh"
+#include "../../csrc/cuda/latent_attention.cu"  // plan_latent_attention
+#include "../../csrc/cuda/latent_attention.cuh"
 #include "../../csrc/paged_blocks.h"
 
 namespace kvcache_ext::cuda {
@@ -51,6 +53,25 @@ int emulated_occupancy(const DecodeAttentionParams& p) {
   }
 KVCACHE_EXT_DECODE_ATTENTION_INSTANCES(KVCACHE_EXT_EMULATE_DECODE_ATTENTION_FAMILY)
 #undef KVCACHE_EXT_EMULATE_DECODE_ATTENTION_FAMILY
+
+// The latent kernels under the emulation (latent_attention_kernels.cu on a GPU); the occupancy
+// uncached, as for the decode families.
+cudaError_t launch_latent_attention(const LatentAttentionParams& p, cudaStream_t) {
+  return dispatch_latent_attention(
+      p,
+      [&](auto kernel, int64_t blocks, int threads, const auto& params) {
+        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
+      },
+      max_emulated_blocks);
+}
+int latent_split_kernel_blocks_per_sm(const LatentAttentionParams& p) {
+  int blocks = 0;
+  const cudaError_t status = with_elem_type(p.elem, [&](auto tag) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, latent_attention_split_kernel<typename decltype(tag)::type>, kLatentThreads, 0);
+  });
+  return status == cudaSuccess ? blocks : 0;
+}
 
 // Self-test kernels: faults the emulation must catch.
 __shared__ int race_value;
@@ -207,6 +228,63 @@ int emu_decode_attention_quantized(int format, int elem, const void* q, const in
   p.softcap = static_cast<float>(softcap);
   p.sinks = sinks, p.sinks_stride = 1;
   return plan_and_launch(p, 1, sm_count, max_blocks, plan_out);
+}
+
+// What the CUDA binding does for latent_decode_attention(_quantized) between its checks and the
+// launch, on CPU memory. sizes: batch, q_heads, kv_heads, num_new, key_dim, value_dim, slots.
+// Part i (0: a plain cache's rows or c; 1: k_pe, width 0 for none): part_data[i] with strides
+// part_stride[3 i ..] (elements, bytes for codes), columns part_columns[2 i] onwards, part_columns[2 i
+// + 1] wide, scales part_scales[i] (null: values of elem) with strides scale_stride[3 i ..]. format:
+// KvFormat of the codes. window: 0 for none. plan_out receives row_chunks, splits, vector_loads.
+// Returns the launch status (716: a misaligned access), or -2 (the split scratch's guards were
+// written).
+int emu_latent_attention(int elem, int format, const void* q, const int64_t* q_stride, const void* const* part_data,
+                         const int64_t* part_stride, const int64_t* part_columns, const float* const* part_scales,
+                         const int64_t* scale_stride, const int64_t* lengths, int64_t lengths_stride, void* out,
+                         float* lse, const int64_t* sizes, int64_t window, double scale, int sm_count,
+                         int64_t max_blocks, int64_t* plan_out) {
+  LatentAttentionParams p{};
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  p.format = static_cast<kvcache_ext::KvFormat>(format);
+  p.q = q, p.lengths = lengths, p.lengths_stride = lengths_stride, p.out = out, p.lse = lse;
+  p.batch = sizes[0], p.q_heads = sizes[1], p.kv_heads = sizes[2], p.num_new = sizes[3];
+  p.key_dim = sizes[4], p.value_dim = sizes[5], p.slots = sizes[6];
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q_stride[i];
+  for (int part = 0; part < 2; ++part) {
+    LatentPartParams& target = p.parts[part];
+    target.data = part_data[part];
+    target.column = part_columns[2 * part], target.width = part_columns[2 * part + 1];
+    target.scales = part_scales[part];
+    for (int i = 0; i < 3; ++i)
+      target.stride[i] = part_stride[3 * part + i], target.scale_stride[i] = scale_stride[3 * part + i];
+  }
+  p.window = kernel_window(window);
+  p.scale = static_cast<float>(scale);
+  choose_latent_loads(p);
+  if (forced_vector_loads >= 0) p.vector_loads = forced_vector_loads != 0;
+  plan_latent_attention(p, sm_count);
+  plan_out[0] = p.row_chunks, plan_out[1] = p.splits, plan_out[2] = p.vector_loads;
+  const int64_t rows = p.batch * p.q_heads * p.num_new;
+  const int64_t partial_out_floats = rows * p.splits * p.value_dim, partial_lse_floats = rows * p.splits;
+  std::vector<float> partial_out, partial_lse;
+  if (p.splits > 1) {
+    const float guard = __uint_as_float(kGuardBits);
+    partial_out.assign(kGuardFloats + partial_out_floats + kGuardFloats, guard);
+    partial_lse.assign(kGuardFloats + partial_lse_floats + kGuardFloats, guard);
+    std::fill_n(partial_out.begin() + kGuardFloats, partial_out_floats, std::nanf(""));
+    std::fill_n(partial_lse.begin() + kGuardFloats, partial_lse_floats, std::nanf(""));
+    p.partial_out = partial_out.data() + kGuardFloats;
+    p.partial_lse = partial_lse.data() + kGuardFloats;
+  }
+  max_emulated_blocks = max_blocks;
+  const cudaError_t status = launch_latent_attention(p, nullptr);
+  if (status != cudaSuccess) return status;
+  if (p.splits > 1 &&
+      !(guards_intact(partial_out, partial_out_floats) && guards_intact(partial_lse, partial_lse_floats))) {
+    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
+    return -2;
+  }
+  return 0;
 }
 
 // Copies the last decode's split log-sum-exps ([rows, splits]) to `out`; returns how many.
