@@ -1161,6 +1161,79 @@ def test_quantized_latent_attention_matches_reference(emulator, fmt, dtype, quan
     check_latent_outputs(out, lse, q, rows64, rows64.to(dtype), lengths, Dv, window, None, plan)
 
 
+def emulated_append_latent_quantized(lib, cache, latent_new, lengths, counts=None, max_blocks=65535):
+    """append_latent_quantized's launch under emulation, every buffer between guards; `cache` =
+    [c_data, c_scales, k_pe, k_pe_scales or None] gets the new contents."""
+    fmt = latent_ref.latent_format(cache[0])
+    present = [t for t in cache if t is not None]
+    guarded_cache = [Guarded(t) for t in present]
+    views = dict(zip((i for i, t in enumerate(cache) if t is not None), (g.view for g in guarded_cache)))
+    inputs = {"latent_new": Guarded(latent_new), "lengths": Guarded(lengths)}
+    if counts is not None:
+        inputs["counts"] = Guarded(counts)
+    B, H, S, Dv = cache[0].shape
+    strides = []
+    for i in range(4):
+        strides.extend(cache[i].stride()[:3] if cache[i] is not None else (0, 0, 0))
+    status = lib.emu_append_latent_quantized(
+        FORMAT_CODE[fmt],
+        ELEM[latent_new.dtype],
+        *(ptr(views[i]) if i in views else None for i in range(4)),
+        ptr(inputs["latent_new"].view),
+        int64s(strides + list(latent_new.stride())),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        ptr(inputs["counts"].view) if counts is not None else None,
+        ctypes.c_int64(counts.stride(0) if counts is not None else 0),
+        int64s([B, H, latent_new.shape[2], S, latent_new.shape[3], Dv]),
+        ctypes.c_int64(max_blocks),
+    )
+    error = take_error(lib)
+    assert status == 0, f"emulated latent append failed with status {status}: {error}"
+    assert not error, error
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the append wrote into {name} or its guards"
+    for t, g in zip(present, guarded_cache):
+        assert g.guards_intact(), "the append wrote outside the cache's buffers"
+        t.copy_(g.view)
+
+
+@pytest.mark.parametrize("fmt", latent_ref.LATENT_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("quantize_rope", [False, True], ids=["rope_plain", "rope_quantized"])
+@pytest.mark.parametrize("Dk,Dv,with_counts", [(576, 512, False), (72, 40, True)], ids=["deepseek", "small_counts"])
+def test_append_latent_quantized_is_bit_identical_to_the_reference(
+    emulator, fmt, dtype, quantize_rope, Dk, Dv, with_counts
+):
+    # Bytes equal to python_ref's (the CPU kernel's too): wrapped rings, edge lengths left alone, a
+    # strided source, an all-zero row (scale 0) and values over many magnitudes; grids of 2 blocks.
+    g = torch.Generator().manual_seed(Dk + Dv)
+    B, H, T, S = 5, 2, 3, 7
+    c_data, c_scales, k_pe, k_pe_scales = latent_ref.quantize_latent(
+        torch.randn(B, H, S, Dk, generator=g).to(dtype), Dv, fmt, quantize_rope
+    )
+    cache = [c_data, c_scales, k_pe.contiguous(), k_pe_scales]
+    magnitude = torch.exp(torch.empty(B, H, T, 1).uniform_(-12.0, 8.0, generator=g))
+    latent_new = (torch.randn(B, T, H, Dk, generator=g).transpose(1, 2) * magnitude).to(dtype)
+    latent_new[1, 0, 1] = 0
+    lengths = torch.tensor([0, 5, 12, MAX_LENGTH + 1, -1])
+    counts = torch.tensor([3, 1, 2, 3, 0]) if with_counts else None
+    expected = [None if t is None else t.clone() for t in cache]
+    valid = torch.tensor([0 <= int(n) <= MAX_LENGTH for n in lengths])
+    rows = valid.nonzero().flatten()
+    sub = [None if t is None else t[rows].clone() for t in expected]
+    latent_ref.append_quantized_latent_to_slots(
+        *sub, latent_new[rows], lengths[rows], None if counts is None else counts[rows]
+    )
+    for t, part in zip(expected, sub):
+        if t is not None:
+            t[rows] = part
+    emulated_append_latent_quantized(emulator, cache, latent_new, lengths, counts, max_blocks=2)
+    for name, got, want in zip(("c_data", "c_scales", "k_pe", "k_pe_scales"), cache, expected):
+        if want is not None:
+            assert torch.equal(bits(got), bits(want)), name
+
+
 # ---- the emulation's own checks -------------------------------------------------------------------
 def test_random_order_catches_a_missing_syncthreads(emulator):
     # Thread 0 writes a shared value every thread reads: right with the barrier, wrong (another

@@ -1,5 +1,7 @@
-// The checks of a latent (MLA) cache's buffers that its bindings share (latent_attention_cpu.cpp,
-// latent_append_quantized_cpu.cpp): the widths and the parts of a quantized latent cache.
+// The checks of a latent (MLA) cache's buffers and queries that its bindings share
+// (latent_attention_cpu.cpp, latent_append_quantized_cpu.cpp and the CUDA binding, ops_cuda.cu):
+// the widths, the parts of a quantized latent cache, the queries' shapes. `cuda` names the kernel's
+// device: its tensors must be there (the CUDA binding also checks they are on one GPU).
 #pragma once
 
 #include <torch/csrc/stable/tensor.h>
@@ -16,13 +18,20 @@ namespace kvcache_ext::cpu {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-inline void check_latent_dims(int64_t key_dim, int64_t value_dim) {
-  STD_TORCH_CHECK(key_dim % kHeadDimMultiple == 0 && key_dim >= kHeadDimMultiple && key_dim <= kMaxLatentKeyDim,
+inline void check_latent_dims(int64_t key_dim, int64_t value_dim, bool cuda = false) {
+  const int64_t top = cuda ? kMaxLatentKeyDimCuda : kMaxLatentKeyDim;
+  STD_TORCH_CHECK(key_dim % kHeadDimMultiple == 0 && key_dim >= kHeadDimMultiple && key_dim <= top,
                   "the latent cache's width (key_dim) must be a multiple of ", kHeadDimMultiple, " from ",
-                  kHeadDimMultiple, " to ", kMaxLatentKeyDim, ", got ", key_dim);
+                  kHeadDimMultiple, " to ", top, ", got ", key_dim);
   STD_TORCH_CHECK(value_dim % kHeadDimMultiple == 0 && value_dim >= kHeadDimMultiple && value_dim <= key_dim,
                   "value_dim must be a multiple of ", kHeadDimMultiple, " from ", kHeadDimMultiple,
                   " to the cache's width ", key_dim, ", got ", value_dim);
+}
+
+// Whether `t` is on the kernel's device; `what` must be a tensor of the kernel's device.
+inline void check_latent_device(const Tensor& t, const char* what, bool cuda) {
+  STD_TORCH_CHECK(cuda ? t.is_cuda() : t.is_cpu(), what,
+                  cuda ? " must be a CUDA tensor for the CUDA kernel" : " must be a CPU tensor for the CPU kernel");
 }
 
 // One part of a quantized latent cache: codes `data` (c_data's dtype) with float32 `scales` (batch,
@@ -30,10 +39,10 @@ inline void check_latent_dims(int64_t key_dim, int64_t value_dim) {
 // contiguous last dimension. Returns the part (column unset).
 inline LatentPart check_latent_part(const Tensor& data, const std::optional<Tensor>& scales, ScalarType codes,
                                     ScalarType dtype, int64_t B, int64_t H, int64_t S, const char* name,
-                                    const char* scales_name) {
+                                    const char* scales_name, bool cuda = false) {
   STD_TORCH_CHECK(data.dim() == 4 && data.size(0) == B && data.size(1) == H && data.size(2) == S, name,
                   " must be (batch=", B, ", kv_heads=", H, ", slots=", S, ", width), got shape ", shape_of(data));
-  STD_TORCH_CHECK(data.is_cpu(), name, " must be a CPU tensor for the CPU kernel");
+  check_latent_device(data, name, cuda);
   STD_TORCH_CHECK(data.stride(3) == 1 || data.size(3) <= 1, name, " needs a contiguous last dimension, got stride ",
                   data.stride(3));
   const ScalarType expected = scales.has_value() ? codes : dtype;
@@ -48,10 +57,34 @@ inline LatentPart check_latent_part(const Tensor& data, const std::optional<Tens
                   shape_of(*scales));
   STD_TORCH_CHECK(scales->scalar_type() == ScalarType::Float, scales_name, " must be float32, got ",
                   dtype_name(scales->scalar_type()));
-  STD_TORCH_CHECK(scales->is_cpu(), scales_name, " must be a CPU tensor for the CPU kernel");
+  check_latent_device(*scales, scales_name, cuda);
   part.scales = scales->const_data_ptr<float>();
   for (int i = 0; i < 3; ++i) part.scale_stride[i] = scales->stride(i);
   return part;
+}
+
+// The shapes of the queries, lengths and window of an attention over a cache of (batch, kv_heads,
+// slots) rows of key_dim values whose unquantized parts are in `dtype` (q's); q and lengths on the
+// kernel's device. The values of lengths are the caller's to check (the CPU binding reads them).
+inline void check_latent_query_shapes(const Tensor& q, ScalarType dtype, const Tensor& lengths, int64_t B, int64_t H_kv,
+                                      int64_t S, int64_t Dk, std::optional<int64_t> window, bool cuda = false) {
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
+  check_latent_device(q, "q", cuda);
+  check_latent_device(lengths, "lengths", cuda);
+  elem_type_of(q, "q");
+  STD_TORCH_CHECK(q.scalar_type() == dtype, "q must have the cache's dtype ", dtype_name(dtype), ", got ",
+                  dtype_name(q.scalar_type()));
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == Dk, "q must be (batch=", B, ", q_heads, num_new, key_dim=", Dk,
+                  ") to match the cache, got ", shape_of(q));
+  STD_TORCH_CHECK(S >= 1, "the cache must have at least one slot, got ", S);
+  const int64_t T = q.size(2);
+  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
+  check_new_tokens_fit(T, S);
+  check_query_heads(q.size(1), H_kv);
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == ScalarType::Long,
+                  "lengths must be int64 of shape (", B, ",), got ", dtype_name(lengths.scalar_type()), " of shape ",
+                  shape_of(lengths));
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
 }
 
 // The codes' format of a quantized latent cache (int8 or fp8_e4m3: one scale per token).

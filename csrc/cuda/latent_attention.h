@@ -85,4 +85,30 @@ int latent_split_kernel_blocks_per_sm(const LatentAttentionParams& p);
 // kMaxLength] and a plan.
 cudaError_t launch_latent_attention(const LatentAttentionParams& p, cudaStream_t stream);
 
+// ---- append_latent_quantized ------------------------------------------------------------------
+// Quantizes the new latent rows (float32/bfloat16/float16) into a quantized latent cache, bit for
+// bit python_ref.latent.quantize_latent: c (the first value_dim values) into codes with one scale
+// per token, k_pe (the rest) quantized the same way when it has scales, else copied as it comes.
+// Token t of row b goes to slot (lengths[b] + t) % slots for t < counts[b]. Strides in elements of
+// each tensor (codes: bytes). A row whose length is outside [0, kMaxLength] or whose count is
+// outside [0, num_new] is left untouched (only the device can see them).
+struct LatentAppendParams {
+  void* c_data;            // [batch, kv_heads, slots, value_dim] codes
+  float* c_scales;         // [batch, kv_heads, slots]
+  void* k_pe;              // [batch, kv_heads, slots, key_dim - value_dim]: codes or elem values
+  float* k_pe_scales;      // [batch, kv_heads, slots], or null: k_pe copied
+  const void* source;      // latent_new [batch, kv_heads, num_new, key_dim]
+  const int64_t* lengths;  // [batch] tokens already in each row (device memory)
+  int64_t lengths_stride;  // elements
+  const int64_t* counts;   // [batch] tokens of each row to store (device memory); nullptr: all
+  int64_t counts_stride;   // elements
+  int64_t c_stride[3], c_scale_stride[3], pe_stride[3], pe_scale_stride[3];  // batch, head, slot
+  int64_t source_stride[4];                                                  // batch, head, token, value
+  int64_t batch, kv_heads, num_new, slots, key_dim, value_dim;
+  KvFormat format;  // int8 or fp8_e4m3
+  ElemType elem;    // of the source (and of an unquantized k_pe)
+};
+
+cudaError_t launch_append_latent_quantized(const LatentAppendParams& p, cudaStream_t stream);
+
 }  // namespace kvcache_ext::cuda

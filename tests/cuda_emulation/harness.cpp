@@ -5,6 +5,7 @@
 #include "../../csrc/cuda/decode_attention.cu"  // plan_decode_attention, launch_decode_attention
 #include "../../csrc/cuda/decode_attention.cuh"
 #include "../../csrc/cuda/key_rotation.cuh"
+#include "../../csrc/cuda/latent_append_quantized.cuh"
 #include "../../csrc/cuda/latent_attention.cu"  // plan_latent_attention
 #include "../../csrc/cuda/latent_attention.cuh"
 #include "../../csrc/paged_blocks.h"
@@ -285,6 +286,34 @@ int emu_latent_attention(int elem, int format, const void* q, const int64_t* q_s
     return -2;
   }
   return 0;
+}
+
+// What the CUDA binding does for append_latent_quantized after its checks. sizes: batch, kv_heads,
+// num_new, slots, key_dim, value_dim. strides: c_data's 3, c_scales' 3, k_pe's 3, k_pe_scales' 3,
+// then latent_new's 4 (elements; codes in bytes). k_pe_scales null: k_pe is copied. counts: null
+// (every token) or the caller's, which the kernel checks. max_blocks: the grid cap.
+int emu_append_latent_quantized(int format, int elem, void* c_data, float* c_scales, void* k_pe, float* k_pe_scales,
+                                const void* latent_new, const int64_t* strides, const int64_t* lengths,
+                                int64_t lengths_stride, const int64_t* counts, int64_t counts_stride,
+                                const int64_t* sizes, int64_t max_blocks) {
+  LatentAppendParams p{};
+  p.c_data = c_data, p.c_scales = c_scales, p.k_pe = k_pe, p.k_pe_scales = k_pe_scales, p.source = latent_new;
+  p.lengths = lengths, p.lengths_stride = lengths_stride, p.counts = counts, p.counts_stride = counts_stride;
+  for (int i = 0; i < 3; ++i) {
+    p.c_stride[i] = strides[i], p.c_scale_stride[i] = strides[3 + i];
+    p.pe_stride[i] = strides[6 + i], p.pe_scale_stride[i] = strides[9 + i];
+  }
+  for (int i = 0; i < 4; ++i) p.source_stride[i] = strides[12 + i];
+  p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3];
+  p.key_dim = sizes[4], p.value_dim = sizes[5];
+  p.format = static_cast<kvcache_ext::KvFormat>(format);
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  return dispatch_append_latent_quantized(
+      p,
+      [&](LatentAppendKernel kernel, int64_t blocks, int threads, const LatentAppendParams& params) {
+        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
+      },
+      max_blocks);
 }
 
 // Copies the last decode's split log-sum-exps ([rows, splits]) to `out`; returns how many.
