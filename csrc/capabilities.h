@@ -63,8 +63,9 @@ inline std::string capabilities_json(bool cuda) {
          ", \"kivi_kv_formats\": " + (cuda ? "[]" : kKiviFormatsJson) +
          // Widest latent cache row the latent kernel takes (0: none on this device).
          ", \"latent_max_key_dim\": " + std::to_string(cuda ? kMaxLatentKeyDimCuda : kMaxLatentKeyDim) +
-         // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).
-         ", \"latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") + "}";
+         // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token):
+         // the same on both devices.
+         ", \"latent_kv_formats\": [\"int8\", \"fp8_e4m3\"]}";
 }
 
 }  // namespace kvcache_ext

@@ -2008,7 +2008,9 @@ SANITIZED_SELECTION = (
     "or paged_attention_unaligned_pool and float16 or paged_append_matches_reference and float16 "
     "or paged_append_token_chunks or paged_append_refusals or paged_attention_refusals "
     "or paged_quantized_attention_matches_reference and bfloat16 and pq1 "
-    "or paged_append_quantized_is_bit_identical and float16 and 4-True or paged_append_quantized_refusals"
+    "or paged_append_quantized_is_bit_identical and float16 and 4-True or paged_append_quantized_refusals "
+    "or latent_attention_matches_reference and bfloat16 and (latent1 or latent3) or latent_attention_edge_lengths "
+    "and w5 or append_latent_quantized_is_bit_identical and bfloat16 and small_counts"
 )
 
 

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
-#include <utility>
 #include <vector>
 
 #include "../binding_common.h"
@@ -23,44 +22,13 @@ namespace {
 
 void append_latent_quantized(Tensor c_data, Tensor c_scales, Tensor k_pe, std::optional<Tensor> k_pe_scales,
                              Tensor latent_new, Tensor lengths, std::optional<Tensor> new_counts) {
-  STD_TORCH_CHECK(c_data.dim() == 4, "c_data must be (batch, kv_heads, slots, value_dim), got shape ",
-                  shape_of(c_data));
-  const KvFormat format = latent_format_of(c_data);
-  const int64_t B = c_data.size(0), H = c_data.size(1), S = c_data.size(2);
-  STD_TORCH_CHECK(S >= 1 && S <= kMaxSlotsCpu, "c_data must have between 1 and 2^62 slots, got shape ",
-                  shape_of(c_data));
-  STD_TORCH_CHECK(latent_new.dim() == 4, "latent_new must be (batch, kv_heads, num_new, key_dim), got shape ",
-                  shape_of(latent_new));
-  STD_TORCH_CHECK(latent_new.is_cpu(), "latent_new must be a CPU tensor for the CPU kernel");
-  const ElemType elem = elem_type_of(latent_new, "latent_new");
-  const LatentPart c = check_latent_part(c_data, c_scales, c_data.scalar_type(), latent_new.scalar_type(), B, H, S,
-                                         "c_data", "c_scales");
-  const LatentPart pe = check_latent_part(k_pe, k_pe_scales, c_data.scalar_type(), latent_new.scalar_type(), B, H, S,
-                                          "k_pe", "k_pe_scales");
-  const int64_t Dv = c.width, Dk = c.width + pe.width;
-  check_latent_dims(Dk, Dv);
-  STD_TORCH_CHECK(pe.width >= 1, "k_pe must hold the rotary part (at least one column), got shape ", shape_of(k_pe));
+  const LatentAppendShapes shapes =
+      check_latent_append_shapes(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, /*cuda=*/false);
+  const KvFormat format = shapes.format;
+  const ElemType elem = shapes.elem;
+  const LatentPart &c = shapes.c, &pe = shapes.pe;
+  const int64_t B = c_data.size(0), H = c_data.size(1), S = c_data.size(2), Dv = c.width, Dk = c.width + pe.width;
   const int64_t T = latent_new.size(2);
-  STD_TORCH_CHECK(latent_new.size(0) == B && latent_new.size(1) == H && latent_new.size(3) == Dk,
-                  "latent_new must be (batch=", B, ", kv_heads=", H, ", num_new, key_dim=", Dk,
-                  ") like the cache (value_dim + the rotary part), got ", shape_of(latent_new));
-  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
-  // The written buffers: each element once, none sharing memory with another.
-  std::vector<std::pair<const Tensor*, const char*>> written = {
-      {&c_data, "c_data"}, {&c_scales, "c_scales"}, {&k_pe, "k_pe"}};
-  if (k_pe_scales.has_value()) written.emplace_back(&*k_pe_scales, "k_pe_scales");
-  for (size_t i = 0; i < written.size(); ++i) {
-    STD_TORCH_CHECK(elements_distinct(*written[i].first), written[i].second,
-                    " must not have elements sharing memory (an expanded view), got strides of shape ",
-                    shape_of(*written[i].first));
-    for (size_t j = 0; j < i; ++j)
-      STD_TORCH_CHECK(disjoint(*written[i].first, *written[j].first), written[i].second, " and ", written[j].second,
-                      " must not share memory");
-  }
-  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == ScalarType::Long,
-                  "lengths must be int64 of shape (", B, ",), got ", dtype_name(lengths.scalar_type()), " of shape ",
-                  shape_of(lengths));
-  STD_TORCH_CHECK(lengths.is_cpu(), "lengths must be a CPU tensor for the CPU kernel");
   const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
   const std::vector<int64_t> count = row_new_counts(new_counts, B, T);
 

@@ -107,6 +107,31 @@ bool guards_intact(const std::vector<float>& buffer, int64_t inner) {
   }
   return true;
 }
+
+// The split scratch of an attention (partial outputs and log-sum-exps), each array between guards
+// and its inside NaN-filled: anything the combine reads that the split kernel did not write shows
+// up. Empty for splits == 1.
+struct GuardedScratch {
+  int64_t out_floats, lse_floats;
+  std::vector<float> out, lse;
+  GuardedScratch(int splits, int64_t rows, int64_t width)
+      : out_floats(rows * splits * width), lse_floats(rows * splits) {
+    if (splits == 1) return;
+    const float guard = __uint_as_float(kGuardBits);
+    out.assign(kGuardFloats + out_floats + kGuardFloats, guard);
+    lse.assign(kGuardFloats + lse_floats + kGuardFloats, guard);
+    std::fill_n(out.begin() + kGuardFloats, out_floats, std::nanf(""));
+    std::fill_n(lse.begin() + kGuardFloats, lse_floats, std::nanf(""));
+  }
+  float* partial_out() { return out.empty() ? nullptr : out.data() + kGuardFloats; }
+  float* partial_lse() { return lse.empty() ? nullptr : lse.data() + kGuardFloats; }
+  // -2 (and the emulation's first error set) when a kernel wrote outside the scratch, else 0.
+  int check() const {
+    if (out.empty() || (guards_intact(out, out_floats) && guards_intact(lse, lse_floats))) return 0;
+    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
+    return -2;
+  }
+};
 }  // namespace
 
 // What the CUDA binding does between its checks and the launch, for params filled but for the
@@ -118,31 +143,14 @@ static int plan_and_launch(DecodeAttentionParams& p, int64_t elem_bytes, int sm_
   if (!kvcache_ext::head_dim_supported(p.head_dim)) return -1;
   plan_decode_attention(p, sm_count);
   plan_out[0] = p.rows_per_block, plan_out[1] = p.row_chunks, plan_out[2] = p.splits, plan_out[3] = p.vector_loads;
-  const int64_t rows = p.batch * p.q_heads * p.num_new;
-  const int64_t partial_out_floats = rows * p.splits * p.head_dim, partial_lse_floats = rows * p.splits;
-  // Each scratch array between guards; the inside NaN-filled: anything the combine reads that
-  // the split kernel did not write shows up.
-  std::vector<float> partial_out, partial_lse;
-  if (p.splits > 1) {
-    const float guard = __uint_as_float(kGuardBits);
-    partial_out.assign(kGuardFloats + partial_out_floats + kGuardFloats, guard);
-    partial_lse.assign(kGuardFloats + partial_lse_floats + kGuardFloats, guard);
-    std::fill_n(partial_out.begin() + kGuardFloats, partial_out_floats, std::nanf(""));
-    std::fill_n(partial_lse.begin() + kGuardFloats, partial_lse_floats, std::nanf(""));
-    p.partial_out = partial_out.data() + kGuardFloats;
-    p.partial_lse = partial_lse.data() + kGuardFloats;
-  }
+  GuardedScratch scratch(p.splits, p.batch * p.q_heads * p.num_new, p.head_dim);
+  p.partial_out = scratch.partial_out();
+  p.partial_lse = scratch.partial_lse();
   max_emulated_blocks = max_blocks;
   const cudaError_t status = launch_decode_attention(p, nullptr);
-  last_partial_lse.assign(partial_lse.begin() + (p.splits > 1 ? kGuardFloats : 0),
-                          partial_lse.begin() + (p.splits > 1 ? kGuardFloats + partial_lse_floats : 0));
+  last_partial_lse.assign(p.partial_lse, p.partial_lse ? p.partial_lse + scratch.lse_floats : p.partial_lse);
   if (status != cudaSuccess) return status;
-  if (p.splits > 1 &&
-      !(guards_intact(partial_out, partial_out_floats) && guards_intact(partial_lse, partial_lse_floats))) {
-    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
-    return -2;
-  }
-  return 0;
+  return scratch.check();
 }
 
 extern "C" {
@@ -265,27 +273,13 @@ int emu_latent_attention(int elem, int format, const void* q, const int64_t* q_s
   if (forced_vector_loads >= 0) p.vector_loads = forced_vector_loads != 0;
   plan_latent_attention(p, sm_count);
   plan_out[0] = p.row_chunks, plan_out[1] = p.splits, plan_out[2] = p.vector_loads;
-  const int64_t rows = p.batch * p.q_heads * p.num_new;
-  const int64_t partial_out_floats = rows * p.splits * p.value_dim, partial_lse_floats = rows * p.splits;
-  std::vector<float> partial_out, partial_lse;
-  if (p.splits > 1) {
-    const float guard = __uint_as_float(kGuardBits);
-    partial_out.assign(kGuardFloats + partial_out_floats + kGuardFloats, guard);
-    partial_lse.assign(kGuardFloats + partial_lse_floats + kGuardFloats, guard);
-    std::fill_n(partial_out.begin() + kGuardFloats, partial_out_floats, std::nanf(""));
-    std::fill_n(partial_lse.begin() + kGuardFloats, partial_lse_floats, std::nanf(""));
-    p.partial_out = partial_out.data() + kGuardFloats;
-    p.partial_lse = partial_lse.data() + kGuardFloats;
-  }
+  GuardedScratch scratch(p.splits, p.batch * p.q_heads * p.num_new, p.value_dim);
+  p.partial_out = scratch.partial_out();
+  p.partial_lse = scratch.partial_lse();
   max_emulated_blocks = max_blocks;
   const cudaError_t status = launch_latent_attention(p, nullptr);
   if (status != cudaSuccess) return status;
-  if (p.splits > 1 &&
-      !(guards_intact(partial_out, partial_out_floats) && guards_intact(partial_lse, partial_lse_floats))) {
-    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
-    return -2;
-  }
-  return 0;
+  return scratch.check();
 }
 
 // What the CUDA binding does for append_latent_quantized after its checks. sizes: batch, kv_heads,
