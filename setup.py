@@ -37,6 +37,7 @@ cpu_sources = [
     "csrc/cpu/kivi_baseline.cpp",
     "csrc/cpu/latent_attention_cpu.cpp",
     "csrc/cpu/latent_append_quantized_cpu.cpp",
+    "csrc/cpu/paged_latent_append_cpu.cpp",
     "csrc/cpu/latent_attention_baseline.cpp",
 ]
 isas = ["baseline"]

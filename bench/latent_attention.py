@@ -3,7 +3,7 @@ attention at DeepSeek-V3's shape (128 heads, latents 576 wide, values 512), nati
 PyTorch.
 
     python bench/latent_attention.py [--lengths 4096 16384] [--batch 1] [--rounds 5] [--dtype bfloat16]
-                                     [--threads N] [--no-mqa] [--compare-dtypes] [--quantized]
+                                     [--threads N] [--no-mqa] [--compare-dtypes] [--quantized] [--paged]
 
 Memory: bytes one token of one layer takes in a latent ``KVCache`` (measured from an allocated
 cache) against the expanded per-head keys (192 wide) and values (128) a cache without latents holds.
@@ -27,6 +27,12 @@ attention over the bfloat16 latents at ``--error-length`` (synthetic latents: c 
 or, "outlier k_pe", each rotary channel scaled by 1 to 10), and the time of one decode call, the
 storages alternating round by round.
 
+``--paged`` instead times the paged latent kernel (``paged_latent_decode_attention`` over a pool of
+blocks of 64 rows, FlashMLA's and vLLM's block size, the blocks of each sequence in a random order)
+against the contiguous one on the same rows, bfloat16 (``--quantized`` too: int8 c with a bfloat16
+k_pe), the two alternating round by round; with ``--threads 1`` the times are the thread's CPU time
+(``time.thread_time``: what the call itself spent, whatever else loads the machine).
+
 GB/s counts the latent bytes the kernel must read once (``L * 576 * element size``); the copy line
 is ``copy_`` of the latents into a preallocated tensor of as many bytes (reads them once, writes
 them once).
@@ -34,6 +40,7 @@ them once).
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +212,50 @@ def quantized_time_table(lengths, rounds):
         print(f"| {L} | " + " | ".join(f"{t[n] * 1e3:.1f} ms" for n in names) + f" | {ratio:.2f}x |")
 
 
+def paged_time_table(lengths, batch, rounds, quantized, block_size=64):
+    cfg = MLA_CONFIGS["deepseek-v3"]
+    H, Dk, Dv, scale = cfg.n_heads, cfg.latent_dim, cfg.kv_lora_rank, cfg.softmax_scale
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    storage = "int8 c, bf16 k_pe" if quantized else "bf16"
+    print(
+        f"\nPaged vs contiguous latent kernel at DeepSeek-V3's shape (H={H}, key_dim={Dk}, value_dim={Dv}), "
+        f"B={batch}, {storage}, blocks of {block_size}, {clock.__name__}:"
+    )
+    print("| L | contiguous | paged | paged / contiguous |")
+    print("|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for L in lengths:
+        blocks_per_row = -(-L // block_size)
+        q = torch.randn(batch, H, 1, Dk, generator=g).bfloat16()
+        rows = torch.randn(batch, 1, blocks_per_row * block_size, Dk, generator=g).bfloat16()
+        lengths_t = torch.full((batch,), L, dtype=torch.long)
+        table = torch.randperm(batch * blocks_per_row, generator=g).view(batch, blocks_per_row).int()
+        # Row b's block j of rows goes to block table[b, j] of the pool.
+        blocks = rows.view(batch, 1, blocks_per_row, block_size, Dk).transpose(1, 2).flatten(0, 1)
+        pool = torch.empty_like(blocks)
+        pool[table.flatten().long()] = blocks
+        if quantized:
+            parts = [t.contiguous() if t is not None else None for t in quantize_latent(rows, Dv, "int8")]
+            pool_parts = [t.contiguous() if t is not None else None for t in quantize_latent(pool, Dv, "int8")]
+            fns = {
+                "contiguous": lambda: ops.latent_decode_attention_quantized(q, *parts, lengths_t, None, scale),
+                "paged": lambda: ops.paged_latent_decode_attention_quantized(
+                    q, *pool_parts, table, lengths_t, None, scale
+                ),
+            }
+        else:
+            fns = {
+                "contiguous": lambda: ops.latent_decode_attention(q, rows, lengths_t, Dv, None, scale),
+                "paged": lambda: ops.paged_latent_decode_attention(q, pool, table, lengths_t, Dv, None, scale),
+            }
+        t = alternating_medians(fns, rounds, clock)
+        print(
+            f"| {L} | {t['contiguous'] * 1e3:.2f} ms | {t['paged'] * 1e3:.2f} ms | "
+            f"{t['paged'] / t['contiguous']:.3f}x |"
+        )
+        del fns
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
@@ -216,6 +267,7 @@ def main():
     parser.add_argument("--compare-dtypes", action="store_true", help="time the kernel alone in each dtype")
     parser.add_argument("--quantized", action="store_true", help="compare the quantized latent caches with bf16")
     parser.add_argument("--error-length", type=int, default=4096, help="context length of --quantized's errors")
+    parser.add_argument("--paged", action="store_true", help="the paged latent kernel vs the contiguous one")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -223,6 +275,8 @@ def main():
     print(f"CPU: {cpu_model()}, torch threads: {torch.get_num_threads()}, torch {torch.__version__}")
     if args.compare_dtypes:
         return dtype_table(args.lengths, args.rounds)
+    if args.paged:
+        return paged_time_table(args.lengths, args.batch, args.rounds, args.quantized)
     if args.quantized:
         quantized_memory_table()
         quantized_error_table(args.error_length)

@@ -75,13 +75,28 @@ inline void check_new_counts_layout(const torch::stable::Tensor& new_counts, int
 }
 
 // The device-independent checks of a cache pair and its lengths: shapes, dtypes, layout.
+// Values of their own width (v's head_dim not k's, as MLA's expanded 192/128): where the
+// kernels allow it (value_dim_may_differ: the CPU's), v's last dimension is checked on its own.
+inline void check_value_shape(const torch::stable::Tensor& k, const torch::stable::Tensor& v, const char* k_name,
+                              const char* v_name, bool value_dim_may_differ) {
+  if (!value_dim_may_differ) {
+    STD_TORCH_CHECK(v.dim() == 4 && v.sizes().equals(k.sizes()), v_name, " must have ", k_name, "'s shape ",
+                    shape_of(k), ", got ", shape_of(v));
+    return;
+  }
+  STD_TORCH_CHECK(v.dim() == 4 && v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2), v_name,
+                  " must have ", k_name, "'s first three dimensions ", shape_of(k), " (its head_dim may differ), got ",
+                  shape_of(v));
+  STD_TORCH_CHECK(head_dim_supported(v.size(3)), "the values' head_dim must be a multiple of ", kHeadDimMultiple,
+                  " between ", kHeadDimMultiple, " and ", kMaxHeadDim, ", got ", v.size(3));
+}
+
 inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch::stable::Tensor& v_cache,
-                               const torch::stable::Tensor& lengths) {
+                               const torch::stable::Tensor& lengths, bool value_dim_may_differ = false) {
   using torch::headeronly::ScalarType;
   STD_TORCH_CHECK(k_cache.dim() == 4, "k_cache must be (batch, kv_heads, slots, head_dim), got shape ",
                   shape_of(k_cache));
-  STD_TORCH_CHECK(v_cache.dim() == 4 && v_cache.sizes().equals(k_cache.sizes()), "v_cache must have k_cache's shape ",
-                  shape_of(k_cache), ", got ", shape_of(v_cache));
+  check_value_shape(k_cache, v_cache, "k_cache", "v_cache", value_dim_may_differ);
   STD_TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must be ", dtype_name(k_cache.scalar_type()),
                   " like k_cache, got ", dtype_name(v_cache.scalar_type()));
   elem_type_of(k_cache, "k_cache");
@@ -107,11 +122,11 @@ inline void check_cache_layout(const torch::stable::Tensor& k_cache, const torch
 
 // The device-independent checks of a paged pool pair (num_blocks, kv_heads, block_size, head_dim):
 // shapes, dtypes, block size, layout. Returns log2(block_size).
-inline int64_t check_pool_layout(const torch::stable::Tensor& k_pool, const torch::stable::Tensor& v_pool) {
+inline int64_t check_pool_layout(const torch::stable::Tensor& k_pool, const torch::stable::Tensor& v_pool,
+                                 bool value_dim_may_differ = false) {
   STD_TORCH_CHECK(k_pool.dim() == 4, "k_pool must be (num_blocks, kv_heads, block_size, head_dim), got shape ",
                   shape_of(k_pool));
-  STD_TORCH_CHECK(v_pool.dim() == 4 && v_pool.sizes().equals(k_pool.sizes()), "v_pool must have k_pool's shape ",
-                  shape_of(k_pool), ", got ", shape_of(v_pool));
+  check_value_shape(k_pool, v_pool, "k_pool", "v_pool", value_dim_may_differ);
   STD_TORCH_CHECK(v_pool.scalar_type() == k_pool.scalar_type(), "v_pool must be ", dtype_name(k_pool.scalar_type()),
                   " like k_pool, got ", dtype_name(v_pool.scalar_type()));
   elem_type_of(k_pool, "k_pool");
@@ -167,14 +182,17 @@ inline void check_row_counts(const torch::stable::Tensor& t, int64_t batch, cons
                   shape_of(t));
 }
 
-// paged_append_kv's new keys/values against the pool: shapes and dtype. Returns num_new.
+// paged_append_kv's new keys/values against the pool: shapes and dtype. Returns num_new. value_dim:
+// the values' head_dim (v_pool's), -1 for the keys'.
 inline int64_t check_paged_new_tokens(const torch::stable::Tensor& k_pool, const torch::stable::Tensor& k_new,
-                                      const torch::stable::Tensor& v_new) {
-  const int64_t H = k_pool.size(1), D = k_pool.size(3);
-  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == D && t->sizes().equals(k_new.sizes()),
-                    "k_new and v_new must both be (batch, kv_heads=", H, ", num_new, head_dim=", D, "), got ",
-                    shape_of(k_new), " and ", shape_of(v_new));
+                                      const torch::stable::Tensor& v_new, int64_t value_dim = -1) {
+  const int64_t H = k_pool.size(1), D = k_pool.size(3), Dv = value_dim < 0 ? D : value_dim;
+  for (const auto& [t, name, width] : {std::tuple{&k_new, "k_new", D}, std::tuple{&v_new, "v_new", Dv}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(1) == H && t->size(3) == width && k_new.dim() == 4 &&
+                        t->size(0) == k_new.size(0) && t->size(2) == k_new.size(2),
+                    "k_new and v_new must be (batch, kv_heads=", H, ", num_new, head_dim=", D,
+                    ") and (batch, kv_heads=", H, ", num_new, ", Dv, "), got ", shape_of(k_new), " and ",
+                    shape_of(v_new));
     STD_TORCH_CHECK(t->scalar_type() == k_pool.scalar_type(), name, " must be ", dtype_name(k_pool.scalar_type()),
                     " like the pool, got ", dtype_name(t->scalar_type()));
   }
@@ -245,12 +263,16 @@ inline std::vector<int64_t> row_new_counts(const std::optional<torch::stable::Te
 
 // append_kv's new keys/values against the cache: shapes, dtype, equal token counts, at most as
 // many tokens as slots. Returns the number of new tokens. (Devices are each binding's to check.)
+// append_kv's new keys/values against the cache: shapes and dtype. Returns num_new. value_dim: the
+// values' head_dim (v_cache's), -1 for the keys'.
 inline int64_t check_new_tokens(const torch::stable::Tensor& k_cache, const torch::stable::Tensor& k_new,
-                                const torch::stable::Tensor& v_new) {
+                                const torch::stable::Tensor& v_new, int64_t value_dim = -1) {
   const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  for (const auto& [t, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
-    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D, name, " must be (batch=", B,
-                    ", kv_heads=", H, ", num_new, head_dim=", D, ") like the cache, got ", shape_of(*t));
+  for (const auto& [t, name, width] :
+       {std::tuple{&k_new, "k_new", D}, std::tuple{&v_new, "v_new", value_dim < 0 ? D : value_dim}}) {
+    STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == width, name,
+                    " must be (batch=", B, ", kv_heads=", H, ", num_new, head_dim=", width, ") like the cache, got ",
+                    shape_of(*t));
     STD_TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), name, " must be ", dtype_name(k_cache.scalar_type()),
                     " like the cache, got ", dtype_name(t->scalar_type()));
   }

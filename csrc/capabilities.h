@@ -31,6 +31,11 @@ constexpr int64_t kMaxBlockSize = 256;
 constexpr int64_t kMaxLatentKeyDim = 1024;
 constexpr int64_t kMaxLatentKeyDimCuda = 576;
 
+// Plain and paged caches whose values have a head_dim of their own (any supported head_dim,
+// independent of the keys'; MLA's expanded 192/128): the CPU kernels take them, the CUDA ones not yet.
+constexpr bool kCpuValueDimMayDiffer = true;
+constexpr bool kCudaValueDimMayDiffer = false;
+
 inline bool block_size_supported(int64_t block_size) {
   return block_size >= 1 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0;
 }
@@ -61,8 +66,15 @@ inline std::string capabilities_json(bool cuda) {
          ", \"paged_kv_formats\": " + kKvFormatsJson +
          // KIVI formats the kernels store and attend over (contiguous caches, CPU only).
          ", \"kivi_kv_formats\": " + (cuda ? "[]" : kKiviFormatsJson) +
+         // Values of a head_dim of their own in plain and paged caches.
+         ", \"independent_value_head_dim\": " +
+         ((cuda ? kCudaValueDimMayDiffer : kCpuValueDimMayDiffer) ? "true" : "false") +
          // Widest latent cache row the latent kernel takes (0: none on this device).
          ", \"latent_max_key_dim\": " + std::to_string(cuda ? kMaxLatentKeyDimCuda : kMaxLatentKeyDim) +
+         // Widest row of a paged latent pool (paged_latent_decode_attention; 0: no kernel on this device).
+         ", \"paged_latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
+         // Quantized formats of paged latent pools (the latent ones, in blocks).
+         ", \"paged_latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") +
          // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token):
          // the same on both devices.
          ", \"latent_kv_formats\": [\"int8\", \"fp8_e4m3\"]}";

@@ -147,4 +147,31 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   m.def(
       "append_latent_quantized(Tensor(a!) c_data, Tensor(b!) c_scales, Tensor(c!) k_pe, Tensor(d!)? k_pe_scales, "
       "Tensor latent_new, Tensor lengths, Tensor? new_counts=None) -> ()");
+
+  // Paged latent pools (python_ref/paged.py's latent pools): per layer, one pool [num_blocks,
+  // kv_heads, block_size, key_dim] of latent rows (the latent layout with blocks in place of rows);
+  // block_tables, lengths, new_counts and the refusals as for paged_append_kv / paged_decode_attention.
+  // paged_append_latent writes token t < new_counts[b] of latent_new [batch, kv_heads, num_new,
+  // key_dim] (the pool's dtype) to position lengths[b] + t of row b, as it comes;
+  // paged_latent_decode_attention is latent_decode_attention's over the positions the tables hold,
+  // the latent kernel in its block-table address mode (each row read once for all query heads).
+  m.def(
+      "paged_append_latent(Tensor(a!) pool, Tensor latent_new, Tensor block_tables, Tensor lengths, "
+      "Tensor? new_counts=None) -> ()");
+  m.def(
+      "paged_latent_decode_attention(Tensor q, Tensor pool, Tensor block_tables, Tensor lengths, int value_dim, "
+      "int? window=None, float? scale=None) -> (Tensor out, Tensor lse)");
+  // Their quantized forms: the quantized latent layout with blocks in place of rows, c_data [num_blocks,
+  // kv_heads, block_size, value_dim] codes with c_scales [num_blocks, kv_heads, block_size] float32, k_pe
+  // [num_blocks, kv_heads, block_size, rope] in q's dtype or codes with k_pe_scales; the append quantizes
+  // exactly as append_latent_quantized, the attention is latent_decode_attention_quantized's over the
+  // positions the tables hold; block_tables, lengths, new_counts and the refusals as above.
+  m.def(
+      "paged_append_latent_quantized(Tensor(a!) c_data, Tensor(b!) c_scales, Tensor(c!) k_pe, "
+      "Tensor(d!)? k_pe_scales, Tensor latent_new, Tensor block_tables, Tensor lengths, Tensor? new_counts=None) -> "
+      "()");
+  m.def(
+      "paged_latent_decode_attention_quantized(Tensor q, Tensor c_data, Tensor c_scales, Tensor k_pe, "
+      "Tensor? k_pe_scales, Tensor block_tables, Tensor lengths, int? window=None, float? scale=None) "
+      "-> (Tensor out, Tensor lse)");
 }

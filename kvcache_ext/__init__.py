@@ -5,7 +5,9 @@
 ``decode_attention_quantized`` behind ``KVCache(kv_dtype=...)``; ``paged_append_kv`` and
 ``paged_decode_attention`` for block pools, their ``_quantized`` forms for quantized ones; ``latent_decode_attention`` behind
 ``KVCache(value_dim=...)``, multi-head latent attention, ``latent_decode_attention_quantized`` and
-``append_latent_quantized`` behind it with ``kv_dtype``; ``append_kv_kivi`` and ``decode_attention_kivi``
+``append_latent_quantized`` behind it with ``kv_dtype``, ``paged_append_latent`` and
+``paged_latent_decode_attention`` behind ``PagedKVCache(value_dim=...)``, their ``_quantized`` forms with
+``kv_dtype``; ``append_kv_kivi`` and ``decode_attention_kivi``
 behind ``KVCache(kv_dtype="int4_kivi")`` and the other per-channel-key formats); ``capabilities(device)`` is the table of what the
 kernels support. ``PagedKVCache`` keeps many sequences in one pool of blocks (shared
 copy-on-write, prompt prefixes cached, blocks released as they leave a sliding window);
@@ -29,8 +31,12 @@ from .ops import (
     latent_decode_attention_quantized,
     paged_append_kv,
     paged_append_kv_quantized,
+    paged_append_latent,
+    paged_append_latent_quantized,
     paged_decode_attention,
     paged_decode_attention_quantized,
+    paged_latent_decode_attention,
+    paged_latent_decode_attention_quantized,
 )
 from .kivi_ops import append_kv_kivi, decode_attention_kivi
 from .paged import BlockPool, PagedKVCache, PoolExhaustedError
@@ -53,6 +59,10 @@ __all__ = [
     "latent_decode_attention",
     "latent_decode_attention_quantized",
     "append_latent_quantized",
+    "paged_append_latent",
+    "paged_latent_decode_attention",
+    "paged_append_latent_quantized",
+    "paged_latent_decode_attention_quantized",
     "append_kv_kivi",
     "decode_attention_kivi",
     "build_info",

@@ -18,6 +18,7 @@ from .storage import (
     check_kivi_format,
     check_kv_format,
     check_latent_format,
+    check_value_head_dim,
     contiguous_layout,
     kv_format,
 )
@@ -51,6 +52,11 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
     (:class:`kvcache_ext.storage.QuantizedLatentLayout`, attended by
     ``latent_decode_attention_quantized``). Not with ``sink_tokens``.
 
+    ``v_head_dim`` gives the values a head_dim of their own (None: ``head_dim``), as MLA's expanded
+    form (keys 192, values 128) and some research models have: ``attend`` returns ``(B, H_q, T,
+    v_head_dim)``. Caches in ``dtype`` (no ``kv_dtype``), where the device's kernels take it
+    (``capabilities(device).independent_value_head_dim``); every other option works with it.
+
     The cache is the row state (:class:`python_ref.row_state.RowState`, ``rows``: ``lengths``,
     ``seq_length``, the ring's rules, the step in progress) over a storage layout
     (:mod:`kvcache_ext.storage`, ``storage``: the buffers and the ops that read and write them).
@@ -78,6 +84,7 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         kv_dtype: str | torch.dtype | None = None,
         value_dim: int | None = None,
         quantize_rope: bool = False,
+        v_head_dim: int | None = None,
     ):
         super().__init__()
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
@@ -94,11 +101,16 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             check_latent_format(dtype, head_dim, value_dim, device, fmt, quantize_rope)
             if sink_tokens:
                 raise ValueError(f"a latent cache (value_dim) keeps no sink tokens, got sink_tokens={sink_tokens}")
+        if v_head_dim is not None and value_dim is not None:
+            raise ValueError(
+                "a latent cache's values are its keys' first value_dim columns: give value_dim or v_head_dim"
+            )
+        check_value_head_dim(v_head_dim, head_dim, fmt, device)
         self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
         self.num_layers, self.kv_heads, self.head_dim, self.value_dim = num_layers, kv_heads, head_dim, value_dim
         if value_dim is None:
             self.storage = contiguous_layout(
-                fmt, num_layers, batch_size, kv_heads, self.rows.slots, head_dim, dtype, device
+                fmt, num_layers, batch_size, kv_heads, self.rows.slots, head_dim, dtype, device, v_head_dim
             )
         elif fmt is None:
             self.storage = LatentLayout(
@@ -120,9 +132,10 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         if sink_tokens:
             # In dtype whatever kv_dtype is. One more slot than sink tokens: writes of later positions
             # go to that scratch slot, so storing a step's sink tokens needs no host read of which they are.
-            sink_shape = (num_layers, batch_size, kv_heads, sink_tokens + 1, head_dim)
-            self.register_buffer("sink_k", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer("sink_v", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
+            sink_shape = (num_layers, batch_size, kv_heads, sink_tokens + 1)
+            for name, width in (("sink_k", head_dim), ("sink_v", self.v_head_dim)):
+                buffer = torch.zeros((*sink_shape, width), dtype=dtype, device=device)
+                self.register_buffer(name, buffer, persistent=False)
         self._sink_tokens = sink_tokens  # read by every layer's attend: a plain attribute
         # During a step, once its first layer is checked: the arguments' shapes, dtypes and scale, and
         # the plan its layers run: the storage's append and attention, the window, and the pieces the
@@ -185,7 +198,7 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         rows.check_in_step()
         shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale)
         expected = (rows.batch_size, self.kv_heads, rows.num_new, self.head_dim)
-        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.lengths.device)
+        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.lengths.device, self.v_head_dim)
         pieces = rows.pieces()
         if len(pieces) > 1:  # the first piece is the largest
             first = slice(0, pieces[0][1])
@@ -266,6 +279,8 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
 
     def storage_meta(self) -> dict:
         meta = {"dtype": saved_state.dtype_name(self.dtype), "kv_dtype": self.kv_dtype, "value_dim": self.value_dim}
+        if self.v_head_dim != self.head_dim and self.value_dim is None:
+            meta["v_head_dim"] = self.v_head_dim
         if getattr(self.storage, "quantize_rope", False):
             meta["quantize_rope"] = True
         return meta
@@ -282,11 +297,15 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
         quantize_rope = meta.get("quantize_rope", False)
         if not isinstance(quantize_rope, bool):
             raise ValueError(f"{path}: quantize_rope must be true or false, got {quantize_rope!r}")
+        v_head_dim = meta.get("v_head_dim")  # files of caches whose values are the keys' width have none
+        if v_head_dim is not None and (not isinstance(v_head_dim, int) or isinstance(v_head_dim, bool)):
+            raise ValueError(f"{path}: v_head_dim must be None or an int, got {v_head_dim!r}")
         return {
             "dtype": saved_state.saved_dtype(meta["dtype"], path),
             "kv_dtype": kv_dtype,
             "value_dim": value_dim,
             "quantize_rope": quantize_rope,
+            "v_head_dim": v_head_dim,
         }
 
     def save(self, path, fingerprint: str = "") -> None:
@@ -311,13 +330,13 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
 
     # -- memory ---------------------------------------------------------------------------------
     def bytes_allocated(self) -> int:
-        sinks = 2 * self.sink_k.numel() * self.sink_k.element_size() if self.sink_tokens else 0
+        sinks = (self.sink_k.numel() + self.sink_v.numel()) * self.dtype.itemsize if self.sink_tokens else 0
         return self.storage.bytes_allocated() + sinks
 
     def bytes_used(self) -> int:
         held = min(self.seq_length, self.slots)
         sinks = min(self.seq_length, self.sink_tokens)
-        per_sink = 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        per_sink = self.num_layers * self.kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
         return self.batch_size * (self.storage.bytes_per_slot() * held + per_sink * sinks)
 
     def extra_repr(self) -> str:
@@ -326,6 +345,7 @@ class KVCache(RowOperations, StorageAttributes, nn.Module):
             mode += f", sink_tokens={self.sink_tokens}"
         fmt = f", kv_dtype={self.kv_dtype}" if self.kv_dtype else ""
         fmt += f", value_dim={self.value_dim} (latent)" if self.value_dim else ""
+        fmt += f", v_head_dim={self.v_head_dim}" if self.v_head_dim != self.head_dim and not self.value_dim else ""
         return (
             f"layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.kv_heads}, "
             f"head_dim={self.head_dim}, {mode}, dtype={self.dtype}{fmt}"

@@ -69,6 +69,13 @@ class Capabilities:
     # kernel takes on this device; 0: no latent kernel here, and latent_decode_attention runs
     # python_ref's latent reference (same semantics and checks).
     latent_max_key_dim: int = 0
+    # Widest row of a paged latent pool (python_ref/paged.py's latent pools) the native paged latent
+    # ops take on this device; 0: none here, and they run python_ref's paged latent reference (same
+    # semantics and checks).
+    paged_latent_max_key_dim: int = 0
+    # Quantized latent formats the native paged latent ops store on this device; the others run
+    # python_ref's paged quantized latent reference (same semantics and checks).
+    paged_latent_kv_formats: tuple[str, ...] = ()
     # Quantized latent formats (python_ref/latent.py) the native latent kernel stores and attends
     # over on this device; where it has no latent kernel, python_ref's reference serves them all.
     latent_kv_formats: tuple[str, ...] = ()
@@ -76,6 +83,9 @@ class Capabilities:
     # device through the native KIVI ops (or, on the python fallback, python_ref's KIVI reference);
     # what they refuse: KIVI_UNSUPPORTED.
     kivi_kv_formats: tuple[str, ...] = ()
+    # Whether plain and paged caches may keep values of a head_dim of their own (any the table
+    # takes, independent of the keys': MLA's expanded 192/128); quantized and KIVI caches may not.
+    independent_value_head_dim: bool = False
 
     @property
     def native(self) -> bool:
@@ -85,10 +95,10 @@ class Capabilities:
         if dtype not in self.dtypes:
             raise TypeError(f"{what} must be one of {self.dtypes} on {self.device_type}, got {dtype}")
 
-    def check_head_dim(self, head_dim: int) -> None:
+    def check_head_dim(self, head_dim: int, what: str = "head_dim") -> None:
         m, top = self.head_dim_multiple, self.max_head_dim
         if head_dim % m or not m <= head_dim <= top:
-            raise ValueError(f"head_dim must be a multiple of {m} between {m} and {top}, got {head_dim}")
+            raise ValueError(f"{what} must be a multiple of {m} between {m} and {top}, got {head_dim}")
 
     def check_slots(self, slots: int) -> None:
         if not 1 <= slots <= self.max_slots:
@@ -143,7 +153,10 @@ def kernel_table(device_type: str) -> Capabilities:
         paged_kv_formats=tuple(table["paged_kv_formats"]),
         latent_max_key_dim=table["latent_max_key_dim"],
         latent_kv_formats=tuple(table["latent_kv_formats"]),
+        paged_latent_max_key_dim=table["paged_latent_max_key_dim"],
+        paged_latent_kv_formats=tuple(table["paged_latent_kv_formats"]),
         kivi_kv_formats=tuple(table.get("kivi_kv_formats", ())),
+        independent_value_head_dim=table["independent_value_head_dim"],
     )
 
 
@@ -163,6 +176,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         paged_kv_formats=(),
         latent_kv_formats=LATENT_FORMATS,
         kivi_kv_formats=tuple(KIVI_FORMATS),
+        independent_value_head_dim=True,
     )
 
 
@@ -180,6 +194,7 @@ LIMIT_TITLES = {
     "kernels": "kernels",
     "dtypes": "dtypes",
     "head_dim": "head_dim",
+    "value_head_dim": "values' `head_dim` (`v_head_dim`)",
     "group": "query heads per KV head",
     "length": "tokens per row (`lengths`)",
     "slots": "slots",
@@ -187,6 +202,7 @@ LIMIT_TITLES = {
     "paged_block_sizes": "paged `block_size`",
     "paged_kv_formats": "paged quantized `kv_dtype`",
     "latent": "latent (MLA) `key_dim`",
+    "paged_latent": "paged latent (MLA) `key_dim`",
     "kivi_kv_formats": "per-channel-key (KIVI) `kv_dtype`",
 }
 
@@ -200,6 +216,9 @@ def readable_limits(table: Capabilities) -> dict[str, str]:
         "kernels": table.kernels,
         "dtypes": ", ".join(str(d).removeprefix("torch.") for d in table.dtypes),
         "head_dim": f"multiples of {m} from {m} to {table.max_head_dim}" if m > 1 else "any",
+        "value_head_dim": "any head_dim, independent of the keys' (plain and paged caches)"
+        if table.independent_value_head_dim
+        else "the keys' head_dim",
         "group": "any" if table.max_group is None else f"at most {table.max_group}",
         "length": f"0 to {readable_count(table.max_length)}",
         "slots": f"at most {readable_count(table.max_slots)}",
@@ -214,6 +233,10 @@ def readable_limits(table: Capabilities) -> dict[str, str]:
         + (", ".join(table.latent_kv_formats) or "none")
         if table.latent_max_key_dim
         else "none (python_ref's latent reference runs)",
+        "paged_latent": f"multiples of {m} from {m} to {table.paged_latent_max_key_dim}; quantized: "
+        + (", ".join(table.paged_latent_kv_formats) or "none")
+        if table.paged_latent_max_key_dim
+        else "none (python_ref's paged latent reference runs)",
         "kivi_kv_formats": ", ".join(table.kivi_kv_formats) or "none",
     }
 

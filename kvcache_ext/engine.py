@@ -57,9 +57,12 @@ class _Request:
 
 
 class Engine:
-    """Serves many generation requests at once on ``model`` (a python_ref GPT-2 or Llama) with
-    ``cache``; each request's tokens are those ``python_ref.generate`` gives it alone (greedy, or
-    sampled with the request's own generator).
+    """Serves many generation requests at once on ``model`` (a python_ref GPT-2, Llama or MLA model)
+    with ``cache``; each request's tokens are those ``python_ref.generate`` gives it alone (greedy, or
+    sampled with the request's own generator). The cache must hold what the model stores
+    (``model.kv_shape``: layers, KV heads, head width; a latent cache's ``value_dim``, ``model.value_dim``).
+    An MLA model (absorbed form) is served by a latent cache, ``PagedKVCache(..., head_dim=kv_lora_rank
+    + qk_rope_head_dim, value_dim=kv_lora_rank)``, which keeps one latent row per token for all heads.
 
     ``chunk_size``: the most prompt tokens a request reads per step. ``max_batch_size``: the most
     requests running at once (None: as many as the pool holds). ``eos_id``: a request that generates
@@ -91,6 +94,19 @@ class Engine:
             raise TypeError(f"prefix_caching must be a bool, got {prefix_caching!r}")
         if cache.pool.sequences:
             raise ValueError("the cache must hold no sequences: the engine names them by its request ids")
+        shape = getattr(model, "kv_shape", None)  # what the model's layers store, where it says
+        held = dict(num_layers=cache.num_layers, kv_heads=cache.kv_heads, head_dim=cache.head_dim)
+        if shape is not None and shape != held:
+            raise ValueError(
+                f"the cache holds {cache.kv_heads} KV heads of {cache.head_dim} values in {cache.num_layers} layers; "
+                f"the model stores {shape['kv_heads']} of {shape['head_dim']} in {shape['num_layers']}"
+            )
+        if cache.value_dim is not None and cache.value_dim != getattr(model, "value_dim", None):
+            raise ValueError(
+                f"a latent cache (value_dim={cache.value_dim}) holds rows whose first value_dim columns are the "
+                "values: it serves a model that stores such rows (python_ref's MLA model in its absorbed form, "
+                f"value_dim = kv_lora_rank), and this model's value_dim is {getattr(model, 'value_dim', None)}"
+            )
         self.model, self.cache = model.eval(), cache
         self.chunk_size, self.max_batch_size, self.eos_id = chunk_size, max_batch_size, eos_id
         self.prefix_caching = prefix_caching
@@ -323,7 +339,7 @@ class Engine:
             step_counts = torch.tensor(counts)
             try:
                 logits = self.model(
-                    padded.to(self.cache.k.device), self.cache, counts=step_counts, logits_at=step_counts - 1
+                    padded.to(self.cache.device), self.cache, counts=step_counts, logits_at=step_counts - 1
                 )
                 break
             except PoolExhaustedError:  # raised before the pass changed anything

@@ -3,7 +3,8 @@
 Check once, run many. Every public op ``X`` (``append_kv``, ``decode_attention``, ``gather_rows``,
 ``append_kv_quantized``, ``decode_attention_quantized``, ``paged_append_kv``, ``paged_decode_attention``,
 ``paged_append_kv_quantized``, ``paged_decode_attention_quantized``, ``latent_decode_attention``,
-``latent_decode_attention_quantized``, ``append_latent_quantized``)
+``latent_decode_attention_quantized``, ``append_latent_quantized``, ``paged_append_latent``,
+``paged_latent_decode_attention``, ``paged_append_latent_quantized``, ``paged_latent_decode_attention_quantized``)
 comes in three forms with one signature:
 
 * ``check_X(...)`` makes every check ``X`` makes of its arguments, in Python, and changes nothing:
@@ -69,6 +70,14 @@ _CPU_LATENT, _CUDA_LATENT = (
     _CPU_NATIVE and _CPU_TABLE.latent_max_key_dim > 0,
     _CUDA_NATIVE and _CUDA_TABLE.latent_max_key_dim > 0,
 )
+_CPU_PAGED_LATENT = _CPU_PAGED and _CPU_TABLE.paged_latent_max_key_dim > 0
+_CUDA_PAGED_LATENT = _CUDA_PAGED and _CUDA_TABLE.paged_latent_max_key_dim > 0
+_CPU_PAGED_LATENT_QUANTIZED = _CPU_PAGED_LATENT and set(_CPU_TABLE.paged_latent_kv_formats) == set(
+    latent_ref.LATENT_FORMATS
+)
+_CUDA_PAGED_LATENT_QUANTIZED = _CUDA_PAGED_LATENT and set(_CUDA_TABLE.paged_latent_kv_formats) == set(
+    latent_ref.LATENT_FORMATS
+)
 _CPU_LATENT_QUANTIZED = _CPU_LATENT and set(_CPU_TABLE.latent_kv_formats) == set(latent_ref.LATENT_FORMATS)
 _CUDA_LATENT_QUANTIZED = _CUDA_LATENT and set(_CUDA_TABLE.latent_kv_formats) == set(latent_ref.LATENT_FORMATS)
 if _native.available:
@@ -84,6 +93,10 @@ if _native.available:
     _latent_decode_attention_op = torch.ops.kvcache_ext.latent_decode_attention.default
     _latent_decode_attention_quantized_op = torch.ops.kvcache_ext.latent_decode_attention_quantized.default
     _append_latent_quantized_op = torch.ops.kvcache_ext.append_latent_quantized.default
+    _paged_append_latent_op = torch.ops.kvcache_ext.paged_append_latent.default
+    _paged_latent_decode_attention_op = torch.ops.kvcache_ext.paged_latent_decode_attention.default
+    _paged_append_latent_quantized_op = torch.ops.kvcache_ext.paged_append_latent_quantized.default
+    _paged_latent_decode_attention_quantized_op = torch.ops.kvcache_ext.paged_latent_decode_attention_quantized.default
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -101,14 +114,24 @@ def _check_buffer_pair(first, second, names, layout, check_dim2) -> None:
     a, b = names
     if len(shape) != 4:
         raise ValueError(f"{a} must be {layout}, got shape {tuple(shape)}")
-    if second.shape != shape:
-        raise ValueError(f"{b} must have {a}'s shape {tuple(shape)}, got {tuple(second.shape)}")
+    second_shape = second.shape
+    if second_shape != shape:
+        if second.device == device and capabilities(device).independent_value_head_dim:
+            if len(second_shape) != 4 or second_shape[:3] != shape[:3]:
+                raise ValueError(
+                    f"{b} must have {a}'s first three dimensions {tuple(shape[:3])} (its head_dim may differ), got "
+                    f"{tuple(second_shape)}"
+                )
+        else:
+            raise ValueError(f"{b} must have {a}'s shape {tuple(shape)}, got {tuple(second_shape)}")
     if second.device != device:
         raise ValueError(f"{a} and {b} must be on one device, got {device} and {second.device}")
     table = capabilities(device)
     if dtype not in table.dtypes or second.dtype != dtype:
         raise TypeError(f"{a} and {b} must share one of {table.dtypes}, got {dtype} and {second.dtype}")
     table.check_head_dim(shape[3])
+    if second_shape[3] != shape[3]:
+        table.check_head_dim(second_shape[3], "the values' head_dim")
     check_dim2(table, shape[2])
     first_strides, second_strides = first.stride(), second.stride()
     if first_strides[3] != 1 or second_strides[3] != 1:
@@ -189,8 +212,8 @@ def check_append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) ->
     """Every check of :func:`append_kv`'s arguments (values of ``lengths`` and ``new_counts`` as
     :func:`check_length_values` checks them)."""
     check_cache_pair(k_cache, v_cache)
-    B, H, S, D = k_cache.shape
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
+    B, H, S, _ = k_cache.shape
+    for name, t, D in (("k_new", k_new, k_cache.shape[3]), ("v_new", v_new, v_cache.shape[3])):
         if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != D:
             raise ValueError(f"{name} must be (batch={B}, kv_heads={H}, num_new, head_dim={D}), got {tuple(t.shape)}")
         if t.dtype != k_cache.dtype:
@@ -253,10 +276,11 @@ def check_queries(q, B, H_kv, S, D, device, window, scale, softcap, sinks) -> No
             raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
-def _attention_outputs_like(q) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``(out, lse)`` of an attention op for queries ``q`` (the fake implementations' result)."""
-    B, H_q, T, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H_q, T), dtype=torch.float32)
+def _attention_outputs_like(q, value_dim=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(out, lse)`` of an attention op for queries ``q`` and values ``value_dim`` wide (None:
+    q's head_dim), the fake implementations' result."""
+    B, H_q, T, D = q.shape
+    return q.new_empty((B, H_q, T, value_dim or D)), q.new_empty((B, H_q, T), dtype=torch.float32)
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, lengths, new_counts=None) -> None:
@@ -369,7 +393,7 @@ if _native.available:
     @torch.library.register_fake("kvcache_ext::decode_attention")
     def _decode_attention_fake(q, k_cache, v_cache, lengths, window=None, scale=None, softcap=None, sinks=None):
         _check_one_device(q, k_cache, v_cache, lengths, sinks)
-        return _attention_outputs_like(q)
+        return _attention_outputs_like(q, v_cache.shape[3])
 
     @torch.library.register_fake("kvcache_ext::gather_rows")
     def _gather_rows_fake(k_cache, v_cache, src_rows):
@@ -692,7 +716,7 @@ if _native.available:
         q, k_pool, v_pool, block_tables, lengths, window=None, scale=None, softcap=None, sinks=None
     ):
         _check_one_device(q, k_pool, v_pool, block_tables, lengths, sinks)
-        return _attention_outputs_like(q)
+        return _attention_outputs_like(q, v_pool.shape[3])
 
 
 # ---- quantized paged pools ------------------------------------------------------------------
@@ -896,18 +920,30 @@ def check_latent_decode_attention(q, cache, lengths, value_dim, window=None, sca
         raise TypeError(f"cache must be one of {table.dtypes}, got {cache.dtype}")
     if q.dtype != cache.dtype:
         raise TypeError(f"q must have the cache's dtype {cache.dtype}, got {q.dtype}")
-    m = table.head_dim_multiple
-    top = table.latent_max_key_dim or 2**31 - 1  # no latent kernel: python_ref's reference takes any width
-    if Dk % m or not m <= Dk <= top:
-        raise ValueError(f"the latent cache's width (key_dim) must be a multiple of {m} from {m} to {top}, got {Dk}")
-    if not isinstance(value_dim, int) or isinstance(value_dim, bool) or value_dim % m or not m <= value_dim <= Dk:
-        raise ValueError(f"value_dim must be a multiple of {m} from {m} to the cache's width {Dk}, got {value_dim!r}")
+    _check_latent_widths(table, table.latent_max_key_dim, Dk, value_dim)
     table.check_slots(S)
     if cache.stride(3) != 1:
         raise ValueError(f"cache needs a contiguous last (key_dim) dimension, got stride {cache.stride(3)}")
     check_queries(q, B, H_kv, S, Dk, cache.device, window, scale, None, None)
     check_lengths(lengths, B, cache.device)
     check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
+
+
+def _check_latent_widths(table, max_key_dim: int, key_dim: int, value_dim) -> None:
+    """A latent row of ``key_dim`` values whose first ``value_dim`` are the values (None: an append,
+    which stores every column), for a kernel taking rows up to ``max_key_dim`` (0: no kernel here,
+    python_ref's reference runs, any width)."""
+    m, top = table.head_dim_multiple, max_key_dim or 2**31 - 1
+    if key_dim % m or not m <= key_dim <= top:
+        raise ValueError(
+            f"the latent cache's width (key_dim) must be a multiple of {m} from {m} to {top}, got {key_dim}"
+        )
+    if value_dim is None:
+        return
+    if not isinstance(value_dim, int) or isinstance(value_dim, bool) or value_dim % m or not m <= value_dim <= key_dim:
+        raise ValueError(
+            f"value_dim must be a multiple of {m} from {m} to the cache's width {key_dim}, got {value_dim!r}"
+        )
 
 
 def run_latent_decode_attention(q, cache, lengths, value_dim, window=None, scale=None):
@@ -950,24 +986,32 @@ if _native.available:
 _LATENT_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-def check_quantized_latent_cache(c_data, c_scales, k_pe, k_pe_scales, dtype) -> tuple[int, int]:
-    """Shapes, dtypes, layout and device of a quantized latent cache whose unquantized k_pe (if any)
-    is in ``dtype``, against the capability table; returns ``(key_dim, value_dim)``."""
+def check_quantized_latent_cache(c_data, c_scales, k_pe, k_pe_scales, dtype, paged=False) -> tuple[int, int]:
+    """Shapes, dtypes, layout and device of a quantized latent cache (``paged``: a paged pool of blocks)
+    whose unquantized k_pe (if any) is in ``dtype``, against the capability table; returns
+    ``(key_dim, value_dim)``."""
+    entries, slots = ("num_blocks", "block_size") if paged else ("batch", "slots")
     if c_data.dim() != 4:
-        raise ValueError(f"c_data must be (batch, kv_heads, slots, value_dim), got shape {tuple(c_data.shape)}")
+        raise ValueError(f"c_data must be ({entries}, kv_heads, {slots}, value_dim), got shape {tuple(c_data.shape)}")
     if c_data.dtype not in _LATENT_CODE_DTYPES:
         raise TypeError(f"c_data must be int8 (int8) or float8_e4m3fn (fp8_e4m3) codes, got {c_data.dtype}")
     B, H, S, Dv = c_data.shape
     device = c_data.device
     table = capabilities(device)
     fmt = latent_ref.latent_format(c_data)
-    if table.latent_max_key_dim and fmt not in table.latent_kv_formats:
-        raise TypeError(f"the {table.kernels} stores quantized latents {table.latent_kv_formats}, not {fmt!r}")
+    max_key_dim, formats = (
+        (table.paged_latent_max_key_dim, table.paged_latent_kv_formats)
+        if paged
+        else (table.latent_max_key_dim, table.latent_kv_formats)
+    )
+    if max_key_dim and fmt not in formats:
+        raise TypeError(f"the {table.kernels} stores quantized latents {formats}, not {fmt!r}")
     if dtype not in table.dtypes:
         raise TypeError(f"the queries' dtype must be one of {table.dtypes}, got {dtype}")
     if k_pe.dim() != 4 or tuple(k_pe.shape[:3]) != (B, H, S) or k_pe.shape[3] < 1:
         raise ValueError(
-            f"k_pe must be (batch={B}, kv_heads={H}, slots={S}, rope >= 1), the rotary part, got {tuple(k_pe.shape)}"
+            f"k_pe must be ({entries}={B}, kv_heads={H}, {slots}={S}, rope >= 1), the rotary part, got "
+            f"{tuple(k_pe.shape)}"
         )
     expected = c_data.dtype if k_pe_scales is not None else dtype
     if k_pe.dtype != expected:
@@ -979,12 +1023,15 @@ def check_quantized_latent_cache(c_data, c_scales, k_pe, k_pe_scales, dtype) -> 
                 f"{name} must be float32 of shape {(B, H, S)} (one per token), got {t.dtype} of shape {tuple(t.shape)}"
             )
     Dk = Dv + k_pe.shape[3]
-    m, top = table.head_dim_multiple, table.latent_max_key_dim or 2**31 - 1
-    if Dk % m or not m <= Dk <= top:
-        raise ValueError(f"the latent cache's width (key_dim) must be a multiple of {m} from {m} to {top}, got {Dk}")
-    if Dv % m or Dv < m:
+    _check_latent_widths(table, max_key_dim, Dk, None)
+    if Dv % table.head_dim_multiple or Dv < table.head_dim_multiple:
+        m = table.head_dim_multiple
         raise ValueError(f"value_dim (c_data's width) must be a multiple of {m}, at least {m}, got {Dv}")
-    table.check_slots(S)
+    if paged:
+        if S not in PAGED_BLOCK_SIZES:
+            raise ValueError(f"block_size (c_data's dimension 2) must be one of {PAGED_BLOCK_SIZES}, got {S}")
+    else:
+        table.check_slots(S)
     if c_data.stride(3) != 1 or (k_pe.shape[3] > 1 and k_pe.stride(3) != 1):
         raise ValueError("c_data and k_pe need a contiguous last dimension")
     for name, t in (("c_data", c_data), ("c_scales", c_scales), ("k_pe", k_pe), ("k_pe_scales", k_pe_scales)):
@@ -1082,3 +1129,226 @@ if _native.available:
     def _append_latent_quantized_fake(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts=None):
         _check_one_device(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, new_counts)
         return None
+
+
+# ---- paged latent (MLA) pools -------------------------------------------------------------------
+# python_ref/paged.py's latent pools: per layer one pool (num_blocks, kv_heads, block_size, key_dim)
+# of latent rows, the latent layout with blocks in place of rows. Shapes, dtypes, devices and the
+# block size are checked here; the values of lengths, new_counts and table entries by whatever runs
+# the op, as for the paged ops above. Where the device has no paged latent kernel
+# (capabilities().paged_latent_max_key_dim == 0), python_ref's paged latent reference runs, with the
+# same checks.
+
+
+def check_latent_pool(pool: torch.Tensor, value_dim=None) -> None:
+    """Shape, dtype, block size, width (and ``value_dim``, unless None), layout and device of a
+    latent pool, against the capability table."""
+    if pool.dim() != 4:
+        raise ValueError(f"pool must be (num_blocks, kv_heads, block_size, key_dim), got shape {tuple(pool.shape)}")
+    table = capabilities(pool.device)
+    if pool.dtype not in table.dtypes:
+        raise TypeError(f"pool must be one of {table.dtypes}, got {pool.dtype}")
+    _check_latent_widths(table, table.paged_latent_max_key_dim, pool.shape[3], value_dim)
+    if pool.shape[2] not in PAGED_BLOCK_SIZES:
+        raise ValueError(f"block_size (pool's dimension 2) must be one of {PAGED_BLOCK_SIZES}, got {pool.shape[2]}")
+    if pool.stride(3) != 1:
+        raise ValueError(f"pool needs a contiguous last (key_dim) dimension, got stride {pool.stride(3)}")
+    if any(stride == 0 and size > 1 for stride, size in zip(pool.stride(), pool.shape)):
+        raise ValueError("pool must not be an expanded view (writes would collide)")
+
+
+def check_paged_append_latent(pool, latent_new, block_tables, lengths, new_counts=None) -> None:
+    """Every check :func:`paged_append_latent` makes in Python (the values of ``lengths``,
+    ``new_counts`` and the table are run_paged_append_latent's: see above)."""
+    check_latent_pool(pool)
+    paged.check_paged_latent_append_arguments(pool, latent_new, block_tables, lengths, new_counts)
+
+
+def run_paged_append_latent(pool, latent_new, block_tables, lengths, new_counts=None) -> None:
+    """:func:`paged_append_latent` on arguments that passed :func:`check_paged_append_latent`."""
+    if (pool.is_cpu and _CPU_PAGED_LATENT) or (pool.is_cuda and _CUDA_PAGED_LATENT):
+        _paged_append_latent_op(pool, latent_new, block_tables, lengths, new_counts)
+    else:
+        paged.paged_latent_append_reference(pool, latent_new, block_tables, lengths, new_counts)
+
+
+def paged_append_latent(pool, latent_new, block_tables, lengths, new_counts=None) -> None:
+    """Write the new latent rows ``latent_new`` ``(B, H_kv, T, key_dim)`` through the block tables into
+    ``pool`` ``(num_blocks, H_kv, block_size, key_dim)``, in place: token ``t < new_counts[b]``
+    (default: every ``t < T``) of row ``b`` goes to position ``lengths[b] + t``. Semantics and
+    refusals: ``python_ref.paged.paged_latent_append_reference`` (those of :func:`paged_append_kv`)."""
+    check_paged_append_latent(pool, latent_new, block_tables, lengths, new_counts)
+    run_paged_append_latent(pool, latent_new, block_tables, lengths, new_counts)
+
+
+def check_paged_latent_decode_attention(q, pool, block_tables, lengths, value_dim, window=None, scale=None) -> None:
+    """Every check :func:`paged_latent_decode_attention` makes in Python (the values of ``lengths``
+    and the table are run_paged_latent_decode_attention's)."""
+    check_latent_pool(pool, value_dim)
+    if q.dtype != pool.dtype:
+        raise TypeError(f"q must have the pool's dtype {pool.dtype}, got {q.dtype}")
+    paged.check_paged_latent_attention_arguments(q, pool, block_tables, lengths, window)
+    capacity = block_tables.shape[1] * pool.shape[2]  # positions a table holds
+    check_queries(q, q.shape[0], pool.shape[1], capacity, pool.shape[3], pool.device, window, scale, None, None)
+
+
+def run_paged_latent_decode_attention(q, pool, block_tables, lengths, value_dim, window=None, scale=None):
+    """:func:`paged_latent_decode_attention` on arguments that passed its check."""
+    if (pool.is_cpu and _CPU_PAGED_LATENT) or (pool.is_cuda and _CUDA_PAGED_LATENT):
+        return _paged_latent_decode_attention_op(
+            q, pool, block_tables, lengths, value_dim, window, None if scale is None else float(scale)
+        )
+    out, lse = paged.paged_latent_attention_reference(
+        q, pool, block_tables, lengths, value_dim, window, scale, return_lse=True
+    )
+    return out, lse.float()
+
+
+def paged_latent_decode_attention(q, pool, block_tables, lengths, value_dim, window=None, scale=None):
+    """:func:`latent_decode_attention` over the rows the block tables hold: ``q`` ``(B, H_q, T,
+    key_dim)``, ``pool`` ``(num_blocks, H_kv, block_size, key_dim)``, ``lengths`` (B,) int64 counting
+    each row's tokens, the ``T`` new ones included (``T <= lengths[b] <= max_blocks_per_row *
+    block_size``; no ring). Semantics: ``python_ref.paged.paged_latent_attention_reference``; only the
+    blocks some query sees are read (and must be valid ids), each row once for all query heads.
+    Returns ``(out, lse)``: ``out`` ``(B, H_q, T, value_dim)`` in q's dtype, ``lse`` float32."""
+    check_paged_latent_decode_attention(q, pool, block_tables, lengths, value_dim, window, scale)
+    return run_paged_latent_decode_attention(q, pool, block_tables, lengths, value_dim, window, scale)
+
+
+if _native.available:
+
+    @torch.library.register_fake("kvcache_ext::paged_append_latent")
+    def _paged_append_latent_fake(pool, latent_new, block_tables, lengths, new_counts=None):
+        _check_one_device(pool, latent_new, block_tables, lengths, new_counts)
+        return None
+
+    @torch.library.register_fake("kvcache_ext::paged_latent_decode_attention")
+    def _paged_latent_decode_attention_fake(q, pool, block_tables, lengths, value_dim, window=None, scale=None):
+        _check_one_device(q, pool, block_tables, lengths)
+        B, H_q, T, _ = q.shape
+        return q.new_empty((B, H_q, T, value_dim)), q.new_empty((B, H_q, T), dtype=torch.float32)
+
+
+# ---- quantized paged latent pools -------------------------------------------------------------
+# python_ref/paged.py's quantized latent pools: the quantized latent layout above with blocks in place
+# of rows, c_data (num_blocks, kv_heads, block_size, value_dim) codes with c_scales (num_blocks,
+# kv_heads, block_size), k_pe in the queries' dtype or as codes with k_pe_scales. Shapes, dtypes and
+# devices are checked here, the values of lengths, new_counts and table entries by whatever runs the
+# op; where the device's paged latent kernels do not store the format
+# (capabilities().paged_latent_kv_formats), python_ref's reference runs, with the same checks.
+
+
+def check_paged_append_latent_quantized(
+    c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts=None
+) -> None:
+    """Every check :func:`paged_append_latent_quantized` makes in Python (the values of ``lengths``,
+    ``new_counts`` and the table are run_paged_append_latent_quantized's)."""
+    Dk, _ = check_quantized_latent_cache(c_data, c_scales, k_pe, k_pe_scales, latent_new.dtype, paged=True)
+    H = c_data.shape[1]
+    if latent_new.dim() != 4 or latent_new.shape[1] != H or latent_new.shape[3] != Dk:
+        raise ValueError(
+            f"latent_new must be (batch, kv_heads={H}, num_new, key_dim={Dk}), got {tuple(latent_new.shape)}"
+        )
+    if latent_new.device != c_data.device:
+        raise ValueError(f"latent_new must be on the pool's device {c_data.device}, got {latent_new.device}")
+    B = latent_new.shape[0]
+    paged.check_block_tables(block_tables, B, c_data.device)
+    check_lengths(lengths, B, c_data.device)
+    check_new_counts(new_counts, B, c_data.device)
+
+
+def run_paged_append_latent_quantized(
+    c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts=None
+) -> None:
+    """:func:`paged_append_latent_quantized` on arguments that passed its check."""
+    if (c_data.is_cpu and _CPU_PAGED_LATENT_QUANTIZED) or (c_data.is_cuda and _CUDA_PAGED_LATENT_QUANTIZED):
+        _paged_append_latent_quantized_op(
+            c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts
+        )
+    else:
+        paged.paged_latent_append_quantized_reference(
+            c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts
+        )
+
+
+def paged_append_latent_quantized(
+    c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts=None
+) -> None:
+    """Quantize the new latent rows ``latent_new`` ``(B, H_kv, T, key_dim)`` through the block tables
+    into a quantized latent pool, exactly as :func:`append_latent_quantized` quantizes them: token ``t <
+    new_counts[b]`` of row ``b`` to position ``lengths[b] + t``. Semantics and refusals:
+    ``python_ref.paged.paged_latent_append_quantized_reference`` (those of :func:`paged_append_kv`)."""
+    check_paged_append_latent_quantized(
+        c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts
+    )
+    run_paged_append_latent_quantized(
+        c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts
+    )
+
+
+def check_paged_latent_decode_attention_quantized(
+    q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths, window=None, scale=None
+) -> None:
+    """Every check :func:`paged_latent_decode_attention_quantized` makes in Python (the values of
+    ``lengths`` and the table are its run form's)."""
+    Dk, _ = check_quantized_latent_cache(c_data, c_scales, k_pe, k_pe_scales, q.dtype, paged=True)
+    if q.dim() != 4:
+        raise ValueError(f"q must be (batch, q_heads, num_new, key_dim={Dk}), got shape {tuple(q.shape)}")
+    paged.check_block_tables(block_tables, q.shape[0], c_data.device)
+    capacity = block_tables.shape[1] * c_data.shape[2]  # positions a table holds
+    check_queries(q, q.shape[0], c_data.shape[1], capacity, Dk, c_data.device, window, scale, None, None)
+    check_lengths(lengths, q.shape[0], c_data.device)
+
+
+def run_paged_latent_decode_attention_quantized(
+    q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths, window=None, scale=None
+):
+    """:func:`paged_latent_decode_attention_quantized` on arguments that passed its check."""
+    if (c_data.is_cpu and _CPU_PAGED_LATENT_QUANTIZED) or (c_data.is_cuda and _CUDA_PAGED_LATENT_QUANTIZED):
+        return _paged_latent_decode_attention_quantized_op(
+            q,
+            c_data,
+            c_scales,
+            k_pe,
+            k_pe_scales,
+            block_tables,
+            lengths,
+            window,
+            None if scale is None else float(scale),
+        )
+    out, lse = paged.paged_quantized_latent_attention_reference(
+        q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths, window, scale, return_lse=True
+    )
+    return out, lse.float()
+
+
+def paged_latent_decode_attention_quantized(
+    q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths, window=None, scale=None
+):
+    """:func:`paged_latent_decode_attention` over a quantized latent pool, the codes dequantized as the
+    kernel reads them: ``python_ref.paged.paged_quantized_latent_attention_reference``. Returns ``(out,
+    lse)``: ``out`` ``(B, H_q, T, value_dim)`` in q's dtype, ``value_dim`` c_data's width."""
+    check_paged_latent_decode_attention_quantized(
+        q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths, window, scale
+    )
+    return run_paged_latent_decode_attention_quantized(
+        q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths, window, scale
+    )
+
+
+if _native.available:
+
+    @torch.library.register_fake("kvcache_ext::paged_append_latent_quantized")
+    def _paged_append_latent_quantized_fake(
+        c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts=None
+    ):
+        _check_one_device(c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts)
+        return None
+
+    @torch.library.register_fake("kvcache_ext::paged_latent_decode_attention_quantized")
+    def _paged_latent_decode_attention_quantized_fake(
+        q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths, window=None, scale=None
+    ):
+        _check_one_device(q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths)
+        B, H_q, T, _ = q.shape
+        return q.new_empty((B, H_q, T, c_data.shape[3])), q.new_empty((B, H_q, T), dtype=torch.float32)

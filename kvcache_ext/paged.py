@@ -1,7 +1,7 @@
 """A paged KV cache: one pool of fixed-size blocks serves every sequence, as in vLLM's PagedAttention.
 
 :class:`PagedKVCache` is the cache protocol of ``python_ref/caches.py`` over a paged storage layout
-(:mod:`kvcache_ext.storage`: pools of blocks, plain or quantized) and a :class:`BlockPool`
+(:mod:`kvcache_ext.storage`: pools of blocks, plain, quantized or of latent rows) and a :class:`BlockPool`
 (``kvcache_ext/block_pool.py``: block tables, sharing copy-on-write, the prefix cache, blocks released
 as they leave a sliding window). A step's block tables and lengths are built and checked once, at
 ``start_step``; every layer then runs the paged ops unchecked.
@@ -19,7 +19,15 @@ from python_ref.caches import check_step_tensors, checked_step_counts
 from .block_pool import BlockPool, PoolExhaustedError, checked_token_ids
 from .prefix_tiers import DiskTier, HostTier, check_disk_tier_arguments, check_host_tier_bytes
 from .storage.layout import StorageAttributes
-from .storage import check_kv_format, kv_format, paged_layout
+from .storage import (
+    PagedLatentLayout,
+    PagedQuantizedLatentLayout,
+    check_kv_format,
+    check_latent_format,
+    check_value_head_dim,
+    kv_format,
+    paged_layout,
+)
 from .storage.paged import check_block_size
 
 __all__ = ["BlockPool", "PagedKVCache", "PoolExhaustedError"]
@@ -48,7 +56,19 @@ class PagedKVCache(StorageAttributes):
     (``python_ref/quantize.py``), as ``KVCache(kv_dtype=...)`` does: then
     ``k``/``v`` hold the codes, ``(num_layers, num_blocks, kv_heads, block_size, head_dim)`` (head_dim / 2
     bytes for int4), and ``k_scale``/``v_scale`` their scales, which copy-on-write copies with them;
-    ``dtype`` stays that of q, k, v and the attention output.
+    ``dtype`` stays that of q, k, v and the attention output. ``v_head_dim`` gives unquantized values a
+    head_dim of their own, as ``KVCache(v_head_dim=...)`` does (``v`` then ``(..., v_head_dim)``).
+
+    ``value_dim`` (None: keys and values): a latent (MLA) cache, as ``KVCache(value_dim=...)`` is:
+    per token one row of ``head_dim`` values (the key; DeepSeek: ``kv_heads=1``, ``head_dim`` 576 =
+    ``[c, k_pe]``) whose first ``value_dim`` columns (512, ``c``) are the value, stored once in a
+    pool ``latent`` ``(num_layers, num_blocks, kv_heads, block_size, head_dim)`` (block size 64 as
+    FlashMLA and vLLM use; any ``block_size`` the pools take works). ``attend`` then takes the new
+    latents as both ``k`` and ``v`` and returns ``(B, H_q, T, value_dim)``, each cached row read once
+    for all query heads (``paged_latent_decode_attention``). With ``kv_dtype`` ``"int8"`` or
+    ``"fp8_e4m3"`` the pools hold the quantized latent layout, as ``KVCache(value_dim=...,
+    kv_dtype=...)`` does: ``c`` as codes with one scale per token, ``k_pe`` in ``dtype`` or, with
+    ``quantize_rope``, as codes too.
 
     ``window=W`` (None: every token is attended): sliding-window attention in every layer, as
     ``KVCache(window=W)`` and ``reference_attention(window=W)`` have it (the query at position ``p``
@@ -82,12 +102,25 @@ class PagedKVCache(StorageAttributes):
         disk_tier_bytes: int | None = None,
         fingerprint: str | None = None,
         host_tier_bytes: int | None = None,
+        value_dim: int | None = None,
+        quantize_rope: bool = False,
+        v_head_dim: int | None = None,
     ):
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         fmt = kv_format(kv_dtype)
-        check_kv_format(fmt, dtype, head_dim, device, "PagedKVCache dtype")
+        if value_dim is None:
+            check_kv_format(fmt, dtype, head_dim, device, "PagedKVCache dtype")
+            if quantize_rope:
+                raise ValueError("quantize_rope is a latent cache's (value_dim) option")
+        else:
+            check_latent_format(dtype, head_dim, value_dim, device, fmt, quantize_rope)
+        if v_head_dim is not None and value_dim is not None:
+            raise ValueError(
+                "a latent cache's values are its keys' first value_dim columns: give value_dim or v_head_dim"
+            )
+        check_value_head_dim(v_head_dim, head_dim, fmt, device)
         check_block_size(block_size)
         if disk_tier is not None:
             check_disk_tier_arguments(disk_tier, disk_tier_bytes, fingerprint)
@@ -96,11 +129,23 @@ class PagedKVCache(StorageAttributes):
         if host_tier_bytes is not None:
             check_host_tier_bytes(host_tier_bytes, device)
         self.pool = BlockPool(num_blocks, block_size, window)  # checks window before any pool is allocated
-        self.storage = paged_layout(fmt, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device)
+        if value_dim is None:
+            self.storage = paged_layout(
+                fmt, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device, v_head_dim
+            )
+        elif fmt is None:
+            self.storage = PagedLatentLayout(
+                num_layers, num_blocks, kv_heads, block_size, head_dim, value_dim, dtype, device
+            )
+        else:
+            self.storage = PagedQuantizedLatentLayout(
+                num_layers, num_blocks, kv_heads, block_size, head_dim, value_dim, dtype, fmt, quantize_rope, device
+            )
         self.disk_tier = None if disk_tier is None else DiskTier(disk_tier, disk_tier_bytes, fingerprint, self.storage)
         self.host_tier = None if host_tier_bytes is None else HostTier(host_tier_bytes, self.storage, self.disk_tier)
         self.pool.tier = self.host_tier or self.disk_tier
         self.num_layers, self.kv_heads, self.head_dim, self.block_size = num_layers, kv_heads, head_dim, block_size
+        self.value_dim = value_dim
         self._rows: list = []
         self._new_tokens: list[list[int]] | None = None  # what the next step feeds each row, if known
         # during a step: (T, block tables, lengths before, counts or None) on the device, and the
@@ -109,6 +154,11 @@ class PagedKVCache(StorageAttributes):
         self._step_counts: list[int] | None = None
         self._lengths_after = None  # during a step: each row's tokens with the step's included
         self._step_shapes = None  # during a step, once its first layer is checked: its arguments' shapes
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pools live (the step's tensors must be there too)."""
+        return self.storage.device
 
     # -- sequences ------------------------------------------------------------------------------
     def add_sequence(self, seq_id, prompt: Sequence[int] | None = None) -> int:
@@ -189,9 +239,9 @@ class PagedKVCache(StorageAttributes):
                 raise RuntimeError("no rows scheduled: call schedule(seq_ids) before a step")
             # Rows are created by the first attend, which sees the batch size.
             self._step, self._step_counts = (num_new, None, None, None), counts
-            return torch.arange(num_new, device=self.k.device).unsqueeze(0)
+            return torch.arange(num_new, device=self.device).unsqueeze(0)
         self._reserve(num_new, counts)
-        return self._step[2].unsqueeze(1) + torch.arange(num_new, device=self.k.device)
+        return self._step[2].unsqueeze(1) + torch.arange(num_new, device=self.device)
 
     def attend(self, layer, q, k, v, scale=None):
         if self._step is None:
@@ -202,7 +252,7 @@ class PagedKVCache(StorageAttributes):
             self._step_shapes
         ):
             expected = (batch, self.kv_heads, num_new, self.head_dim)
-            check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.k.device)
+            check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.device, self.v_head_dim)
         if block_tables is None:  # the first step of an unscheduled cache: one new sequence per row
             counts = self._step_counts or [num_new] * batch
             if len(counts) != batch:
@@ -273,7 +323,7 @@ class PagedKVCache(StorageAttributes):
         lengths and counts on the device."""
         copies = self.pool.reserve(dict(zip(self._rows, counts or [num_new] * len(self._rows))))
         if copies:
-            sources, targets = (torch.tensor(ids, device=self.k.device) for ids in zip(*copies))
+            sources, targets = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
             self.storage.copy_entries(sources, targets)
         tables = [self.pool.block_table(seq_id) for seq_id in self._rows]
         held = [self.pool.length(seq_id) for seq_id in self._rows]
@@ -283,8 +333,8 @@ class PagedKVCache(StorageAttributes):
         # window of every query of the step (padding's included), which the ops neither check nor read.
         width = max(max(len(table) for table in tables), -(-(max(held) + num_new) // self.block_size))
         block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
-        lengths = torch.tensor(held, dtype=torch.long).to(self.k.device)
-        step_counts = None if counts is None else torch.tensor(counts, dtype=torch.long).to(self.k.device)
-        self._step, self._step_counts = (num_new, block_tables.to(self.k.device), lengths, step_counts), counts
+        lengths = torch.tensor(held, dtype=torch.long).to(self.device)
+        step_counts = None if counts is None else torch.tensor(counts, dtype=torch.long).to(self.device)
+        self._step, self._step_counts = (num_new, block_tables.to(self.device), lengths, step_counts), counts
         self._lengths_after = lengths + num_new
         self._step_shapes = None

@@ -114,6 +114,8 @@ class DiskTier:
             "head_dim": storage.head_dim,
             "num_layers": storage.num_layers,
         }
+        if storage.v_head_dim != storage.head_dim:  # values of their own width (absent: the keys')
+            self.layout["v_head_dim"] = storage.v_head_dim
         # One block of every buffer: the layers, then the block's own dimensions (codes as bytes).
         self.expected = {name: ((t.shape[0], *t.shape[2:]), as_bytes(t).dtype) for name, t in storage.tensors().items()}
         self.stats = TierStats()
@@ -413,6 +415,7 @@ def inspect_directory(directory) -> dict:
                         "block_size",
                         "kv_heads",
                         "head_dim",
+                        "v_head_dim",
                         "num_layers",
                     )
                 },

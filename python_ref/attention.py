@@ -102,8 +102,10 @@ def _check_shapes(q, k_cache, v_cache, lengths, window):
             "expected q (B, H_q, T, D) and k_cache/v_cache (B, H_kv, S, D), got ranks "
             f"{q.dim()}, {k_cache.dim()}, {v_cache.dim()}"
         )
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:  # the values' head_dim is theirs (the output's)
+        raise ValueError(
+            f"k_cache and v_cache must match in (B, H_kv, S), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     B, H_q, T, D = q.shape
     if k_cache.shape[0] != B or k_cache.shape[3] != D:
         raise ValueError(f"k_cache must be (B={B}, H_kv, S, D={D}), got {tuple(k_cache.shape)}")

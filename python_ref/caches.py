@@ -147,17 +147,18 @@ def start_forward(cache, idx: torch.Tensor, context_length: int, counts=None, lo
     return positions.to(idx.device)
 
 
-def check_step_tensors(layer, num_layers, q, k, v, expected, dtype, device) -> None:
+def check_step_tensors(layer, num_layers, q, k, v, expected, dtype, device, v_head_dim=None) -> None:
     """What every cache's ``attend`` checks of one layer's arguments before it stores anything:
-    the layer index, ``k``/``v`` of shape ``expected`` = ``(batch, kv_heads, num_new, head_dim)``
-    and ``q`` ``(batch, H_q, num_new, head_dim)`` with ``H_q`` a multiple of ``kv_heads``, all three
-    in the cache's float ``dtype`` on its ``device``."""
+    the layer index, ``k`` of shape ``expected`` = ``(batch, kv_heads, num_new, head_dim)``, ``v``
+    the same with ``v_head_dim`` (None: head_dim) and ``q`` ``(batch, H_q, num_new, head_dim)`` with
+    ``H_q`` a multiple of ``kv_heads``, all three in the cache's float ``dtype`` on its ``device``."""
     if not 0 <= layer < num_layers:
         raise IndexError(f"layer must be in [0, {num_layers}), got {layer}")
     batch, kv_heads, num_new, head_dim = expected
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != expected:
-            raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {expected}, got {tuple(t.shape)}")
+    expected_v = (batch, kv_heads, num_new, v_head_dim or head_dim)
+    for name, t, shape in (("k", k, expected), ("v", v, expected_v)):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape (B, H_kv, T, D) = {shape}, got {tuple(t.shape)}")
     if q.dim() != 4 or q.shape[0] != batch or q.shape[2:] != (num_new, head_dim) or q.shape[1] % kv_heads:
         raise ValueError(
             f"q must have shape (B={batch}, H_q (a multiple of {kv_heads}), T={num_new}, D={head_dim}), "
@@ -278,7 +279,8 @@ class ConcatCache:
 class PreallocatedCache(RowOperations, nn.Module):
     """Buffers allocated once, written in place; optionally a sliding window as a ring buffer.
 
-    Buffers are ``(num_layers, batch, kv_heads, slots, head_dim)``. Without a window,
+    Buffers are ``(num_layers, batch, kv_heads, slots, head_dim)``, the values' ``v_head_dim`` wide
+    where they have a width of their own (None: ``head_dim``; MLA's expanded form). Without a window,
     ``slots = max_cache_len`` and offering more tokens raises :class:`CacheOverflowError`.
     With ``window=W`` the cache keeps the last W tokens of each row (plus room for one
     chunk of new tokens, so that every query of a chunk still sees its full window):
@@ -326,22 +328,23 @@ class PreallocatedCache(RowOperations, nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         sink_tokens: int = 0,
+        v_head_dim: int | None = None,
     ):
         super().__init__()
-        for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        for name, value in (
+            ("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("v_head_dim", v_head_dim)
+        ):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.rows = RowState.checked(batch_size, max_cache_len, window, chunk_size, sink_tokens, device)
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        shape = (num_layers, batch_size, kv_heads, self.rows.slots, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        if sink_tokens:
-            # One more slot than sink tokens: writes of later positions go to that scratch slot, so
-            # that storing a step's sink tokens needs no host read of which tokens they are.
-            sink_shape = (num_layers, batch_size, kv_heads, sink_tokens + 1, head_dim)
-            self.register_buffer("sink_k", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer("sink_v", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False)
+        self.num_layers, self.kv_heads, self.head_dim, self.v_head_dim = num_layers, kv_heads, head_dim, v_head_dim
+        # One more sink slot than sink tokens: writes of later positions go to that scratch slot, so
+        # that storing a step's sink tokens needs no host read of which tokens they are.
+        slots = {"k": self.rows.slots, "v": self.rows.slots, "sink_k": sink_tokens + 1, "sink_v": sink_tokens + 1}
+        for name in ("k", "v", "sink_k", "sink_v") if sink_tokens else ("k", "v"):
+            shape = (num_layers, batch_size, kv_heads, slots[name], v_head_dim if name.endswith("v") else head_dim)
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     # -- protocol -------------------------------------------------------------------------
     def reset(self) -> None:
@@ -356,7 +359,7 @@ class PreallocatedCache(RowOperations, nn.Module):
         rows = self.rows
         rows.check_in_step()
         expected = (rows.batch_size, self.kv_heads, rows.num_new, self.head_dim)
-        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.k.dtype, self.k.device)
+        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.k.dtype, self.k.device, self.v_head_dim)
         outs = []
         for offset, size in rows.pieces():
             piece = slice(offset, offset + size)
@@ -378,8 +381,10 @@ class PreallocatedCache(RowOperations, nn.Module):
         return {"sink_k": self.sink_k[..., : self.sink_tokens, :], "sink_v": self.sink_v[..., : self.sink_tokens, :]}
 
     def storage_meta(self) -> dict:
-        """The saved metadata that names the storage format: here the keys' and values' dtype."""
-        return {"dtype": saved_state.dtype_name(self.k.dtype)}
+        """The saved metadata that names the storage format: here the keys' and values' dtype (and the
+        values' head_dim where it is their own)."""
+        meta = {"dtype": saved_state.dtype_name(self.k.dtype)}
+        return meta if self.v_head_dim == self.head_dim else {**meta, "v_head_dim": self.v_head_dim}
 
     @classmethod
     def storage_kwargs(cls, meta: dict, path) -> dict:
@@ -388,7 +393,10 @@ class PreallocatedCache(RowOperations, nn.Module):
             raise ValueError(
                 f"{path} holds a quantized cache (kv_dtype {meta['kv_dtype']!r}): load it with kvcache_ext.KVCache.load"
             )
-        return {"dtype": saved_state.saved_dtype(meta["dtype"], path)}
+        v_head_dim = meta.get("v_head_dim")
+        if v_head_dim is not None and (not isinstance(v_head_dim, int) or isinstance(v_head_dim, bool)):
+            raise ValueError(f"{path}: v_head_dim must be None or an int, got {v_head_dim!r}")
+        return {"dtype": saved_state.saved_dtype(meta["dtype"], path), "v_head_dim": v_head_dim}
 
     def save(self, path, fingerprint: str = "") -> None:
         """Write the cache to ``path`` as safetensors (no pickle): the held slots of every layer,
@@ -455,7 +463,7 @@ class PreallocatedCache(RowOperations, nn.Module):
         return sum(t.numel() * t.element_size() for t in self.buffers(recurse=False))
 
     def bytes_used(self) -> int:
-        per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * self.k.element_size()
+        per_token = self.num_layers * self.kv_heads * (self.head_dim + self.v_head_dim) * self.k.element_size()
         return per_token * self.batch_size * (min(self.seq_length, self.slots) + min(self.seq_length, self.sink_tokens))
 
     def extra_repr(self) -> str:
@@ -465,4 +473,5 @@ class PreallocatedCache(RowOperations, nn.Module):
         return (
             f"layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.kv_heads}, "
             f"head_dim={self.head_dim}, {mode}, dtype={self.k.dtype}"
+            + (f", v_head_dim={self.v_head_dim}" if self.v_head_dim != self.head_dim else "")
         )

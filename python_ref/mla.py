@@ -18,8 +18,8 @@ So a cache needs to hold only ``[c, k_pe]`` per token and layer (576 values for 
 of 128 heads x (192 + 128). Two forms of the same function are written out here:
 
 * the **expanded** form (``form="expanded"``), the readable definition: expand every cached latent
-  into per-head keys and values and run ordinary attention. A cache then holds the expanded keys and
-  the values, zero-padded to the key width (the cache protocol takes one head size);
+  into per-head keys and values and run ordinary attention. A cache then holds the expanded keys
+  (``qk_nope_head_dim + qk_rope_head_dim`` wide) and values (``v_head_dim``: a width of their own);
 * the **absorbed** form (``form="absorbed"``, the default): since ``q_nope_h . (W_UK_h c) =
   (q_nope_h W_UK_h) . c``, each head's query becomes ``[q_nope_h W_UK_h, q_pe_h]`` (576 wide), the
   scores are taken against ``[c, k_pe]`` directly, the softmax-weighted sum runs over ``c`` (the
@@ -302,14 +302,13 @@ class LatentAttention(nn.Module):
 
     def _expanded(self, q_nope, q_pe, c, k_pe, W_UK, W_UV, cache):
         """Per-head keys ``[W_UK_h c, k_pe]`` and values ``W_UV_h c`` of the new tokens, stored and
-        attended as ordinary multi-head attention (values zero-padded to the key width)."""
+        attended as ordinary multi-head attention (values narrower than keys: v_head_dim)."""
         cfg = self.cfg
         k_nope = torch.einsum("bxtr,hdr->bhtd", c, W_UK)
         k = torch.cat([k_nope, k_pe.expand(-1, cfg.n_heads, -1, -1)], dim=-1)
         v = torch.einsum("bxtr,hdr->bhtd", c, W_UV)
-        v_padded = torch.cat([v, v.new_zeros(*v.shape[:-1], k.shape[-1] - cfg.v_head_dim)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return cache.attend(self.layer, q, k, v_padded, scale=cfg.softmax_scale)[..., : cfg.v_head_dim]
+        return cache.attend(self.layer, q, k, v, scale=cfg.softmax_scale)
 
     def _absorbed(self, q_nope, q_pe, c, k_pe, W_UK, W_UV, cache):
         """Queries ``[q_nope_h W_UK_h, q_pe_h]`` against the latents ``[c, k_pe]`` (one key head; the
@@ -350,12 +349,21 @@ class MLAModel(nn.Module):
 
     @property
     def kv_shape(self) -> dict:
-        """What a cache for this model in its current form must hold: layers, key/value heads, width
-        (absorbed: one head of ``[c, k_pe]``; expanded: every head's key width)."""
+        """What a cache for this model in its current form must hold: layers, key/value heads, widths
+        (absorbed: one head of ``[c, k_pe]``, the values its first columns; expanded: every head's key
+        width and its values' ``v_head_dim``)."""
         cfg = self.cfg
         if self.trf_blocks[0].att.form == "absorbed":
             return dict(num_layers=cfg.n_layers, kv_heads=1, head_dim=cfg.latent_dim)
-        return dict(num_layers=cfg.n_layers, kv_heads=cfg.n_heads, head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        key_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        return dict(num_layers=cfg.n_layers, kv_heads=cfg.n_heads, head_dim=key_width, v_head_dim=cfg.v_head_dim)
+
+    @property
+    def value_dim(self) -> int | None:
+        """The columns of a cached row that are its value, in the absorbed form: ``kv_lora_rank`` (the
+        latent ``c``; what a latent cache's ``value_dim`` must be). None in the expanded form, whose
+        caches hold separate keys and values."""
+        return self.cfg.kv_lora_rank if self.trf_blocks[0].att.form == "absorbed" else None
 
     @classmethod
     def from_state_dict(cls, cfg: MLAConfig, state: dict[str, torch.Tensor]) -> MLAModel:

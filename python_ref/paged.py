@@ -22,6 +22,7 @@ import torch
 
 from . import quantize
 from .attention import reference_attention
+from .latent import latent_format, quantize_latent, reference_latent_attention, reference_quantized_latent_attention
 
 BLOCK_TABLE_DTYPES = (torch.int32, torch.int64)
 
@@ -39,10 +40,10 @@ def check_block_tables(block_tables: torch.Tensor, batch: int, device: torch.dev
 
 
 def _check_pool(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
-    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
+    if k_pool.dim() != 4 or v_pool.dim() != 4 or v_pool.shape[:3] != k_pool.shape[:3]:
         raise ValueError(
-            "k_pool and v_pool must both be (num_blocks, kv_heads, block_size, head_dim), got shapes "
-            f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+            "k_pool and v_pool must both be (num_blocks, kv_heads, block_size, head_dim) (their head_dims may "
+            f"differ), got shapes {tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
         )
     if v_pool.dtype != k_pool.dtype or v_pool.device != k_pool.device:
         raise ValueError(
@@ -60,6 +61,14 @@ def _check_lengths(lengths: torch.Tensor, batch: int, device: torch.device, name
         )
     if lengths.device != device:
         raise ValueError(f"{name} must be on the pool's device {device}, got {lengths.device}")
+
+
+def _check_append_rows(block_tables, lengths, new_counts, batch: int, device: torch.device) -> None:
+    """Shapes, dtypes and devices of an append's ``block_tables``, ``lengths`` and ``new_counts``."""
+    check_block_tables(block_tables, batch, device)
+    _check_lengths(lengths, batch, device)
+    if new_counts is not None:
+        _check_lengths(new_counts, batch, device, "new_counts")
 
 
 def _first_bad_row(bad: torch.Tensor) -> int | None:
@@ -82,22 +91,19 @@ def check_paged_append_arguments(k_pool, v_pool, k_new, v_new, block_tables, len
     """Shapes, dtypes and devices of ``paged_append_reference``'s arguments (not the values of
     ``lengths``, ``new_counts`` and ``block_tables``: those need reading the tensors)."""
     _check_pool(k_pool, v_pool)
-    H, D = k_pool.shape[1], k_pool.shape[3]
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if t.dim() != 4 or t.shape[1] != H or t.shape[3] != D or t.shape != k_new.shape:
+    H = k_pool.shape[1]
+    for name, t, pool in (("k_new", k_new, k_pool), ("v_new", v_new, v_pool)):
+        D = pool.shape[3]
+        if t.dim() != 4 or t.shape[1] != H or t.shape[3] != D or t.shape[:3] != k_new.shape[:3]:
             raise ValueError(
-                f"k_new and v_new must both be (batch, kv_heads={H}, num_new, head_dim={D}), got "
-                f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"
+                f"k_new and v_new must both be (batch, kv_heads={H}, num_new, head_dim) with their pool's head_dim "
+                f"({k_pool.shape[3]}, {v_pool.shape[3]}), got {tuple(k_new.shape)} and {tuple(v_new.shape)}"
             )
         if t.dtype != k_pool.dtype or t.device != k_pool.device:
             raise TypeError(
                 f"{name} must be {k_pool.dtype} on {k_pool.device} like the pool, got {t.dtype} on {t.device}"
             )
-    B = k_new.shape[0]
-    check_block_tables(block_tables, B, k_pool.device)
-    _check_lengths(lengths, B, k_pool.device)
-    if new_counts is not None:
-        _check_lengths(new_counts, B, k_pool.device, "new_counts")
+    _check_append_rows(block_tables, lengths, new_counts, k_new.shape[0], k_pool.device)
 
 
 def _written_slots(pool, k_new, block_tables, lengths, counts):
@@ -334,11 +340,7 @@ def check_paged_append_quantized_arguments(
             )
         if t.device != k_data.device:
             raise ValueError(f"{name} must be on the pool's device {k_data.device}, got {t.device}")
-    B = k_new.shape[0]
-    check_block_tables(block_tables, B, k_data.device)
-    _check_lengths(lengths, B, k_data.device)
-    if new_counts is not None:
-        _check_lengths(new_counts, B, k_data.device, "new_counts")
+    _check_append_rows(block_tables, lengths, new_counts, k_new.shape[0], k_data.device)
 
 
 def paged_append_quantized_reference(
@@ -401,4 +403,154 @@ def paged_quantized_attention_reference(
         return_lse=return_lse,
         softcap=softcap,
         sinks=sinks,
+    )
+
+
+# ---- latent pools ------------------------------------------------------------------------------
+# The latent (MLA) layout of python_ref/latent.py with blocks in place of rows: per layer, one pool
+# (num_blocks, H_kv, block_size, key_dim) whose rows are the keys and whose first value_dim columns
+# are the values (DeepSeek: H_kv 1, rows [c, k_pe] of 512 + 64), stored once for every query head.
+# Block tables, lengths and new_counts mean what they mean above; the append writes the rows as they
+# come and the attention is latent.reference_latent_attention on the gathered rows, so a latent pool
+# and a contiguous latent cache holding the same rows agree by construction.
+
+
+def _check_latent_pool(pool) -> None:
+    if pool.dim() != 4 or pool.shape[2] < 1:
+        raise ValueError(
+            f"pool must be (num_blocks, kv_heads, block_size >= 1, key_dim), got shape {tuple(pool.shape)}"
+        )
+
+
+def check_paged_latent_append_arguments(pool, latent_new, block_tables, lengths, new_counts=None) -> None:
+    """Shapes, dtypes and devices of ``paged_latent_append_reference``'s arguments (not the values of
+    ``lengths``, ``new_counts`` and ``block_tables``)."""
+    _check_latent_pool(pool)
+    H, D = pool.shape[1], pool.shape[3]
+    if latent_new.dim() != 4 or latent_new.shape[1] != H or latent_new.shape[3] != D:
+        raise ValueError(
+            f"latent_new must be (batch, kv_heads={H}, num_new, key_dim={D}), got {tuple(latent_new.shape)}"
+        )
+    if latent_new.dtype != pool.dtype or latent_new.device != pool.device:
+        raise TypeError(
+            f"latent_new must be {pool.dtype} on {pool.device} like the pool, got {latent_new.dtype} on "
+            f"{latent_new.device}"
+        )
+    _check_append_rows(block_tables, lengths, new_counts, latent_new.shape[0], pool.device)
+
+
+def check_paged_latent_attention_arguments(q, pool, block_tables, lengths, window=None) -> None:
+    """Shapes, dtypes and devices of ``paged_latent_attention_reference``'s arguments (not the values
+    of ``lengths`` and ``block_tables``)."""
+    _check_latent_pool(pool)
+    _check_queries(q, pool.shape[1], pool.shape[3], pool.device, block_tables, lengths, window)
+
+
+def paged_latent_append_reference(pool, latent_new, block_tables, lengths, new_counts=None) -> None:
+    """:func:`paged_append_reference` for a latent pool: token ``t < new_counts[b]`` of row ``b`` of
+    ``latent_new`` ``(B, H_kv, T, key_dim)`` is written, as it comes, to position ``lengths[b] + t``
+    of the row, in place. The same refusals, before anything is written."""
+    check_paged_latent_append_arguments(pool, latent_new, block_tables, lengths, new_counts)
+    counts = _check_append_values(pool, latent_new, block_tables, lengths, new_counts)
+    rows, t, blocks, offsets = _written_slots(pool, latent_new, block_tables, lengths, counts)
+    pool[blocks, :, offsets] = latent_new[rows, :, t]
+
+
+def paged_latent_attention_reference(
+    q, pool, block_tables, lengths, value_dim, window=None, scale=None, return_lse=False
+):
+    """``latent.reference_latent_attention`` over the rows a block table holds: the rows of the
+    positions some query sees are gathered into a contiguous latent cache (slot ``p`` holds position
+    ``p``; the others hold zeros), the keys those rows and the values their first ``value_dim``
+    columns. ``q`` ``(B, H_q, T, key_dim)``; returns ``(B, H_q, T, value_dim)`` in q's dtype (and
+    with ``return_lse`` the log-sum-exp ``(B, H_q, T)`` float32). Lengths, window, the refusals and
+    the blocks read as for :func:`paged_attention_reference`."""
+    check_paged_latent_attention_arguments(q, pool, block_tables, lengths, window)
+    _check_attention_values(q, pool, block_tables, lengths, window)
+    gather = _row_gather(q.shape[2], pool.shape[2], block_tables, lengths, window)
+    return reference_latent_attention(
+        q, gather(pool), lengths, value_dim, window=window, scale=scale, return_lse=return_lse
+    )
+
+
+# ---- quantized latent pools --------------------------------------------------------------------
+# The quantized latent layout of python_ref/latent.py with blocks in place of rows: per layer, codes
+# c_data (num_blocks, H_kv, block_size, value_dim) of the latent c with float32 c_scales (num_blocks,
+# H_kv, block_size), and the rotary key k_pe (num_blocks, H_kv, block_size, rope) in the queries' dtype
+# or, with k_pe_scales, as codes with their own scales. The append quantizes with
+# latent.quantize_latent and the attention is latent.reference_quantized_latent_attention on the
+# gathered codes and scales, so a quantized latent pool and a contiguous quantized latent cache holding
+# the same codes agree by construction.
+
+
+def check_quantized_latent_pool(c_data, c_scales, k_pe, k_pe_scales) -> None:
+    """Shapes, dtypes and devices of a quantized latent pool (its format: c_data's dtype; k_pe codes
+    of that dtype with k_pe_scales, else any float dtype)."""
+    if c_data.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise TypeError(f"c_data must be int8 (int8) or float8_e4m3fn (fp8_e4m3) codes, got {c_data.dtype}")
+    if c_data.dim() != 4 or k_pe.dim() != 4 or tuple(k_pe.shape[:3]) != tuple(c_data.shape[:3]) or k_pe.shape[3] < 1:
+        raise ValueError(
+            "c_data and k_pe must be (num_blocks, kv_heads, block_size, width) with the same first three sizes, got "
+            f"{tuple(c_data.shape)} and {tuple(k_pe.shape)}"
+        )
+    if (k_pe_scales is not None) != (k_pe.dtype == c_data.dtype):
+        raise TypeError(f"k_pe must be codes like c_data ({c_data.dtype}) exactly when it has scales, got {k_pe.dtype}")
+    for name, t in (("c_scales", c_scales), ("k_pe_scales", k_pe_scales)):
+        if t is not None and (tuple(t.shape) != tuple(c_data.shape[:3]) or t.dtype != torch.float32):
+            raise ValueError(
+                f"{name} must be float32 of shape {tuple(c_data.shape[:3])} (one per token), got {t.dtype} of shape "
+                f"{tuple(t.shape)}"
+            )
+    for name, t in (("c_scales", c_scales), ("k_pe", k_pe), ("k_pe_scales", k_pe_scales)):
+        if t is not None and t.device != c_data.device:
+            raise ValueError(f"{name} must be on c_data's device {c_data.device}, got {t.device}")
+
+
+def paged_latent_append_quantized_reference(
+    c_data, c_scales, k_pe, k_pe_scales, latent_new, block_tables, lengths, new_counts=None
+) -> None:
+    """:func:`paged_latent_append_reference` into a quantized latent pool: token ``t < new_counts[b]``
+    of row ``b`` of ``latent_new`` ``(B, H_kv, T, value_dim + rope)`` is quantized
+    (``latent.quantize_latent``: c into codes and a scale, k_pe copied, or quantized when
+    ``k_pe_scales`` is given) to position ``lengths[b] + t``, in place. The same refusals, before
+    anything is written."""
+    check_quantized_latent_pool(c_data, c_scales, k_pe, k_pe_scales)
+    H, key_dim = c_data.shape[1], c_data.shape[3] + k_pe.shape[3]
+    if latent_new.dim() != 4 or latent_new.shape[1] != H or latent_new.shape[3] != key_dim:
+        raise ValueError(
+            f"latent_new must be (batch, kv_heads={H}, num_new, key_dim={key_dim}), got {tuple(latent_new.shape)}"
+        )
+    if k_pe_scales is None and latent_new.dtype != k_pe.dtype:
+        raise TypeError(f"latent_new must be {k_pe.dtype} like the unquantized k_pe, got {latent_new.dtype}")
+    if latent_new.device != c_data.device:
+        raise ValueError(f"latent_new must be on the pool's device {c_data.device}, got {latent_new.device}")
+    _check_append_rows(block_tables, lengths, new_counts, latent_new.shape[0], c_data.device)
+    counts = _check_append_values(c_data, latent_new, block_tables, lengths, new_counts)
+    rows, t, blocks, offsets = _written_slots(c_data, latent_new, block_tables, lengths, counts)
+    parts = quantize_latent(latent_new[rows, :, t], c_data.shape[3], latent_format(c_data), k_pe_scales is not None)
+    for target, part in zip((c_data, c_scales, k_pe, k_pe_scales), parts):
+        if target is not None:
+            _bytes(target)[blocks, :, offsets] = _bytes(part.to(target.dtype))
+
+
+def paged_quantized_latent_attention_reference(
+    q, c_data, c_scales, k_pe, k_pe_scales, block_tables, lengths, window=None, scale=None, return_lse=False
+):
+    """:func:`paged_latent_attention_reference` over a quantized latent pool: the codes and scales of
+    the positions some query sees are gathered into the contiguous quantized latent layout (the others
+    hold zero codes and scales), then ``latent.reference_quantized_latent_attention``."""
+    check_quantized_latent_pool(c_data, c_scales, k_pe, k_pe_scales)
+    _check_queries(q, c_data.shape[1], c_data.shape[3] + k_pe.shape[3], c_data.device, block_tables, lengths, window)
+    _check_attention_values(q, c_data, block_tables, lengths, window)
+    gather = _row_gather(q.shape[2], c_data.shape[2], block_tables, lengths, window)
+    return reference_quantized_latent_attention(
+        q,
+        gather(c_data),
+        gather(c_scales),
+        gather(k_pe),
+        None if k_pe_scales is None else gather(k_pe_scales),
+        lengths,
+        window=window,
+        scale=scale,
+        return_lse=return_lse,
     )

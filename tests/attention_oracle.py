@@ -14,7 +14,7 @@ def attention_float64(q, k_cache, v_cache, lengths, window=None, scale=None, sof
     B, H_q, T, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    out = torch.zeros(B, H_q, T, D, dtype=torch.float64)
+    out = torch.zeros(B, H_q, T, v_cache.shape[3], dtype=torch.float64)  # values may be of their own width
     for b in range(B):
         n = int(lengths[b])
         for i in range(T):

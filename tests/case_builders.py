@@ -163,4 +163,21 @@ TENSOR_OPS = (
     "paged_decode_attention",
     "paged_append_kv_quantized",
     "paged_decode_attention_quantized",
+    "latent_decode_attention",
+    "latent_decode_attention_quantized",
+    "append_latent_quantized",
+    "append_kv_kivi",
+    "decode_attention_kivi",
+    "paged_append_latent",
+    "paged_latent_decode_attention",
+    "paged_append_latent_quantized",
+    "paged_latent_decode_attention_quantized",
 )
+
+
+def op_module(name: str):
+    """The module of op ``name``'s ``check_``/``run_`` forms and its checked form: the per-channel-key
+    (KIVI) ops' ``kvcache_ext.kivi_ops``, else ``kvcache_ext.ops``."""
+    from kvcache_ext import kivi_ops, ops
+
+    return kivi_ops if "kivi" in name else ops

@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 import case_builders as cases
 import kvcache_ext
 from attention_oracle import attention_plain
+from python_ref import latent as latent_ref
 from python_ref import quantize as qref
 from python_ref import reference_attention
 from python_ref.caches import append_to_slots
@@ -200,6 +201,14 @@ def common_shapes(draw):
     return B, H_kv, S, T, D, dtype
 
 
+def value_head_dim(draw):
+    """The values' head_dim: mostly the keys', a quarter of the time another the kernels take, now
+    and then one they refuse."""
+    if rarely(draw, 15):
+        return draw(st.sampled_from([4, 12, 264]))
+    return 8 * draw(st.integers(1, 32)) if rarely(draw, 4) else None
+
+
 @dataclass(frozen=True)
 class AppendCase:
     api: str
@@ -217,6 +226,7 @@ class AppendCase:
     v_new_layout: Layout
     fault: str | None
     seed: int
+    D_v: int | None = None  # the values' head_dim (None: D; the CPU kernels take their own)
 
 
 APPEND_FAULTS = [
@@ -258,6 +268,7 @@ def append_cases(draw):
         v_new_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
         fault=draw(st.sampled_from(APPEND_FAULTS)) if rarely(draw, 6) else None,
         seed=draw(st.integers(0, 2**31 - 1)),
+        D_v=value_head_dim(draw),
     )
 
 
@@ -280,6 +291,7 @@ class DecodeCase:
     v_cache_layout: Layout
     fault: str | None
     seed: int
+    D_v: int | None = None  # the values' head_dim (None: D; the CPU kernels take their own)
 
 
 DECODE_FAULTS = [
@@ -336,6 +348,7 @@ def decode_cases(draw):
         v_cache_layout=draw(cache_layouts()),
         fault=draw(st.sampled_from(DECODE_FAULTS)) if rarely(draw, 6) else None,
         seed=draw(st.integers(0, 2**31 - 1)),
+        D_v=value_head_dim(draw),
     )
 
 
@@ -422,13 +435,13 @@ def pinned(cases):
 
 def cache_refusals(k_cache, v_cache, D):
     """(must refuse, may refuse) reasons shared by both ops; each reason is a word a helpful error
-    message names."""
+    message names. The values may have a head_dim of their own (the CPU kernels take it)."""
     must, may = [], []
     if k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype:
         must.append("dtype")
-    if v_cache.shape != k_cache.shape:
+    if v_cache.shape[:3] != k_cache.shape[:3]:
         must.append("shape")
-    if D % 8 or not 8 <= D <= 256:
+    if any(width % 8 or not 8 <= width <= 256 for width in (D, v_cache.shape[3])):
         must.append("head_dim")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         may.append("contiguous")
@@ -446,12 +459,12 @@ def append_contract(case: AppendCase, k_cache, v_cache, k_new, v_new, lengths):
     must += lengths_refusals(lengths, case.B)
     if has_internal_overlap(k_cache) or has_internal_overlap(v_cache):
         must.append("overlap")
-    for new in (k_new, v_new):
+    for new, cache in ((k_new, k_cache), (v_new, v_cache)):
         if new.dtype != k_cache.dtype:
             must.append("dtype")
         if new.device.type != "cpu":
             must.append("device")
-        if new.shape[:2] != k_cache.shape[:2] or new.shape[3] != k_cache.shape[3]:
+        if new.shape[:2] != k_cache.shape[:2] or new.shape[3] != cache.shape[3]:
             must.append("shape")
     if k_new.shape[2] != v_new.shape[2]:
         must.append("tokens")
@@ -531,16 +544,16 @@ def expect_refusal_or_pass(case, call, must, may):
 def build_append(case: AppendCase):
     generator = torch.Generator().manual_seed(case.seed)
     cache_dtype = torch.float64 if case.fault == "float64" else case.dtype
-    shape = (case.B, case.H, case.S, case.D)
+    shape, D_v = (case.B, case.H, case.S, case.D), case.D_v or case.D
     k_buffer, k_cache = carve(shape, cache_dtype, case.k_cache_layout, generator)
-    v_shape = (case.B, case.H, case.S + 1, case.D) if case.fault == "v_cache_slots" else shape
+    v_shape = (case.B, case.H, case.S + (case.fault == "v_cache_slots"), D_v)
     v_dtype = other_dtype(case.dtype) if case.fault == "v_cache_dtype" else cache_dtype
     v_buffer, v_cache = carve(v_shape, v_dtype, case.v_cache_layout, generator)
     k_shape = list((case.B, case.H, case.T, case.D))
     for fault, dim in (("k_new_batch", 0), ("k_new_heads", 1), ("k_new_head_dim", 3)):
         if case.fault == fault:
             k_shape[dim] += 1
-    v_new_shape = (case.B, case.H, case.T + 1 if case.fault == "v_new_tokens" else case.T, case.D)
+    v_new_shape = (case.B, case.H, case.T + 1 if case.fault == "v_new_tokens" else case.T, D_v)
     k_new_dtype = other_dtype(case.dtype) if case.fault == "k_new_dtype" else cache_dtype
     if case.fault == "k_new_meta":
         k_new = torch.empty(k_shape, dtype=k_new_dtype, device="meta")
@@ -586,7 +599,7 @@ def build_decode(case: DecodeCase):
     cache_dtype = torch.float64 if case.fault == "float64" else case.dtype
     shape = (case.B, case.H_kv, case.S, case.D)
     k_buffer, k_cache = carve(shape, cache_dtype, case.k_cache_layout, generator)
-    v_shape = (case.B, case.H_kv, case.S + 1, case.D) if case.fault == "v_cache_slots" else shape
+    v_shape = (case.B, case.H_kv, case.S + (case.fault == "v_cache_slots"), case.D_v or case.D)
     v_dtype = other_dtype(case.dtype) if case.fault == "v_cache_dtype" else cache_dtype
     v_buffer, v_cache = carve(v_shape, v_dtype, case.v_cache_layout, generator)
     q_shape = [case.B, case.H_kv * case.group, case.T, case.D]
@@ -626,7 +639,8 @@ def check_decode(case: DecodeCase) -> str:
         return "refused"
     out, lse = result
     B, H_q, T, D = q.shape
-    if out.shape != q.shape or out.dtype != q.dtype or lse.shape != (B, H_q, T) or lse.dtype != torch.float32:
+    out_shape = (B, H_q, T, v_cache.shape[3])
+    if out.shape != out_shape or out.dtype != q.dtype or lse.shape != (B, H_q, T) or lse.dtype != torch.float32:
         raise ContractViolation(
             "wrong output shape or dtype", f"out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)} {lse.dtype}"
         )
@@ -760,7 +774,7 @@ def test_decode_attention_fuzz(request, fuzz_tally):
 
 
 # --- every op: the raw op refuses what its wrapper refuses ------------------------------------
-# For each of the nine public ops, hypothesis draws sizes with 0 and extremes in every dimension
+# For each public op, hypothesis draws sizes with 0 and extremes in every dimension
 # (batch, kv/query heads, new tokens, slots, head_dim, blocks, block size, table width), extreme
 # lengths, counts, table entries, windows, scales and softcaps, and now and then a wrong dtype or
 # shape. The same call (built three times from one seed) goes to check_X, to the wrapper X and to
@@ -792,8 +806,9 @@ def guarded(shape, dtype, generator, token_major: bool):
 
 ODD_PARAMETERS = (
     "H_kv", "H_q", "T", "S", "D", "num_blocks", "block_size", "width", "lengths", "counts", "table",
-    "src_rows", "window", "scale", "softcap", "sinks", "fault",
+    "src_rows", "window", "scale", "softcap", "sinks", "fault", "rope", "value_dim",
 )  # fmt: skip
+KIVI_FORMATS = tuple(qref.KIVI_FORMATS)
 
 
 @st.composite
@@ -804,12 +819,18 @@ def op_calls(draw, name: str):
     odd = draw(st.sets(st.sampled_from(ODD_PARAMETERS), max_size=2))
     attention, paged = "attention" in name, name.startswith("paged")
     p = dict(name=name, seed=draw(st.integers(0, 2**16)), token_major=draw(st.booleans()))
-    p["dtype"], p["fmt"] = pick(DTYPES), pick(qref.FORMATS)
+    kivi, latent = "kivi" in name, "latent" in name
+    p["dtype"] = pick(DTYPES)
+    p["fmt"] = pick(KIVI_FORMATS if kivi else latent_ref.LATENT_FORMATS if latent else qref.FORMATS)
+    # latent caches: rows of value_dim = D latent values and `rope` rotary ones (key_dim = D + rope)
+    p["rope"] = pick([0, 3, 520]) if "rope" in odd else pick([8, 16])
+    p["value_dim"] = pick([0, 7, "wider than the cache"]) if "value_dim" in odd else None
+    p["rope_quantized"] = draw(st.booleans())
     p["B"] = pick([0, 1, 2, 3])  # an empty batch is valid: the wrappers accept it
     p["H_kv"] = 0 if "H_kv" in odd else pick([1, 2])
     p["H_q"] = pick([0, p["H_kv"] * 2 + 1]) if "H_q" in odd else p["H_kv"] * pick([1, 2, 3])
     p["T"] = 0 if "T" in odd else pick([1, 2, 3])
-    p["S"] = pick([0, max(p["T"] - 1, 0)]) if "S" in odd else p["T"] + pick([0, 1, 5])
+    p["S"] = pick([0, max(p["T"] - 1, 0)]) if "S" in odd else p["T"] + pick([0, 1, 5] + [40] * kivi)
     p["D"] = pick([0, 7, 8, 40, 264]) if "D" in odd else pick([32, 64])
     p["block_size"] = pick([0, 3, 512]) if "block_size" in odd else pick([1, 2, 4])
     block_size = max(p["block_size"], 1)
@@ -820,7 +841,8 @@ def op_calls(draw, name: str):
     if "lengths" in odd:
         special = [-1, -(2**63), MAX_LENGTH, MAX_LENGTH + 1, INT64_MAX, capacity + 1, p["T"] - 1]
         p["lengths"] = [pick(special) if draw(st.booleans()) else 0 for _ in range(p["B"])]
-    elif paged:
+    elif paged or kivi:  # a KIVI row does not wrap: its tokens fit the slots
+        capacity = capacity if paged else p["S"]
         low, high = (p["T"], capacity) if attention else (0, capacity - p["T"])
         p["lengths"] = [draw(st.integers(low, max(low, high))) for _ in range(p["B"])]
     else:
@@ -851,7 +873,9 @@ def op_calls(draw, name: str):
 
 def op_call(name: str, **changes):
     """A valid call of ``name`` in op_calls' terms, with ``changes``: the pinned regressions."""
-    p = dict(name=name, seed=0, token_major=False, dtype=torch.float32, fmt="int8", B=2, H_kv=2, H_q=4, T=2, S=6)
+    fmt = "int8_kivi" if "kivi" in name else "int8"
+    p = dict(name=name, seed=0, token_major=False, dtype=torch.float32, fmt=fmt, B=2, H_kv=2, H_q=4, T=2, S=6)
+    p.update(rope=8, value_dim=None, rope_quantized=False)
     p.update(D=32, block_size=2, width=3, num_blocks=8, counts=None, table=list(range(6)), table_int32=True)
     p.update(src_rows=[1, 0], window=None, scale=None, softcap=None, sinks=None, fault=None)
     p["lengths"] = [2, 6] if "attention" in name else [0, 4]
@@ -891,7 +915,24 @@ def build_call(p):
 
     quantized, paged = "quantized" in name, name.startswith("paged")
     outer, slots = (p["num_blocks"], p["block_size"]) if paged else (B, S)
-    if quantized:
+    key_dim = D + p["rope"]
+    if "kivi" in name:
+        shapes = qref.kivi_shapes(p["fmt"], (B, H, S, D))
+        storage = [tensor(shape, dtype) for shape, dtype in shapes.values()]
+        if fault == "v_shape":  # v_data one slot longer than the keys' buffers
+            storage[3] = tensor((B, H, S + 1, *shapes["v_data"][0][3:]), shapes["v_data"][1])
+    elif "latent" in name and quantized:  # rows (contiguous) or blocks (paged) of quantized latents
+        codes = qref.storage_dtype(p["fmt"])
+        rope_dtype = codes if p["rope_quantized"] else dtype
+        storage = [
+            tensor((outer, H, slots, D), codes),
+            tensor((outer, H, slots), torch.float32),
+            tensor((outer, H, slots + (fault == "v_shape"), p["rope"]), rope_dtype),
+            tensor((outer, H, slots), torch.float32) if p["rope_quantized"] else None,
+        ]
+    elif "latent" in name:
+        storage = [tensor((outer, H, slots, key_dim))]
+    elif quantized:
         fmt = p["fmt"]
         head_dim = 2 * (D // 2) if fmt == "int4" else D
         data_shape = qref.data_shape(fmt, (outer, H, slots, head_dim))
@@ -922,8 +963,19 @@ def build_call(p):
         table = table.float()
     sinks = {None: None, "per_head": torch.randn(H_q, generator=g), "short": torch.randn(max(H_q - 1, 0))}[p["sinks"]]
     options = (p["window"], p["scale"], p["softcap"], sinks)
+    if "latent" in name:
+        q = torch.randn(B, T, H_q, key_dim, generator=g).to(q.dtype).transpose(1, 2)
+        tables = (table,) if paged else ()
+        if "append" in name:
+            latent_new = torch.randn(B, H, T, key_dim + (fault == "v_shape"), generator=g).to(v_new.dtype)
+            return (*storage, latent_new, *tables, lengths, counts), buffers
+        value_dim = {None: D, "wider than the cache": key_dim + 8}.get(p["value_dim"], p["value_dim"])
+        widths = () if quantized else (value_dim,)  # a quantized cache's value_dim is c_data's width
+        return (q, *storage, *tables, lengths, *widths, p["window"], p["scale"]), buffers
     if name == "gather_rows":
         return (*storage, torch.tensor(p["src_rows"], dtype=torch.long)), buffers
+    if name == "decode_attention_kivi":
+        return (q, *storage, lengths, *options), buffers
     if name == "decode_attention" or name == "decode_attention_quantized":
         return (q, *storage, lengths, *options), buffers
     if name == "paged_decode_attention" or name == "paged_decode_attention_quantized":
@@ -938,6 +990,9 @@ def raw_arguments(name, args):
     scale and softcap."""
     if "attention" not in name:
         return args
+    if "latent" in name:
+        *front, window, scale = args
+        return (*front, window, None if scale is None else float(scale))
     *front, window, scale, softcap, sinks = args
     as_float = lambda x: None if x is None else float(x)  # noqa: E731
     return (*front, window, as_float(scale), as_float(softcap), sinks)
@@ -958,11 +1013,9 @@ def output_bytes(result):
 
 def check_wrapper_and_raw_op_agree(p) -> str:
     name = p["name"]
-    from kvcache_ext import ops
-
     check_args, check_buffers = build_call(p)
     before = [b.clone() for b in check_buffers]
-    _, refusal = outcome_of(lambda: getattr(ops, f"check_{name}")(*check_args))
+    _, refusal = outcome_of(lambda: getattr(cases.op_module(name), f"check_{name}")(*check_args))
     if refusal is not None and not isinstance(refusal, (ValueError, TypeError)):
         raise ContractViolation(f"check_{name} raised {type(refusal).__name__}: {refusal}")
     if not all(torch.equal(a, b) for a, b in zip(check_buffers, before)):

@@ -63,7 +63,7 @@ APPEND_CASES = {
     "cache shapes": (
         lambda k, v: (k, v[:, :, :4], torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64), torch.tensor([0, 0])),
         ValueError,
-        r"v_cache must have k_cache's shape \(2, 2, 8, 64\), got \(2, 2, 4, 64\)",
+        r"v_cache must have k_cache's first three dimensions \(2, 2, 8\) \(its head_dim may differ\), got \(2, 2, 4, 64\)",
     ),
 }
 

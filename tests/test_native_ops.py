@@ -1,6 +1,8 @@
 """The native ops against python_ref and the float64 oracle, on every dtype and CPU code path."""
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,10 +225,19 @@ def test_an_empty_batch_gives_empty_outputs():
 OPS = cases.TENSOR_OPS
 
 
+def test_the_op_list_is_the_catalogues_ops_that_take_tensors():
+    # Every test over OPS (these, the fuzz suite's) covers a new op only once it is in the list.
+    catalogue = (Path(__file__).resolve().parent.parent / "csrc" / "ops.cpp").read_text()
+    schemas = re.findall(r'm\.def\(\s*"(\w+)\((.*?)\);', catalogue, re.DOTALL)
+    assert len(schemas) > len(OPS) // 2, "the catalogue's m.def lines are no longer read"
+    assert sorted(name for name, rest in schemas if "Tensor" in rest) == sorted(OPS)
+
+
 def valid_calls():
     """One valid call of every op (B=2, H_kv=2, two query heads per KV head, T=2, D=64; int8 for the
     quantized ops; 4 blocks of 4 for the paged ones), as op name -> arguments."""
-    from python_ref.quantize import quantize
+    from python_ref.latent import quantize_latent
+    from python_ref.quantize import append_kivi, kivi_shapes, quantize
 
     g = torch.Generator().manual_seed(3)
     B, H, T, D, S = 2, 2, 2, 64, 8
@@ -237,7 +248,28 @@ def valid_calls():
     pools = [*quantize(k_pool, "int8"), *quantize(v_pool, "int8")]
     table = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
     counts = torch.tensor([2, 1])
+    latent, latent_new = torch.randn(B, 1, S, D + 16, generator=g), torch.randn(B, 1, T, D + 16, generator=g)
+    latent_q = torch.randn(B, 4, T, D + 16, generator=g)
+    c_data, c_scales, k_pe, _ = quantize_latent(latent, D, "int8")
+    codes = [c_data, c_scales, k_pe.contiguous(), None]
+    latent_pool = torch.randn(4, 1, 4, D + 16, generator=g)  # 4 blocks of 4 latent rows
+    c_data, c_scales, k_pe, _ = quantize_latent(latent_pool, D, "int8")
+    latent_codes = [c_data, c_scales, k_pe.contiguous(), None]
+    kivi = {
+        name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in kivi_shapes("int8_kivi", (B, H, S, D)).items()
+    }
+    kivi = list(kivi.values())
+    append_kivi(*kivi, k, v, torch.zeros(B, dtype=torch.long), "int8_kivi")  # eight tokens held in each row
     return {
+        "latent_decode_attention": (latent_q, latent, torch.tensor([3, 8]), D, 5, 0.3),
+        "latent_decode_attention_quantized": (latent_q, *codes, torch.tensor([3, 8]), None, 0.2),
+        "append_latent_quantized": (*codes, latent_new, torch.tensor([3, 5]), counts),
+        "append_kv_kivi": (*kivi, new, new.clone(), torch.tensor([3, 6]), counts),
+        "decode_attention_kivi": (q, *kivi, torch.tensor([3, 8]), 5, 0.3, 20.0, torch.randn(2 * H, generator=g)),
+        "paged_append_latent": (latent_pool, latent_new, table, torch.tensor([1, 5]), counts),
+        "paged_latent_decode_attention": (latent_q, latent_pool, table, torch.tensor([3, 8]), D, 5, 0.3),
+        "paged_append_latent_quantized": (*latent_codes, latent_new, table, torch.tensor([1, 5]), counts),
+        "paged_latent_decode_attention_quantized": (latent_q, *latent_codes, table, torch.tensor([3, 8]), None, 0.2),
         "append_kv": (k, v, new, new.clone(), torch.tensor([3, 7]), counts),
         "decode_attention": (q, k, v, torch.tensor([3, 8]), 5, 0.3, 20.0, torch.randn(2 * H, generator=g)),
         "gather_rows": (k, v, torch.tensor([1, 1])),
@@ -264,8 +296,7 @@ def same_tensors(a, b):
 def test_every_op_has_check_run_and_checked_forms_with_one_signature(name):
     import inspect
 
-    from kvcache_ext import ops
-
+    ops = cases.op_module(name)
     forms = [getattr(ops, f"check_{name}"), getattr(ops, f"run_{name}"), getattr(ops, name)]
     assert getattr(kvcache_ext, name) is forms[2]
     signatures = {str(inspect.signature(f)).split(" -> ")[0] for f in forms}
@@ -274,8 +305,7 @@ def test_every_op_has_check_run_and_checked_forms_with_one_signature(name):
 
 @pytest.mark.parametrize("name", OPS)
 def test_check_changes_nothing_and_run_equals_the_checked_op(name):
-    from kvcache_ext import ops
-
+    ops = cases.op_module(name)
     args = valid_calls()[name]
     before = cloned(args)
     assert getattr(ops, f"check_{name}")(*args) is None
@@ -296,17 +326,19 @@ def test_check_changes_nothing_and_run_equals_the_checked_op(name):
 def test_check_refuses_and_run_leaves_the_checks_to_the_binding(name):
     # A refused call: check_X raises a ValueError/TypeError and changes nothing; run_X makes no
     # Python check, so what refuses it is the binding (RuntimeError), again changing nothing.
-    from kvcache_ext import ops
-
+    ops = cases.op_module(name)
     args = list(valid_calls()[name])
     if "decode" in name:
         args[0] = args[0].double()  # q of a dtype no kernel takes
+    elif name == "gather_rows":
+        args[2] = args[2].int()
+    elif name in ("append_latent_quantized", "paged_append_latent_quantized"):
+        args[4] = args[4][..., :32]  # latent rows narrower than the cache's
+    elif name == "paged_append_latent":
+        args[1] = args[1][..., :32]
     else:
-        new_at = 2 if name in ("append_kv", "gather_rows", "paged_append_kv") else 4
-        if name == "gather_rows":
-            args[2] = args[2].int()
-        else:
-            args[new_at + 1] = args[new_at + 1][..., :32]  # v_new of another head_dim
+        new_at = {"append_kv": 2, "paged_append_kv": 2, "append_kv_kivi": 5}.get(name, 4)
+        args[new_at + 1] = args[new_at + 1][..., :32]  # v_new of another head_dim
     before = cloned(args)
     with pytest.raises((ValueError, TypeError)):
         getattr(ops, f"check_{name}")(*args)

@@ -15,6 +15,9 @@
 #                       and the libraries' exported symbols (torch-<version>/), fetched once with
 #                       `pip download --no-deps torch==<version>` (~500 MB) and kept (~40 MB each)
 #   JOBS                parallel compilers (default: number of cores)
+#   ABI_TORCH_FREE_OBJECTS  folder of objects of the sources that include no torch header, named
+#                       csrc_cuda_<file>.cu.o (CUDA_COMPILE_OBJECTS of cuda_compile_check.sh
+#                       leaves them there): used instead of compiling those sources again
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LC_ALL=C  # one collation for sort and comm
@@ -109,13 +112,41 @@ compile_one() {  # compile_one OUT_DIR SOURCE (uses CXX_FLAGS/NVCC_FLAGS, INCLUD
   return 0
 }
 
+includes_torch() {  # includes_torch SOURCE: true when its preprocessing reads a header of torch's
+  local src="$1" deps
+  if [[ "$src" == *.cu ]]; then
+    deps="$("$NVCC" -M "${NVCC_FLAGS[@]}" -I"$INCLUDE" "$src")"
+  else
+    deps="$("${CXX:-g++}" -M "${CXX_FLAGS[@]}" -I"$INCLUDE" "$src")"
+  fi || die "cannot list the headers $src includes"
+  [[ "$deps" == *"$INCLUDE/"* ]]
+}
+
+# Objects of the sources that include no torch header (the kernels: framework-free by design) do
+# not depend on the release: each is compiled once, for the first release, and linked again for
+# the others (ABI_TORCH_FREE_OBJECTS may hold some already, e.g. cuda_compile_check's).
+SHARED_OBJECTS="${ABI_TORCH_FREE_OBJECTS:-}"
+if [[ -z "$SHARED_OBJECTS" ]]; then
+  SHARED_OBJECTS="$(mktemp -d)"
+  trap 'rm -rf "$SHARED_OBJECTS"' EXIT
+fi
+object_name() { echo "$1" | tr / _ | sed 's/$/.o/'; }
+
 check_release() {  # check_release VERSION
-  local version="$1" out failed=0 pids=() src lib undefined missing
+  local version="$1" out failed=0 src lib undefined missing
   INCLUDE="$CACHE/torch-$version/include"
   out="$(mktemp -d)"
-  local sources=("${CPU_SOURCES[@]}")
-  [[ "${ABI_SKIP_CUDA:-0}" == 1 ]] || sources+=("${CUDA_SOURCES[@]}")
-  say "torch $version headers: compiling ${#sources[@]} sources (CUDA archs: ${ARCHS})"
+  local candidates=("${CPU_SOURCES[@]}") sources=() torch_free=() reused=0
+  [[ "${ABI_SKIP_CUDA:-0}" == 1 ]] || candidates+=("${CUDA_SOURCES[@]}")
+  for src in "${candidates[@]}"; do
+    if includes_torch "$src"; then
+      sources+=("$src")
+    else
+      torch_free+=("$src")
+      if [[ -f "$SHARED_OBJECTS/$(object_name "$src")" ]]; then reused=$((reused + 1)); else sources+=("$src"); fi
+    fi
+  done
+  say "torch $version headers: compiling ${#sources[@]} sources ($((${#candidates[@]} - ${#torch_free[@]})) include torch headers; of the ${#torch_free[@]} that do not, $reused compiled before; CUDA archs: ${ARCHS})"
   # At most JOBS compilers at a time; the slowest (the CUDA dtype files) first. A failure is told
   # by the <object>.failed file compile_one leaves, not by `wait -n`'s status: a job that ends
   # between `jobs` and `wait -n` makes `wait -n` return 127 with nothing failed.
@@ -129,6 +160,13 @@ check_release() {  # check_release VERSION
   wait
   failed="$(find "$out" -name '*.failed' | wc -l)"
   ((failed == 0)) || { rm -rf "$out"; die "$failed sources do not compile against torch $version's headers (see above)"; }
+  for src in "${torch_free[@]}"; do  # keep the new torch-free objects, link the kept ones
+    if [[ -f "$out/$(object_name "$src")" ]]; then
+      cp "$out/$(object_name "$src")" "$SHARED_OBJECTS/"
+    else
+      cp "$SHARED_OBJECTS/$(object_name "$src")" "$out/"
+    fi
+  done
 
   # Link like the extension (torch left undefined) and resolve every undefined symbol that is
   # not ours, the C/C++ runtime's or CUDA's against what this release exports.

@@ -17,6 +17,9 @@
 #   CUDA_HOME  toolkit (default: the folder of the nvcc on PATH, else /usr/local/cuda-13.0)
 #   CUDA_COMPILE_ARCHS  compute capabilities (default "80 90")
 #   JOBS       parallel nvcc processes (default: number of cores)
+#   CUDA_COMPILE_OBJECTS  folder to keep the objects in (csrc_cuda_<file>.cu.o), for
+#              abi_compile_check.sh's ABI_TORCH_FREE_OBJECTS: the kernels include no torch header,
+#              so their objects are the same against any release's headers
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -175,4 +178,8 @@ if [[ -n "$missing" ]]; then
   exit 1
 fi
 elapsed=$(( $(date +%s) - start ))
+if [[ -n "${CUDA_COMPILE_OBJECTS:-}" ]]; then
+  mkdir -p "$CUDA_COMPILE_OBJECTS"
+  for src in "${sources[@]}"; do cp "$out_dir/$(basename "$src").o" "$CUDA_COMPILE_OBJECTS/$(echo "$src" | tr / _).o"; done
+fi
 echo "cuda_compile_check: OK, ${#sources[@]} sources compiled for archs ${CUDA_COMPILE_ARCHS:-80 90} in ${elapsed} s"

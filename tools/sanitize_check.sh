@@ -34,6 +34,7 @@ fi
 ALL_TESTS=(tests/test_native_ops.py tests/test_native_errors.py tests/test_caches.py)
 ALL_TESTS+=(tests/test_quantized.py tests/test_paged_ops.py tests/test_paged_quantized.py)  # the quantized and paged kernels and checks
 ALL_TESTS+=(tests/test_kivi.py tests/test_latent_ops.py tests/test_latent_quantized.py)  # the KIVI and latent (MLA) kernels
+ALL_TESTS+=(tests/test_value_head_dim.py)  # values of their own head_dim (plain and paged kernels)
 [[ -f tests/test_fuzz.py ]] && ALL_TESTS+=(tests/test_fuzz.py)
 KERNEL_TESTS=(tests/test_native_ops.py -k "not opcheck and (not test_decode_attention_parity or float32)")
 

@@ -13,9 +13,11 @@ struct AttentionProblem {
   ElemType elem;
   const void* q;           // [batch, q_heads, num_new, head_dim], any strides
   const void* k_cache;     // [batch, kv_heads, slots, head_dim], head_dim contiguous
-  const void* v_cache;     // [batch, kv_heads, slots, head_dim], head_dim contiguous
+  const void* v_cache;     // [batch, kv_heads, slots, value_dim], value_dim contiguous
   const int64_t* lengths;  // [batch] tokens per row, the num_new new ones included
-  int64_t batch, q_heads, kv_heads, num_new, head_dim, slots;
+  // head_dim: the queries' and keys' width; value_dim: the values' (and the output's), head_dim
+  // but where a plain or paged cache keeps values of their own width.
+  int64_t batch, q_heads, kv_heads, num_new, head_dim, value_dim, slots;
   int64_t q_stride[4];
   int64_t k_stride[3];  // batch, head, slot (head_dim stride is 1)
   int64_t v_stride[3];
@@ -50,11 +52,12 @@ constexpr int64_t kMaxRowsPerCall = 64;  // group members x new tokens handled b
 // members), of row `b`, over positions [position_begin, position_end).
 // Row m = (g - head_begin) * query_count + (i - query_begin) for group member g and new token i;
 // head_count * query_count <= kMaxRowsPerCall rows. Writes acc[m][d] = sum of exp(score - row_max[m]) * v, row_max[m]
-// and row_sum[m] = sum of exp(score - row_max[m]) (0 with row_max -inf if nothing was visible).
+// and row_sum[m] = sum of exp(score - row_max[m]) (0 with row_max -inf if nothing was visible);
+// acc rows are value_dim wide.
 using PartialAttentionFn = void (*)(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t head_begin,
                                     int64_t head_count, int64_t query_begin, int64_t query_count,
                                     int64_t position_begin, int64_t position_end,
-                                    float* acc,       // [rows, head_dim]
+                                    float* acc,       // [rows, value_dim]
                                     float* row_max,   // [rows]
                                     float* row_sum);  // [rows]
 using StoreRowFn = void (*)(ElemType elem, const float* values, int64_t count, int64_t stride, void* out);

@@ -19,17 +19,18 @@ using torch::stable::Tensor;
 // One of the two caches: where row b, head h, slot s starts, in bytes.
 struct CacheSide {
   char* data;
-  int64_t stride[3];  // batch, head, slot; in elements
+  int64_t stride[3];     // batch, head, slot; in elements
+  int64_t vector_bytes;  // one slot's head_dim elements (keys and values may differ)
   char* at(int64_t b, int64_t h, int64_t s, int64_t elem) const {
     return data + (b * stride[0] + h * stride[1] + s * stride[2]) * elem;
   }
 };
 
 void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
-  check_gather_rows(k_cache, v_cache, src_rows);
+  check_gather_rows(k_cache, v_cache, src_rows, kCpuValueDimMayDiffer);
   STD_TORCH_CHECK(k_cache.is_cpu() && v_cache.is_cpu() && src_rows.is_cpu(),
                   "k_cache, v_cache and src_rows must be CPU tensors for the CPU kernel");
-  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2);
   const int64_t elem = static_cast<int64_t>(k_cache.element_size());
   std::vector<int64_t> src(static_cast<size_t>(B));
   const int64_t* src_data = src_rows.const_data_ptr<int64_t>();
@@ -52,25 +53,31 @@ void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
   if (changed.empty()) return;
 
   const CacheSide sides[2] = {
-      {static_cast<char*>(k_cache.mutable_data_ptr()), {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)}},
-      {static_cast<char*>(v_cache.mutable_data_ptr()), {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}},
+      {static_cast<char*>(k_cache.mutable_data_ptr()),
+       {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+       k_cache.size(3) * elem},
+      {static_cast<char*>(v_cache.mutable_data_ptr()),
+       {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
+       v_cache.size(3) * elem},
   };
-  const int64_t vector_bytes = D * elem, row_bytes = H * S * vector_bytes;
-  // Staged rows, contiguous (row, head, slot, head_dim), one block per side.
+  // Staged rows, contiguous (row, head, slot, head_dim), the keys' block then the values'.
   // Uninitialised (new char[], not std::vector): every byte is written before it is read.
-  const std::unique_ptr<char[]> scratch(new char[static_cast<size_t>(2 * staged.size() * row_bytes)]);
+  const int64_t num_staged = static_cast<int64_t>(staged.size());
+  const int64_t side_bytes[2] = {num_staged * H * S * sides[0].vector_bytes,
+                                 num_staged * H * S * sides[1].vector_bytes};
+  const std::unique_ptr<char[]> scratch(new char[static_cast<size_t>(side_bytes[0] + side_bytes[1])]);
   auto scratch_at = [&](int64_t side, int64_t slot, int64_t h, int64_t s) {
-    return scratch.get() + ((side * static_cast<int64_t>(staged.size()) + slot) * H * S + h * S + s) * vector_bytes;
+    return scratch.get() + side * side_bytes[0] + ((slot * H + h) * S + s) * sides[side].vector_bytes;
   };
+  const int64_t vector_bytes = std::max(sides[0].vector_bytes, sides[1].vector_bytes);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(S * vector_bytes, 1));
 
   // 1. Stage: one work item per (side, staged row, head).
-  const int64_t num_staged = static_cast<int64_t>(staged.size());
   torch::stable::parallel_for(0, 2 * num_staged * H, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t side = item / (num_staged * H), slot = (item / H) % num_staged, h = item % H;
       for (int64_t s = 0; s < S; ++s)
-        std::memcpy(scratch_at(side, slot, h, s), sides[side].at(staged[slot], h, s, elem), vector_bytes);
+        std::memcpy(scratch_at(side, slot, h, s), sides[side].at(staged[slot], h, s, elem), sides[side].vector_bytes);
     }
   });
   // 2. Write the changed rows: one work item per (side, changed row, head).
@@ -81,7 +88,7 @@ void gather_rows(Tensor k_cache, Tensor v_cache, Tensor src_rows) {
       const int64_t from = src[b], slot = staged_slot[from];
       for (int64_t s = 0; s < S; ++s) {
         const char* source = slot >= 0 ? scratch_at(side, slot, h, s) : sides[side].at(from, h, s, elem);
-        std::memcpy(sides[side].at(b, h, s, elem), source, vector_bytes);
+        std::memcpy(sides[side].at(b, h, s, elem), source, sides[side].vector_bytes);
       }
     }
   });

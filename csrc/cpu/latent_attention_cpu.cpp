@@ -1,5 +1,7 @@
-// CPU implementations of latent_decode_attention and latent_decode_attention_quantized (csrc/ops.cpp): input checks,
-// the split of the work over threads, the merge of split partial results, and the choice of the kernel copy.
+// CPU implementations of latent_decode_attention, latent_decode_attention_quantized and their paged
+// forms (csrc/ops.cpp): input checks, the split of the work over threads, the merge of split partial
+// results, and the choice of the kernel copy. The paged ops are the same kernel in its block-table
+// address mode (LatentProblem::block_ids).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -18,6 +20,7 @@
 #include "cpu_isa.h"
 #include "latent_attention_problem.h"
 #include "latent_cache_checks.h"
+#include "paged_rows.h"
 
 namespace kvcache_ext::cpu {
 
@@ -164,32 +167,101 @@ std::tuple<Tensor, Tensor> latent_decode_attention(Tensor q, Tensor cache, Tenso
   return run_latent_attention(q, p, len, window, checked);
 }
 
+// The parts of a quantized latent cache or pool (dims: which), codes c_data with c_scales and the rotary
+// key k_pe (codes with k_pe_scales, or in q's dtype), checked: a problem with its cache fields set but
+// batch, slots and the address mode. Sets entries and slots to the buffers' dimensions 0 and 2.
+LatentProblem quantized_latent_problem(const Tensor& q, const Tensor& c_data, const Tensor& c_scales,
+                                       const Tensor& k_pe, const std::optional<Tensor>& k_pe_scales,
+                                       const LatentDims& dims, int64_t& entries, int64_t& slots) {
+  STD_TORCH_CHECK(c_data.dim() == 4, "c_data must be (", dims.entries, ", kv_heads, ", dims.slots,
+                  ", value_dim), got shape ", shape_of(c_data));
+  const KvFormat format = latent_format_of(c_data);
+  const int64_t E = c_data.size(0), H_kv = c_data.size(1), S = c_data.size(2);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
+  const ScalarType dtype = q.scalar_type();
+  elem_type_of(q, "q");
+  LatentPart c =
+      check_latent_part(c_data, c_scales, c_data.scalar_type(), dtype, E, H_kv, S, "c_data", "c_scales", dims);
+  LatentPart pe =
+      check_latent_part(k_pe, k_pe_scales, c_data.scalar_type(), dtype, E, H_kv, S, "k_pe", "k_pe_scales", dims);
+  const int64_t Dv = c.width, Dk = c.width + pe.width;
+  check_latent_dims(Dk, Dv);
+  STD_TORCH_CHECK(pe.width >= 1, "k_pe must hold the rotary part (at least one column), got shape ", shape_of(k_pe));
+  LatentProblem p{};
+  p.elem = elem_type_of(q, "q");
+  p.kv_heads = H_kv, p.key_dim = Dk, p.value_dim = Dv;
+  p.format = format;
+  pe.column = Dv;
+  p.parts[0] = c, p.parts[1] = pe;
+  entries = E, slots = S;
+  return p;
+}
+
 std::tuple<Tensor, Tensor> latent_decode_attention_quantized(Tensor q, Tensor c_data, Tensor c_scales, Tensor k_pe,
                                                              std::optional<Tensor> k_pe_scales, Tensor lengths,
                                                              std::optional<int64_t> window,
                                                              std::optional<double> scale) {
-  STD_TORCH_CHECK(c_data.dim() == 4, "c_data must be (batch, kv_heads, slots, value_dim), got shape ",
-                  shape_of(c_data));
-  const KvFormat format = latent_format_of(c_data);
-  const int64_t B = c_data.size(0), H_kv = c_data.size(1), S = c_data.size(2);
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
-  const ScalarType dtype = q.scalar_type();
-  elem_type_of(q, "q");
-  LatentPart c = check_latent_part(c_data, c_scales, c_data.scalar_type(), dtype, B, H_kv, S, "c_data", "c_scales");
-  LatentPart pe = check_latent_part(k_pe, k_pe_scales, c_data.scalar_type(), dtype, B, H_kv, S, "k_pe", "k_pe_scales");
-  const int64_t Dv = c.width, Dk = c.width + pe.width;
-  check_latent_dims(Dk, Dv);
-  STD_TORCH_CHECK(pe.width >= 1, "k_pe must hold the rotary part (at least one column), got shape ", shape_of(k_pe));
-  const std::vector<int64_t> len = check_latent_queries(q, dtype, lengths, B, H_kv, S, Dk, window);
-  const float checked = checked_scale(scale, Dk);
+  int64_t B = 0, S = 0;
+  LatentProblem p = quantized_latent_problem(q, c_data, c_scales, k_pe, k_pe_scales, kCacheDims, B, S);
+  const std::vector<int64_t> len =
+      check_latent_queries(q, q.scalar_type(), lengths, B, p.kv_heads, S, p.key_dim, window);
+  const float checked = checked_scale(scale, p.key_dim);
+  p.batch = B, p.slots = S;
+  return run_latent_attention(q, p, len, window, checked);
+}
 
+// The paged address mode of a checked problem: rows of q.size(0) sequences whose positions some query
+// sees live in the blocks block_tables names (of num_blocks, 1 << shift positions each), every id read
+// checked; the table's positions are the problem's slots (no ring). Returns each row's checked length.
+std::vector<int64_t> address_blocks(LatentProblem& p, PagedRows& rows, const Tensor& q, const Tensor& block_tables,
+                                    const Tensor& lengths, std::optional<int64_t> window, int64_t num_blocks,
+                                    int64_t shift) {
+  const int64_t B = q.size(0), T = q.size(2);
+  check_attention_block_tables(block_tables, B, shift, T);
+  check_cpu_tensor(block_tables, "block_tables");
+  const int64_t capacity = block_tables.size(1) << shift;  // positions a table holds
+  std::vector<int64_t> len =
+      check_latent_queries(q, q.scalar_type(), lengths, B, p.kv_heads, capacity, p.key_dim, window);
+  // Positions some query of a row sees, [first, length), and their checked block ids: blocks before
+  // first are never read (a sliding-window pool may have released them).
+  rows = paged_read_rows(block_tables, lengths, T, window, shift, num_blocks);
+  p.batch = B, p.slots = capacity;
+  p.block_ids = rows.ids.data();
+  p.blocks_per_row = rows.width;
+  p.block_shift = shift;
+  return len;
+}
+
+std::tuple<Tensor, Tensor> paged_latent_decode_attention(Tensor q, Tensor pool, Tensor block_tables, Tensor lengths,
+                                                         int64_t value_dim, std::optional<int64_t> window,
+                                                         std::optional<double> scale) {
+  const int64_t shift = check_latent_pool(pool);
+  const int64_t Dk = pool.size(3);
+  check_latent_dims(Dk, value_dim);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
+  STD_TORCH_CHECK(q.scalar_type() == pool.scalar_type(), "q must have the pool's dtype ",
+                  dtype_name(pool.scalar_type()), ", got ", dtype_name(q.scalar_type()));
   LatentProblem p{};
   p.elem = elem_type_of(q, "q");
-  p.batch = B, p.kv_heads = H_kv, p.key_dim = Dk, p.value_dim = Dv, p.slots = S;
-  p.format = format;
-  pe.column = Dv;
-  p.parts[0] = c, p.parts[1] = pe;
-  return run_latent_attention(q, p, len, window, checked);
+  p.kv_heads = pool.size(1), p.key_dim = Dk, p.value_dim = value_dim;
+  // The whole row is one part, in q's dtype.
+  p.parts[0] = {pool.const_data_ptr(), {pool.stride(0), pool.stride(1), pool.stride(2)}, 0, Dk, nullptr, {}};
+  PagedRows rows;
+  const std::vector<int64_t> len = address_blocks(p, rows, q, block_tables, lengths, window, pool.size(0), shift);
+  return run_latent_attention(q, p, len, window, checked_scale(scale, Dk));
+}
+
+std::tuple<Tensor, Tensor> paged_latent_decode_attention_quantized(Tensor q, Tensor c_data, Tensor c_scales,
+                                                                   Tensor k_pe, std::optional<Tensor> k_pe_scales,
+                                                                   Tensor block_tables, Tensor lengths,
+                                                                   std::optional<int64_t> window,
+                                                                   std::optional<double> scale) {
+  int64_t num_blocks = 0, block_size = 0;
+  LatentProblem p = quantized_latent_problem(q, c_data, c_scales, k_pe, k_pe_scales, kPoolDims, num_blocks, block_size);
+  const int64_t shift = block_shift_of(c_data, "c_data");
+  PagedRows rows;
+  const std::vector<int64_t> len = address_blocks(p, rows, q, block_tables, lengths, window, num_blocks, shift);
+  return run_latent_attention(q, p, len, window, checked_scale(scale, p.key_dim));
 }
 
 }  // namespace
@@ -198,4 +270,7 @@ std::tuple<Tensor, Tensor> latent_decode_attention_quantized(Tensor q, Tensor c_
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("latent_decode_attention", TORCH_BOX(&kvcache_ext::cpu::latent_decode_attention));
   m.impl("latent_decode_attention_quantized", TORCH_BOX(&kvcache_ext::cpu::latent_decode_attention_quantized));
+  m.impl("paged_latent_decode_attention", TORCH_BOX(&kvcache_ext::cpu::paged_latent_decode_attention));
+  m.impl("paged_latent_decode_attention_quantized",
+         TORCH_BOX(&kvcache_ext::cpu::paged_latent_decode_attention_quantized));
 }

@@ -14,11 +14,11 @@ namespace kvcache_ext::cpu {
 // in the problem's element type (scales null) or as codes of the problem's format with one float32
 // scale per token (python_ref/latent.py's quantized latent cache).
 struct LatentPart {
-  const void* data;         // [batch, kv_heads, slots, width], width contiguous
-  int64_t stride[3];        // batch, head, slot, in elements (bytes for codes)
+  const void* data;         // [batch, kv_heads, slots, width], width contiguous (paged: blocks for batch)
+  int64_t stride[3];        // batch (paged: block), head, slot, in elements (bytes for codes)
   int64_t column, width;    // width 0: no such part
-  const float* scales;      // [batch, kv_heads, slots], or null
-  int64_t scale_stride[3];  // batch, head, slot, in elements
+  const float* scales;      // [batch, kv_heads, slots] (paged: blocks for batch), or null
+  int64_t scale_stride[3];  // batch (paged: block), head, slot, in elements
 };
 
 // Keys are the cached latents [c, k_pe] (key_dim wide), values their first value_dim columns:
@@ -33,6 +33,14 @@ struct LatentProblem {
   KvFormat format;      // of the parts with scales
   int64_t window;       // 0: no window
   float scale;
+  // Address mode (AttentionProblem's). block_ids null: row b's position p is slot p % slots of entry
+  // b of the parts (a ring once the row outgrows it). block_ids set (a paged latent pool): the parts'
+  // entries are blocks, and position p of row b lives in block block_ids[b * blocks_per_row +
+  // (p >> block_shift)] at offset p & (block_size - 1); slots = blocks_per_row << block_shift holds
+  // every row (no ring).
+  const int64_t* block_ids;
+  int64_t blocks_per_row;
+  int64_t block_shift;  // block_size = 1 << block_shift
 };
 
 // Query rows (heads of a group x new tokens) one call handles: every head of DeepSeek-V3 (128)

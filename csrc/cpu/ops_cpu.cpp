@@ -49,9 +49,10 @@ void check_cpu(const Tensor& t, const char* what) {
   STD_TORCH_CHECK(t.is_cpu(), what, " must be a CPU tensor for the CPU kernel");
 }
 
-// Checks shared by both ops: the cache pair, its layout and the lengths tensor.
+// Checks shared by both ops: the cache pair, its layout and the lengths tensor. Values may be of
+// their own head_dim (kCpuValueDimMayDiffer).
 void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths) {
-  check_cache_layout(k_cache, v_cache, lengths);
+  check_cache_layout(k_cache, v_cache, lengths, kCpuValueDimMayDiffer);
   check_cpu(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache");
   check_cpu(lengths, "lengths");
@@ -60,8 +61,8 @@ void check_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& len
 void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths,
                std::optional<Tensor> new_counts) {
   check_cache(k_cache, v_cache, lengths);
-  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  const int64_t T = check_new_tokens(k_cache, k_new, v_new);
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2);
+  const int64_t T = check_new_tokens(k_cache, k_new, v_new, v_cache.size(3));
   check_cpu(k_new, "k_new");
   check_cpu(v_new, "v_new");
   const std::vector<int64_t> len = row_lengths(lengths, 0, "the tokens already in each row");
@@ -73,18 +74,22 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
     const char* src;
     int64_t cache_stride[3];
     int64_t src_stride[4];
+    int64_t width;  // head_dim of this side
   };
   const Side sides[2] = {
       {static_cast<char*>(k_cache.mutable_data_ptr()),
        static_cast<const char*>(k_new.const_data_ptr()),
        {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
-       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)}},
+       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)},
+       k_cache.size(3)},
       {static_cast<char*>(v_cache.mutable_data_ptr()),
        static_cast<const char*>(v_new.const_data_ptr()),
        {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
-       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
+       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)},
+       v_cache.size(3)},
   };
-  // One work item per (K or V, row, head): T rows of D elements each.
+  // One work item per (K or V, row, head): T rows of head_dim elements each.
+  const int64_t D = std::max(k_cache.size(3), v_cache.size(3));
   torch::stable::parallel_for(
       0, 2 * B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t end) {
         for (int64_t item = begin; item < end; ++item) {
@@ -97,9 +102,10 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
             const char* src =
                 side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
             if (side.src_stride[3] == 1) {
-              std::memcpy(dst, src, D * elem);
+              std::memcpy(dst, src, side.width * elem);
             } else {
-              for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
+              for (int64_t d = 0; d < side.width; ++d)
+                std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
             }
           }
         }
@@ -132,6 +138,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
   p.v_cache = v_cache.const_data_ptr();
   p.lengths = len.data();
   p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
+  p.value_dim = v_cache.size(3);
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_cache.stride(i), p.v_stride[i] = v_cache.stride(i);
   // A window longer than any row changes nothing; clamped so position arithmetic stays in int64.
@@ -143,7 +150,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
 
   int32_t q_dtype = 0;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(q.get(), &q_dtype));
-  Tensor out = new_contiguous_cpu({B, H_q, T, D}, q_dtype);
+  Tensor out = new_contiguous_cpu({B, H_q, T, p.value_dim}, q_dtype);
   Tensor lse = new_contiguous_cpu({B, H_q, T}, aoti_torch_dtype_float32());
   schedule_decode_attention(p, partial_attention_kernel(), out.mutable_data_ptr(),
                             static_cast<int64_t>(q.element_size()), lse.mutable_data_ptr<float>());
@@ -168,7 +175,8 @@ int64_t select_cpu_isa(int64_t isa) {
 
 void schedule_decode_attention(const AttentionProblem& p, PartialAttentionFn partial, void* out, int64_t out_elem_size,
                                float* lse) {
-  const int64_t B = p.batch, H_q = p.q_heads, T = p.num_new, D = p.head_dim;
+  // Partial results and the output are value_dim wide.
+  const int64_t B = p.batch, H_q = p.q_heads, T = p.num_new, D = p.value_dim;
   const int64_t group = H_q / p.kv_heads;
   const int64_t* len = p.lengths;
 

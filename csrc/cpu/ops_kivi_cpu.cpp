@@ -222,7 +222,8 @@ std::tuple<Tensor, Tensor> decode_attention_kivi(Tensor q, Tensor k_codes, Tenso
   p.elem = elem;
   p.v_cache = v_data.const_data_ptr();
   p.lengths = len.data();
-  p.batch = B, p.q_heads = H_q, p.kv_heads = v_data.size(1), p.num_new = T, p.head_dim = D, p.slots = S;
+  p.batch = B, p.q_heads = H_q, p.kv_heads = v_data.size(1), p.num_new = T, p.head_dim = D, p.value_dim = D,
+  p.slots = S;
   p.window = std::min(window.value_or(0), kMaxLength);
   p.scale = checked;
   p.softcap = static_cast<float>(softcap.value_or(0.0));

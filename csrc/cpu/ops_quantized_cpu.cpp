@@ -211,7 +211,8 @@ std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat for
   p.k_cache = k_data.const_data_ptr();
   p.v_cache = v_data.const_data_ptr();
   p.lengths = len.data();
-  p.batch = B, p.q_heads = H_q, p.kv_heads = k_data.size(1), p.num_new = T, p.head_dim = D, p.slots = at.slots;
+  p.batch = B, p.q_heads = H_q, p.kv_heads = k_data.size(1), p.num_new = T, p.head_dim = D, p.value_dim = D,
+  p.slots = at.slots;
   for (int i = 0; i < 3; ++i) {
     p.k_stride[i] = k_data.stride(i), p.v_stride[i] = v_data.stride(i);
     p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);

@@ -9,7 +9,6 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <algorithm>
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -28,9 +27,9 @@ using torch::stable::Tensor;
 
 void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, Tensor block_tables, Tensor lengths,
                      std::optional<Tensor> new_counts) {
-  const int64_t shift = check_pool_layout(k_pool, v_pool);
-  const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1), D = k_pool.size(3);
-  const int64_t T = check_paged_new_tokens(k_pool, k_new, v_new);
+  const int64_t shift = check_pool_layout(k_pool, v_pool, kCpuValueDimMayDiffer);
+  const int64_t num_blocks = k_pool.size(0), H = k_pool.size(1);
+  const int64_t T = check_paged_new_tokens(k_pool, k_new, v_new, v_pool.size(3));
   check_cpu_tensor(k_new, "k_new");
   check_cpu_tensor(v_new, "v_new");
   check_cpu_tensor(k_pool, "k_pool");
@@ -43,51 +42,15 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
 
   const PagedRows rows = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
 
-  const int64_t elem = static_cast<int64_t>(k_pool.element_size()), in_block = (int64_t{1} << shift) - 1;
-  struct Side {
-    char* pool;
-    const char* src;
-    int64_t pool_stride[3];
-    int64_t src_stride[4];
-  };
-  const Side sides[2] = {
-      {static_cast<char*>(k_pool.mutable_data_ptr()),
-       static_cast<const char*>(k_new.const_data_ptr()),
-       {k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},
-       {k_new.stride(0), k_new.stride(1), k_new.stride(2), k_new.stride(3)}},
-      {static_cast<char*>(v_pool.mutable_data_ptr()),
-       static_cast<const char*>(v_new.const_data_ptr()),
-       {v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)},
-       {v_new.stride(0), v_new.stride(1), v_new.stride(2), v_new.stride(3)}},
-  };
-  // One work item per (K or V, row, head); the distinct-writes check makes the items' writes disjoint.
-  torch::stable::parallel_for(
-      0, 2 * B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(T * D, 1)), [&](int64_t begin, int64_t stop) {
-        for (int64_t item = begin; item < stop; ++item) {
-          const Side& side = sides[item / (B * H)];
-          const int64_t b = (item % (B * H)) / H, h = item % H;
-          for (int64_t pos = rows.first[b]; pos < rows.end[b]; ++pos) {
-            const int64_t block = rows.ids[b * rows.width + (pos >> shift)], t = pos - rows.first[b];
-            char* dst =
-                side.pool +
-                (block * side.pool_stride[0] + h * side.pool_stride[1] + (pos & in_block) * side.pool_stride[2]) * elem;
-            const char* src =
-                side.src + (b * side.src_stride[0] + h * side.src_stride[1] + t * side.src_stride[2]) * elem;
-            if (side.src_stride[3] == 1) {
-              std::memcpy(dst, src, D * elem);
-            } else {
-              for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * elem, src + d * side.src_stride[3] * elem, elem);
-            }
-          }
-        }
-      });
+  const PoolCopy copies[2] = {pool_copy(k_pool, k_new), pool_copy(v_pool, v_new)};
+  copy_into_blocks(copies, 2, rows, H, T, static_cast<int64_t>(k_pool.element_size()), shift);
 }
 
 std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables,
                                                   Tensor lengths, std::optional<int64_t> window,
                                                   std::optional<double> scale, std::optional<double> softcap,
                                                   std::optional<Tensor> sinks) {
-  const int64_t shift = check_pool_layout(k_pool, v_pool);
+  const int64_t shift = check_pool_layout(k_pool, v_pool, kCpuValueDimMayDiffer);
   const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
   check_paged_queries(q, k_pool, window);
   const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
@@ -110,7 +73,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   p.k_cache = k_pool.const_data_ptr();
   p.v_cache = v_pool.const_data_ptr();
   p.lengths = rows.end.data();
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D,
+  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.value_dim = v_pool.size(3),
   p.slots = block_tables.size(1) << shift;
   for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
   for (int i = 0; i < 3; ++i) p.k_stride[i] = k_pool.stride(i), p.v_stride[i] = v_pool.stride(i);
@@ -123,7 +86,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   p.blocks_per_row = rows.width;
   p.block_shift = shift;
 
-  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
+  Tensor out = torch::stable::empty({B, H_q, T, p.value_dim}, q.scalar_type(), std::nullopt, q.device());
   Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
   schedule_decode_attention(p, partial_attention_kernel(), out.mutable_data_ptr(),
                             static_cast<int64_t>(q.element_size()), lse.mutable_data_ptr<float>());

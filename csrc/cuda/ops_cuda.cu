@@ -647,10 +647,10 @@ std::tuple<Tensor, Tensor> latent_decode_attention_quantized(Tensor q, Tensor c_
   STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
   const ScalarType dtype = q.scalar_type();
   elem_type_of(q, "q");
-  cpu::LatentPart c =
-      cpu::check_latent_part(c_data, c_scales, c_data.scalar_type(), dtype, B, H_kv, S, "c_data", "c_scales", true);
-  cpu::LatentPart pe =
-      cpu::check_latent_part(k_pe, k_pe_scales, c_data.scalar_type(), dtype, B, H_kv, S, "k_pe", "k_pe_scales", true);
+  cpu::LatentPart c = cpu::check_latent_part(c_data, c_scales, c_data.scalar_type(), dtype, B, H_kv, S, "c_data",
+                                             "c_scales", cpu::kCacheDims, true);
+  cpu::LatentPart pe = cpu::check_latent_part(k_pe, k_pe_scales, c_data.scalar_type(), dtype, B, H_kv, S, "k_pe",
+                                              "k_pe_scales", cpu::kCacheDims, true);
   const int64_t Dv = c.width, Dk = c.width + pe.width;
   cpu::check_latent_dims(Dk, Dv, /*cuda=*/true);
   STD_TORCH_CHECK(pe.width >= 1, "k_pe must hold the rotary part (at least one column), got shape ", shape_of(k_pe));
@@ -674,9 +674,15 @@ std::tuple<Tensor, Tensor> latent_decode_attention_quantized(Tensor q, Tensor c_
 
 void append_latent_quantized(Tensor c_data, Tensor c_scales, Tensor k_pe, std::optional<Tensor> k_pe_scales,
                              Tensor latent_new, Tensor lengths, std::optional<Tensor> new_counts) {
-  const cpu::LatentAppendShapes shapes =
-      cpu::check_latent_append_shapes(c_data, c_scales, k_pe, k_pe_scales, latent_new, lengths, /*cuda=*/true);
-  const int64_t B = c_data.size(0), H = c_data.size(1), T = latent_new.size(2);
+  const cpu::LatentWrites w =
+      cpu::check_latent_writes(c_data, c_scales, k_pe, k_pe_scales, latent_new, cpu::kCacheDims, true, /*cuda=*/true);
+  const int64_t B = c_data.size(0), H = c_data.size(1), S = c_data.size(2), T = latent_new.size(2);
+  STD_TORCH_CHECK(S >= 1 && S <= kMaxSlotsCuda, "c_data must have between 1 and ", kMaxSlotsCuda,
+                  " slots on CUDA, got shape ", shape_of(c_data));
+  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == ScalarType::Long,
+                  "lengths must be int64 of shape (", B, ",), got ", dtype_name(lengths.scalar_type()), " of shape ",
+                  shape_of(lengths));
   if (new_counts.has_value()) check_new_counts_layout(*new_counts, B);
   check_on_device(c_scales, "c_scales", c_data, "c_data");
   check_on_device(k_pe, "k_pe", c_data, "c_data");
@@ -687,25 +693,25 @@ void append_latent_quantized(Tensor c_data, Tensor c_scales, Tensor k_pe, std::o
   if (T == 0 || B == 0 || H == 0) return;
 
   LatentAppendParams p{};
-  p.c_data = c_data.mutable_data_ptr();
-  p.c_scales = c_scales.mutable_data_ptr<float>();
-  p.k_pe = k_pe.mutable_data_ptr();
-  p.k_pe_scales = k_pe_scales.has_value() ? k_pe_scales->mutable_data_ptr<float>() : nullptr;
-  p.source = latent_new.const_data_ptr();
+  p.c_data = w.c_data;
+  p.c_scales = w.c_scales;
+  p.k_pe = w.pe_data;
+  p.k_pe_scales = w.pe_scales;
+  p.source = w.src;
   p.lengths = lengths.const_data_ptr<int64_t>();
   p.lengths_stride = lengths.stride(0);
   // Values are the kernel's to check (a row with a count outside [0, num_new] is left alone).
   p.counts = new_counts.has_value() ? new_counts->const_data_ptr<int64_t>() : nullptr;
   p.counts_stride = new_counts.has_value() ? new_counts->stride(0) : 0;
   for (int i = 0; i < 3; ++i) {
-    p.c_stride[i] = shapes.c.stride[i], p.c_scale_stride[i] = shapes.c.scale_stride[i];
-    p.pe_stride[i] = shapes.pe.stride[i], p.pe_scale_stride[i] = shapes.pe.scale_stride[i];
+    p.c_stride[i] = w.c.stride[i], p.c_scale_stride[i] = w.c.scale_stride[i];
+    p.pe_stride[i] = w.pe.stride[i], p.pe_scale_stride[i] = w.pe.scale_stride[i];
   }
-  for (int i = 0; i < 4; ++i) p.source_stride[i] = latent_new.stride(i);
-  p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = c_data.size(2);
-  p.key_dim = shapes.c.width + shapes.pe.width, p.value_dim = shapes.c.width;
-  p.format = shapes.format;
-  p.elem = shapes.elem;
+  for (int i = 0; i < 4; ++i) p.source_stride[i] = w.src_stride[i];
+  p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = S;
+  p.key_dim = w.c.width + w.pe.width, p.value_dim = w.c.width;
+  p.format = w.format;
+  p.elem = w.elem;
   torch::stable::accelerator::DeviceGuard guard(c_data.get_device_index());
   STD_CUDA_CHECK(launch_append_latent_quantized(p, current_stream(c_data.get_device_index())));
 }

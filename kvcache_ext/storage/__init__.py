@@ -16,25 +16,28 @@ Paged layouts (:class:`PagedLayout`, :class:`PagedQuantizedLayout`) hold pools o
 The quantized ones store codes and scales (``python_ref/quantize.py``) and dequantize in the kernel.
 :class:`KiviLayout` (the KIVI formats) holds keys per channel over groups of 32 positions, no ring.
 :class:`LatentLayout` holds one latent per token (MLA: keys whose first columns are the values),
-:class:`QuantizedLatentLayout` its int8/fp8 codes with one scale per token.
+:class:`QuantizedLatentLayout` its int8/fp8 codes with one scale per token, :class:`PagedLatentLayout`
+and :class:`PagedQuantizedLatentLayout` the two in pools of blocks.
 """
 
 from python_ref import quantize as quant
 
 from .contiguous import ContiguousLayout
-from .formats import KV_DTYPES, check_kivi_format, check_kv_format, kv_format
+from .formats import KV_DTYPES, check_kivi_format, check_kv_format, check_value_head_dim, kv_format
 from .kivi import KiviLayout
 from .latent import LatentLayout, check_latent_format
 from .paged import PagedLayout, PagedQuantizedLayout
+from .paged_latent import PagedLatentLayout, PagedQuantizedLatentLayout
 from .quantized import QuantizedLayout, quantized_shapes
 from .quantized_latent import QuantizedLatentLayout
 
 
-def contiguous_layout(kv_dtype, num_layers, batch_size, kv_heads, slots, head_dim, dtype, device):
-    """The contiguous layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype)."""
+def contiguous_layout(kv_dtype, num_layers, batch_size, kv_heads, slots, head_dim, dtype, device, v_head_dim=None):
+    """The contiguous layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype;
+    values ``v_head_dim`` wide, None: ``head_dim``, see ``check_value_head_dim``)."""
     shape = (num_layers, batch_size, kv_heads, slots, head_dim)
     if kv_dtype is None:
-        return ContiguousLayout(*shape, dtype, device)
+        return ContiguousLayout(*shape, dtype, device, v_head_dim)
     if kv_dtype in quant.KIVI_FORMATS:
         return KiviLayout(*shape, dtype, kv_dtype, device)
     return QuantizedLayout(*shape, dtype, kv_dtype, device)
@@ -46,11 +49,12 @@ def buffer_shapes(kv_dtype, shape: tuple, dtype) -> dict:
     return {"k": (shape, dtype), "v": (shape, dtype)} if kv_dtype is None else quantized_shapes(kv_dtype, shape)
 
 
-def paged_layout(kv_dtype, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device):
-    """The paged layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype)."""
+def paged_layout(kv_dtype, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype, device, v_head_dim=None):
+    """The paged layout of ``kv_dtype`` (None: keys/values in ``dtype``, the queries' dtype; values
+    ``v_head_dim`` wide, None: ``head_dim``)."""
     shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
     if kv_dtype is None:
-        return PagedLayout(*shape, dtype, device)
+        return PagedLayout(*shape, dtype, device, v_head_dim)
     return PagedQuantizedLayout(*shape, dtype, kv_dtype, device)
 
 
@@ -59,6 +63,8 @@ __all__ = [
     "ContiguousLayout",
     "KiviLayout",
     "LatentLayout",
+    "PagedLatentLayout",
+    "PagedQuantizedLatentLayout",
     "PagedLayout",
     "PagedQuantizedLayout",
     "QuantizedLatentLayout",
@@ -66,6 +72,7 @@ __all__ = [
     "buffer_shapes",
     "check_kivi_format",
     "check_kv_format",
+    "check_value_head_dim",
     "check_latent_format",
     "contiguous_layout",
     "kv_format",

@@ -1,5 +1,6 @@
-"""Keys and values in the queries' dtype, a ring of ``slots`` per row: ``k``/``v``
-``(layers, batch, kv_heads, slots, head_dim)``, written by ``append_kv``, read by ``decode_attention``."""
+"""Keys and values in the queries' dtype, a ring of ``slots`` per row: ``k`` ``(layers, batch, kv_heads,
+slots, head_dim)`` and ``v`` the same with ``v_head_dim`` (the keys' by default), written by
+``append_kv``, read by ``decode_attention``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from .layout import Layout
 class ContiguousLayout(Layout):
     op_order = ("k", "v")
 
-    def __init__(self, num_layers, batch_size, kv_heads, slots, head_dim, dtype=torch.float32, device=None):
+    def __init__(
+        self, num_layers, batch_size, kv_heads, slots, head_dim, dtype=torch.float32, device=None, v_head_dim=None
+    ):
         shape = (num_layers, batch_size, kv_heads, slots, head_dim)
-        super().__init__({"k": (shape, dtype), "v": (shape, dtype)}, dtype, None, head_dim, device)
+        v_shape = (*shape[:4], v_head_dim or head_dim)
+        super().__init__({"k": (shape, dtype), "v": (v_shape, dtype)}, dtype, None, head_dim, device, v_head_dim)
         capabilities(device).check_slots(slots)
 
     def check_append(self, k, v, lengths, counts) -> None:

@@ -66,6 +66,27 @@ def check_kv_format(
     quant.check_head_dim(fmt, head_dim)
 
 
+def check_value_head_dim(v_head_dim, head_dim: int, fmt: str | None, device) -> None:
+    """Whether a plain or paged cache may keep values ``v_head_dim`` wide beside keys ``head_dim``
+    wide (None or equal: the keys' width) on ``device``, against the capability table."""
+    if v_head_dim is None or v_head_dim == head_dim:
+        return
+    if not isinstance(v_head_dim, int) or isinstance(v_head_dim, bool) or v_head_dim < 1:
+        raise ValueError(f"v_head_dim must be None or a positive int, got {v_head_dim!r}")
+    if fmt is not None:
+        raise ValueError(
+            f"kv_dtype {fmt!r} keeps values of the keys' head_dim ({head_dim}); values {v_head_dim} wide are "
+            "stored unquantized (kv_dtype None)"
+        )
+    table = capabilities(device)
+    if not table.independent_value_head_dim:
+        raise ValueError(
+            f"the {table.kernels} on {torch.device(device or 'cpu')} takes values of the keys' head_dim "
+            f"({head_dim}) only, got v_head_dim={v_head_dim}"
+        )
+    table.check_head_dim(v_head_dim, "v_head_dim")
+
+
 def check_kivi_format(fmt: str, dtype: torch.dtype, head_dim: int, device, window, sink_tokens: int) -> None:
     """Whether a KVCache of KIVI format ``fmt`` (``python_ref.quantize.KIVI_FORMATS``) with ``window``
     and ``sink_tokens`` runs on ``device``, against the capability table (``kivi_kv_formats``) and

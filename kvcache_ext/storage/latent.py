@@ -35,11 +35,7 @@ class LatentLayout(Layout):
             )
         if k.dtype != cache.dtype or k.device != cache.device:
             raise TypeError(f"the new latents must be {cache.dtype} on {cache.device}, got {k.dtype} on {k.device}")
-        if v is not k and (v.shape != k.shape or v.data_ptr() != k.data_ptr() or v.stride() != k.stride()):
-            raise ValueError(
-                "a latent cache stores one tensor per token: pass the latents as both k and v (its values are "
-                f"their first {self.value_dim} columns), got a v that is not k"
-            )
+        check_values_are_keys(k, v, self.value_dim)
         if k.shape[2] > S:
             raise ValueError(f"cannot append {k.shape[2]} tokens at once to a cache of {S} slots")
         ops.check_lengths(lengths, B, cache.device)
@@ -49,8 +45,7 @@ class LatentLayout(Layout):
         append_latent_to_slots(self.latent[layer], k, lengths, counts)
 
     def check_attention(self, q, lengths, window, scale, softcap=None, sinks=None) -> None:
-        if softcap is not None or sinks is not None:
-            raise ValueError("a latent cache's attention takes no softcap or sinks (MLA models use neither)")
+        check_no_softcap_or_sinks(softcap, sinks)
         ops.check_latent_decode_attention(q, self.layer(0)[0], lengths, self.value_dim, window, scale)
 
     def attention(self, layer, q, lengths, window, scale, softcap=None, sinks=None):
@@ -59,6 +54,20 @@ class LatentLayout(Layout):
     def gather_rows(self, src_rows: torch.Tensor) -> None:
         """Row ``i`` becomes old row ``src_rows[i]``, in place."""
         self.copy_entries(src_rows, torch.arange(len(src_rows), device=src_rows.device))
+
+
+def check_values_are_keys(k, v, value_dim: int) -> None:
+    """A latent cache's append gets the new latents as both ``k`` and ``v``: there is one tensor per token."""
+    if v is not k and (v.shape != k.shape or v.data_ptr() != k.data_ptr() or v.stride() != k.stride()):
+        raise ValueError(
+            "a latent cache stores one tensor per token: pass the latents as both k and v (its values are "
+            f"their first {value_dim} columns), got a v that is not k"
+        )
+
+
+def check_no_softcap_or_sinks(softcap, sinks) -> None:
+    if softcap is not None or sinks is not None:
+        raise ValueError("a latent cache's attention takes no softcap or sinks (MLA models use neither)")
 
 
 def check_latent_format(dtype: torch.dtype, key_dim: int, value_dim, device, fmt=None, quantize_rope=False) -> None:

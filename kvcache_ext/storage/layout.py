@@ -19,12 +19,13 @@ class Layout(nn.Module):
 
     op_order: tuple[str, ...] = ()
 
-    def __init__(self, shapes: dict, dtype: torch.dtype, kv_dtype: str | None, head_dim: int, device):
+    def __init__(self, shapes: dict, dtype: torch.dtype, kv_dtype: str | None, head_dim: int, device, v_head_dim=None):
         super().__init__()
         for name in self.op_order:
             shape, buffer_dtype = shapes[name]
             self.register_buffer(name, huge_pages.zeros(shape, buffer_dtype, device), persistent=False)
-        self.dtype, self.kv_dtype, self.head_dim = dtype, kv_dtype, head_dim
+        # v_head_dim: the values' width where plain and paged layouts give them one of their own.
+        self.dtype, self.kv_dtype, self.head_dim, self.v_head_dim = dtype, kv_dtype, head_dim, v_head_dim or head_dim
         self._layers = None
 
     @property
@@ -75,12 +76,13 @@ class Layout(nn.Module):
 class StorageAttributes:
     """A cache's storage format and buffers under the names its constructor uses, read from its
     layout (``storage``): ``dtype`` (queries, new keys/values, outputs), ``kv_dtype`` (the quantized
-    format, or None), ``k``/``v`` (values, or codes when quantized) and ``k_scale``/``v_scale``
+    format, or None), ``k``/``v`` (values, or codes when quantized), ``v_head_dim`` and ``k_scale``/``v_scale``
     (the scales of quantized codes; None otherwise)."""
 
     dtype = property(lambda self: self.storage.dtype)
     kv_dtype = property(lambda self: self.storage.kv_dtype)
     k = property(lambda self: self.storage.k)
     v = property(lambda self: self.storage.v)
+    v_head_dim = property(lambda self: self.storage.v_head_dim)  # the width of the values attend takes
     k_scale = property(lambda self: getattr(self.storage, "k_scale", None))
     v_scale = property(lambda self: getattr(self.storage, "v_scale", None))

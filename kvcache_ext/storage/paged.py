@@ -23,10 +23,13 @@ def check_block_size(block_size) -> None:
 class PagedLayout(Layout):
     op_order = ("k", "v")
 
-    def __init__(self, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype=torch.float32, device=None):
+    def __init__(
+        self, num_layers, num_blocks, kv_heads, block_size, head_dim, dtype=torch.float32, device=None, v_head_dim=None
+    ):
         check_block_size(block_size)
         shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
-        super().__init__({"k": (shape, dtype), "v": (shape, dtype)}, dtype, None, head_dim, device)
+        v_shape = (*shape[:4], v_head_dim or head_dim)  # values of their own width (v_head_dim)
+        super().__init__({"k": (shape, dtype), "v": (v_shape, dtype)}, dtype, None, head_dim, device, v_head_dim)
 
     def check_append(self, k, v, block_tables, lengths, counts) -> None:
         ops.check_paged_append_kv(*self.layer(0), k, v, block_tables, lengths, counts)

@@ -14,7 +14,21 @@ from python_ref import quantize as quant
 
 from .. import ops
 from ..capabilities import capabilities
-from .latent import LatentLayout
+from .latent import LatentLayout, check_no_softcap_or_sinks, check_values_are_keys
+
+
+def quantized_latent_buffers(lead: tuple, key_dim, value_dim, dtype, kv_dtype, quantize_rope) -> tuple[dict, tuple]:
+    """The buffers of a quantized latent layout whose tokens are indexed by ``lead`` (layers, rows or
+    blocks, kv_heads, slots): ``name -> (shape, dtype)`` and their op order (k_pe's scales only where
+    k_pe is quantized)."""
+    codes = quant.storage_dtype(kv_dtype)
+    shapes = {
+        "c": ((*lead, value_dim), codes),
+        "c_scale": (lead, torch.float32),
+        "k_pe": ((*lead, key_dim - value_dim), codes if quantize_rope else dtype),
+        "k_pe_scale": (lead, torch.float32),
+    }
+    return shapes, ("c", "c_scale", "k_pe", "k_pe_scale")[: 4 if quantize_rope else 3]
 
 
 class QuantizedLatentLayout(LatentLayout):
@@ -22,15 +36,8 @@ class QuantizedLatentLayout(LatentLayout):
         self, num_layers, batch_size, kv_heads, slots, key_dim, value_dim, dtype, kv_dtype, quantize_rope, device=None
     ):
         lead = (num_layers, batch_size, kv_heads, slots)
-        codes = quant.storage_dtype(kv_dtype)
-        shapes = {
-            "c": ((*lead, value_dim), codes),
-            "c_scale": (lead, torch.float32),
-            "k_pe": ((*lead, key_dim - value_dim), codes if quantize_rope else dtype),
-            "k_pe_scale": (lead, torch.float32),
-        }
-        # An instance's buffers: k_pe's scales only where k_pe is quantized.
-        object.__setattr__(self, "op_order", ("c", "c_scale", "k_pe", "k_pe_scale")[: 4 if quantize_rope else 3])
+        shapes, order = quantized_latent_buffers(lead, key_dim, value_dim, dtype, kv_dtype, quantize_rope)
+        object.__setattr__(self, "op_order", order)  # an instance's buffers
         super(LatentLayout, self).__init__(shapes, dtype, kv_dtype, key_dim, device)
         capabilities(device).check_slots(slots)
         self.value_dim, self.quantize_rope = value_dim, quantize_rope
@@ -42,19 +49,14 @@ class QuantizedLatentLayout(LatentLayout):
 
     def check_append(self, k, v, lengths, counts) -> None:
         """The new latent rows ``k`` ``(B, kv_heads, T, key_dim)``, passed as both k and v."""
-        if v is not k and (v.shape != k.shape or v.data_ptr() != k.data_ptr() or v.stride() != k.stride()):
-            raise ValueError(
-                "a latent cache stores one tensor per token: pass the latents as both k and v (its values are "
-                f"their first {self.value_dim} columns), got a v that is not k"
-            )
+        check_values_are_keys(k, v, self.value_dim)
         ops.check_append_latent_quantized(*self.buffers(0), k, lengths, counts)
 
     def append(self, layer, k, v, lengths, counts) -> None:
         ops.run_append_latent_quantized(*self.buffers(layer), k, lengths, counts)
 
     def check_attention(self, q, lengths, window, scale, softcap=None, sinks=None) -> None:
-        if softcap is not None or sinks is not None:
-            raise ValueError("a latent cache's attention takes no softcap or sinks (MLA models use neither)")
+        check_no_softcap_or_sinks(softcap, sinks)
         ops.check_latent_decode_attention_quantized(q, *self.buffers(0), lengths, window, scale)
 
     def attention(self, layer, q, lengths, window, scale, softcap=None, sinks=None):
