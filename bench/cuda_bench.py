@@ -498,6 +498,50 @@ def run_bench(json_path: str | None = None) -> dict:
         torch.cuda.empty_cache()
 
     attempt("paged decode attention", measure_paged)
+
+    # Latent (MLA) decode attention at DeepSeek-V3's shape: 128 query heads over one latent row of
+    # 576 values per token (512 of them the values), bf16. Bandwidth counts the latent bytes read;
+    # FlashMLA's published 3000 GB/s (H800, tensor cores) is the anchor.
+    result["latent_attention"] = []
+
+    def time_latent(b, length, hq=128, key_dim=576, value_dim=512, dt=torch.bfloat16):
+        length = max(64, length // SHRINK)
+        read = b * length * key_dim * torch.tensor([], dtype=dt).element_size()
+        sets = [
+            (
+                torch.randn(b, hq, 1, key_dim, device=DEVICE, dtype=dt),
+                torch.randn(b, 1, length, key_dim, device=DEVICE, dtype=dt),
+                torch.full((b,), length, device=DEVICE, dtype=torch.long),
+            )
+            for _ in range(timer.copies(read))
+        ]
+        ours = [lambda s=s: kvcache_ext.latent_decode_attention(s[0], s[1], s[2], value_dim) for s in sets]
+        row = {
+            "batch": b,
+            "q_heads": hq,
+            "length": length,
+            "key_dim": key_dim,
+            "value_dim": value_dim,
+            "dtype": str(dt).split(".")[-1],
+            "bytes_read": read,
+            "us": round(timer.eager_us(ours), 1),
+            "graph_us": round(timer.graph_us(ours), 1),
+        }
+        row["gb_per_s"] = round(read / (row["graph_us"] * 1e-6) / 1e9, 1)
+        row["fraction_of_copy"] = fraction(row["gb_per_s"])
+        row["fraction_of_flashmla_h800"] = round(row["gb_per_s"] / 3000.0, 3)
+        # Multiply-adds per second: scores over key_dim and the weighted sum over value_dim.
+        row["tflops"] = round(2 * b * hq * length * (key_dim + value_dim) / (row["graph_us"] * 1e-6) / 1e12, 1)
+        del sets
+        torch.cuda.empty_cache()
+        return row
+
+    for b in (1, 8):
+        for length in (4096, 16384, 32768):
+            row = attempt(f"latent attention B={b} L={length}", lambda: time_latent(b, length))
+            if row:
+                result["latent_attention"].append(row)
+                log(f"latent attention {row}")
     return result
 
 
@@ -774,6 +818,21 @@ def bench_markdown(bench) -> list[str]:
             f"{p['us']} us eager ({p['gb_per_s']} GB/s, the host check's round trip included) against "
             f"{p['contiguous_us']} us for the contiguous op",
         ]
+    if bench.get("latent_attention"):
+        lines += [
+            "",
+            "latent_decode_attention (MLA) at DeepSeek-V3's shape, GB/s of the latent bytes read "
+            "(FlashMLA: 3000 GB/s on H800):",
+            "",
+            "| B | Hq | L | key/value dim | dtype | ours eager | ours graph | GB/s | x copy | x FlashMLA | TFLOPS |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in bench["latent_attention"]:
+            lines.append(
+                f"| {r['batch']} | {r['q_heads']} | {r['length']} | {r['key_dim']}/{r['value_dim']} | {r['dtype']} | "
+                f"{r['us']} | {r['graph_us']} | {r['gb_per_s']} | {r['fraction_of_copy']} | "
+                f"{r['fraction_of_flashmla_h800']} | {r['tflops']} |"
+            )
     return lines
 
 

@@ -25,8 +25,11 @@ constexpr int64_t kMaxSlotsCuda = (int64_t{1} << 31) - 1;
 constexpr int64_t kMaxBlockSize = 256;
 
 // Latent (MLA) caches (latent_decode_attention): rows of key_dim values, a multiple of
-// kHeadDimMultiple up to kMaxLatentKeyDim (DeepSeek's 576 and room); CPU kernels only so far.
+// kHeadDimMultiple up to kMaxLatentKeyDim on the CPU (DeepSeek's 576 and room) and
+// kMaxLatentKeyDimCuda on CUDA (DeepSeek's 576: the CUDA kernel holds a row's slice per thread in
+// registers, csrc/cuda/latent_attention.cuh).
 constexpr int64_t kMaxLatentKeyDim = 1024;
+constexpr int64_t kMaxLatentKeyDimCuda = 576;
 
 // Plain and paged caches whose values have a head_dim of their own (any supported head_dim,
 // independent of the keys'; MLA's expanded 192/128): the CPU kernels take them, the CUDA ones not yet.
@@ -67,13 +70,14 @@ inline std::string capabilities_json(bool cuda) {
          ", \"independent_value_head_dim\": " +
          ((cuda ? kCudaValueDimMayDiffer : kCpuValueDimMayDiffer) ? "true" : "false") +
          // Widest latent cache row the latent kernel takes (0: none on this device).
-         ", \"latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
+         ", \"latent_max_key_dim\": " + std::to_string(cuda ? kMaxLatentKeyDimCuda : kMaxLatentKeyDim) +
          // Widest row of a paged latent pool (paged_latent_decode_attention; 0: no kernel on this device).
          ", \"paged_latent_max_key_dim\": " + std::to_string(cuda ? 0 : kMaxLatentKeyDim) +
          // Quantized formats of paged latent pools (the latent ones, in blocks).
          ", \"paged_latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") +
-         // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token).
-         ", \"latent_kv_formats\": " + (cuda ? "[]" : "[\"int8\", \"fp8_e4m3\"]") + "}";
+         // Quantized latent formats (python_ref/latent.py: c, and optionally k_pe, one scale per token):
+         // the same on both devices.
+         ", \"latent_kv_formats\": [\"int8\", \"fp8_e4m3\"]}";
 }
 
 }  // namespace kvcache_ext

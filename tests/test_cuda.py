@@ -13,6 +13,7 @@ import torch
 
 import kvcache_ext
 from python_ref import build_gpt2, generate, reference_attention
+from python_ref import latent as latent_ref
 from python_ref import quantize as qref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
@@ -949,3 +950,76 @@ def test_paged_quantized_opcheck(fmt):
         (*pools, new, new.clone(), table, torch.tensor([1, 2]).cuda(), torch.tensor([3, 1]).cuda()),
         **checks,
     )
+
+
+# ---- latent (MLA) attention ------------------------------------------------------------------------
+# (batch, q_heads, num_new, key_dim, value_dim, slots, lengths, window)
+LATENT_CASES = [
+    (2, 128, 1, 576, 512, 4096, [4096, 77], None),  # DeepSeek-V3's shape, a long row (splits) and a short one
+    (2, 20, 3, 576, 512, 60, [200, 3], 9),  # a partial row chunk, T > 1, a window in a wrapped ring
+    (3, 6, 2, 136, 64, 33, [33, 2, 40], None),  # narrow rows
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", LATENT_CASES, ids=[f"latent{i}" for i in range(len(LATENT_CASES))])
+def test_latent_attention_matches_reference(dtype, case):
+    B, H_q, T, Dk, Dv, S, lengths, window = case
+    g = torch.Generator().manual_seed(H_q + T + Dk)
+    q = torch.randn(B, T, H_q, Dk, generator=g).to(dtype).transpose(1, 2)
+    cache = torch.randn(B, 1, S, Dk, generator=g).to(dtype)
+    lengths = torch.tensor(lengths)
+    out, lse = kvcache_ext.latent_decode_attention(q.cuda(), cache.cuda(), lengths.cuda(), Dv, window)
+    exact, exact_lse = latent_ref.reference_latent_attention(
+        q.double(), cache.double(), lengths, Dv, window, return_lse=True
+    )
+    plain = latent_ref.reference_latent_attention(q, cache, lengths, Dv, window)
+    assert max_error(out.cpu(), exact) <= 2 * max_error(plain, exact) + 1e-5
+    torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", latent_ref.LATENT_FORMATS)
+@pytest.mark.parametrize("quantize_rope", [False, True], ids=["rope_plain", "rope_quantized"])
+def test_quantized_latent_append_and_attention(fmt, quantize_rope):
+    # The append's bytes equal the CPU kernel's; the attention over them matches python_ref's.
+    B, H_q, T, Dk, Dv, S = 2, 128, 2, 576, 512, 300
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(B, 1, S, Dk, generator=g).to(torch.bfloat16)
+    cpu = list(latent_ref.quantize_latent(torch.zeros_like(rows), Dv, fmt, quantize_rope))
+    cpu[2] = cpu[2].contiguous()
+    gpu = [None if t is None else t.cuda() for t in cpu]
+    lengths = torch.tensor([0, 2 * S + 3])
+    kvcache_ext.append_latent_quantized(*cpu, rows, lengths)
+    kvcache_ext.append_latent_quantized(*gpu, rows.cuda(), lengths.cuda())
+    for got, want in zip(gpu, cpu):
+        if want is not None:
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    q = torch.randn(B, H_q, T, Dk, generator=g).to(torch.bfloat16)
+    lengths = torch.tensor([S, 2 * S + 3])
+    out, lse = kvcache_ext.latent_decode_attention_quantized(q.cuda(), *gpu, lengths.cuda(), 100)
+    exact, exact_lse = latent_ref.reference_quantized_latent_attention(
+        q.double(), *(None if t is None else t for t in cpu), lengths, 100, return_lse=True
+    )
+    assert max_error(out.cpu(), exact) <= 2e-2
+    torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-3, rtol=1e-4)
+
+
+def test_latent_cuda_graph_replay_equals_eager():
+    q = torch.randn(1, 128, 1, 576, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(1, 1, 2048, 576, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.tensor([2048], device="cuda")
+    eager = kvcache_ext.latent_decode_attention(q, cache, lengths, 512)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kvcache_ext.latent_decode_attention(q, cache, lengths, 512)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+def test_latent_key_dim_past_the_cuda_limit_is_a_clear_error():
+    q = torch.randn(1, 4, 1, 584, device="cuda")
+    with pytest.raises(ValueError, match="from 8 to 576"):
+        kvcache_ext.latent_decode_attention(
+            q, torch.randn(1, 1, 8, 584, device="cuda"), torch.tensor([8], device="cuda"), 512
+        )

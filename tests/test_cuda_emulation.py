@@ -36,6 +36,7 @@ import torch
 
 from attention_oracle import attention_float64
 from python_ref import paged, paged_append_reference, paged_attention_reference, reference_attention
+from python_ref import latent as latent_ref
 from python_ref import quantize as qref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -952,6 +953,287 @@ def test_quantized_attention_splits_softcap_sinks_and_unaligned_rows(emulator, f
     assert f"misaligned {4 if fmt == 'int4' else 8}-byte load (__ldg)" in error, error
 
 
+# ---- latent (MLA) decode attention ----------------------------------------------------------------
+def emulated_latent_attention(
+    lib,
+    q,
+    parts,
+    lengths,
+    value_dim,
+    window=None,
+    scale=None,
+    fmt="int8",
+    sm_count=132,
+    max_blocks=MAX_GRID_X,
+    expect_status=0,
+):
+    """The CUDA binding's steps for latent_decode_attention(_quantized) under emulation: ``parts``
+    the cached rows as the kernel reads them, [(data, scales or None)] (one part: a plain cache of
+    q's dtype; two: c and k_pe, whose columns follow c's), every buffer between guards; checks the
+    guards and that the inputs are unchanged."""
+    B, H_q, T, Dk = q.shape
+    H_kv, S = parts[0][0].shape[1], parts[0][0].shape[2]
+    out = Guarded(torch.full((B, H_q, T, value_dim), float("nan"), dtype=q.dtype))
+    lse = Guarded(torch.full((B, H_q, T), float("nan")))
+    inputs = {"q": Guarded(q), "lengths": Guarded(lengths)}
+    data, scales, strides, scale_strides, columns = [], [], [], [], []
+    column = 0
+    for i in range(2):
+        tensor, part_scales = parts[i] if i < len(parts) else (None, None)
+        if tensor is None:
+            data.append(None), scales.append(None), strides.extend([0, 0, 0]), scale_strides.extend([0, 0, 0])
+            columns.extend([0, 0])
+            continue
+        inputs[f"part{i}"] = Guarded(tensor)
+        data.append(inputs[f"part{i}"].view.data_ptr())
+        strides.extend(tensor.stride()[:3])
+        columns.extend([column, tensor.shape[3]])
+        column += tensor.shape[3]
+        if part_scales is None:
+            scales.append(None), scale_strides.extend([0, 0, 0])
+        else:
+            inputs[f"scales{i}"] = Guarded(part_scales)
+            scales.append(inputs[f"scales{i}"].view.data_ptr())
+            scale_strides.extend(part_scales.stride())
+    assert column == Dk
+    plan = (ctypes.c_int64 * 3)()
+    status = lib.emu_latent_attention(
+        ELEM[q.dtype],
+        FORMAT_CODE[fmt],
+        ptr(inputs["q"].view),
+        int64s(q.stride()),
+        (ctypes.c_void_p * 2)(*data),
+        int64s(strides),
+        int64s(columns),
+        (ctypes.c_void_p * 2)(*scales),
+        int64s(scale_strides),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        ptr(out.view),
+        ptr(lse.view),
+        int64s([B, H_q, H_kv, T, Dk, value_dim, S]),
+        ctypes.c_int64(window or 0),
+        ctypes.c_double(1.0 / math.sqrt(Dk) if scale is None else scale),
+        ctypes.c_int(sm_count),
+        ctypes.c_int64(max_blocks),
+        plan,
+    )
+    error = take_error(lib)
+    if expect_status != 0:
+        assert status == expect_status, (status, error)
+        return error
+    assert status == 0, f"emulated latent launch failed with status {status}: {error}"
+    assert not error, error
+    plan = {"row_chunks": plan[0], "splits": plan[1], "vector_loads": bool(plan[2])}
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the kernels wrote into {name} or its guards ({plan})"
+    assert out.guards_intact() and lse.guards_intact(), f"the kernels wrote outside out or lse ({plan})"
+    return out.view, lse.view, plan
+
+
+def check_latent_attention(lib, q, cache, lengths, value_dim, window=None, scale=None, **launch):
+    """Emulated latent attention over a plain cache against python_ref's reference in float64,
+    within twice plain PyTorch's error in the inputs' dtype (+1e-5); rows with an invalid length
+    are zeros with a log-sum-exp of -inf."""
+    out, lse, plan = emulated_latent_attention(lib, q, [(cache, None)], lengths, value_dim, window, scale, **launch)
+    check_latent_outputs(out, lse, q, cache.double(), cache, lengths, value_dim, window, scale, plan)
+    return plan
+
+
+def check_latent_outputs(out, lse, q, rows64, rows_plain, lengths, value_dim, window, scale, plan):
+    """`out`, `lse` against the latent reference over the rows `rows64` (float64) in float64, the
+    bound twice the error of the reference in q's dtype over `rows_plain`."""
+    T = q.shape[2]
+    valid = torch.tensor([valid_for_decode(int(n), T) for n in lengths])
+    if valid.any():
+        rows = valid.nonzero().flatten()
+        exact, exact_lse = latent_ref.reference_latent_attention(
+            q[rows].double(), rows64[rows], lengths[rows], value_dim, window, scale, return_lse=True
+        )
+        plain = latent_ref.reference_latent_attention(
+            q[rows], rows_plain[rows], lengths[rows], value_dim, window, scale
+        )
+        bound = 2 * max_error(plain, exact) + 1e-5
+        assert max_error(out[rows], exact) <= bound, (plan, max_error(out[rows], exact), bound)
+        torch.testing.assert_close(lse[rows].double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
+    invalid = (~valid).nonzero().flatten()
+    assert torch.equal(out[invalid], torch.zeros_like(out[invalid]))
+    assert bool((lse[invalid] == float("-inf")).all())
+
+
+def latent_problem(B, H_q, H_kv, T, Dk, S, dtype, seed, non_contiguous_q=True):
+    g = torch.Generator().manual_seed(seed)
+    if non_contiguous_q:  # (B, T, H_q, Dk) storage viewed as (B, H_q, T, Dk)
+        q = torch.randn(B, T, H_q, Dk, generator=g).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, H_q, T, Dk, generator=g).to(dtype)
+    return q, torch.randn(B, H_kv, S, Dk, generator=g).to(dtype)
+
+
+# (batch, q_heads, kv_heads, num_new, key_dim, value_dim, slots, lengths, window)
+LATENT_CASES = [
+    (1, 16, 1, 1, 576, 512, 70, [70], None),  # DeepSeek's widths, one row chunk
+    (2, 20, 1, 1, 576, 512, 40, [33, 1], None),  # 20 heads: a partial second chunk; one visible position
+    (1, 128, 1, 1, 576, 512, 24, [24], None),  # DeepSeek-V3's 128 heads: 8 chunks
+    (2, 6, 2, 3, 72, 64, 40, [50, 3], 7),  # GQA-like groups of 3, T > 1 spanning chunks, a window in a wrapped ring
+    (1, 5, 1, 4, 136, 128, 19, [19], None),  # odd group, T = 4: rows of 4 tokens x 5 heads
+    (3, 4, 4, 2, 8, 8, 13, [2, 13, 40], 5),  # the narrowest rows, MHA-like groups of 1
+    (1, 3, 1, 5, 576, 576, 30, [30], 3),  # value_dim = key_dim, T > window
+    (2, 16, 1, 2, 200, 96, 17, [0, 17], None),  # an invalid row (length below num_new)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", LATENT_CASES, ids=[f"latent{i}" for i in range(len(LATENT_CASES))])
+def test_latent_attention_matches_reference(emulator, case, dtype):
+    B, H_q, H_kv, T, Dk, Dv, S, lengths, window = case
+    q, cache = latent_problem(B, H_q, H_kv, T, Dk, S, dtype, seed=B * 100 + H_q + T + Dk)
+    plan = check_latent_attention(emulator, q, cache, torch.tensor(lengths), Dv, window)
+    assert plan["row_chunks"] == -(-(H_q // H_kv * T) // 16) and plan["vector_loads"]
+
+
+@pytest.mark.parametrize("splits", [3, 64])
+def test_latent_attention_forced_splits(emulator, monkeypatch, splits):
+    # The combine of Flash-Decoding splits (64 of 300 positions: most of them empty), T > 1.
+    monkeypatch.setenv("KVCACHE_EXT_CUDA_SPLITS", str(splits))
+    q, cache = latent_problem(2, 24, 1, 2, 576, 300, torch.bfloat16, seed=5)
+    plan = check_latent_attention(emulator, q, cache, torch.tensor([300, 123]), 512, scale=0.07)
+    assert plan["splits"] == splits
+
+
+@pytest.mark.parametrize("sm_count,max_blocks", [(1, MAX_GRID_X), (132, MAX_GRID_X), (132, 5)])
+def test_latent_attention_planned_splits_and_grid_launches(emulator, sm_count, max_blocks):
+    # A long row on a large GPU splits (and combines); on a GPU of one SM that keeps one block
+    # resident, the two row chunks are a wave already; grids of 5 blocks take several launches.
+    emulator.emu_set_blocks_per_sm(1)
+    q, cache = latent_problem(1, 32, 1, 1, 576, 1100, torch.float16, seed=6)
+    plan = check_latent_attention(
+        emulator, q, cache, torch.tensor([1100]), 512, sm_count=sm_count, max_blocks=max_blocks
+    )
+    assert (plan["splits"] > 1) == (sm_count > 1), plan
+
+
+@pytest.mark.parametrize("window", [None, 5, MAX_LENGTH, INT64_MAX], ids=["none", "w5", "w2^62", "wmax"])
+def test_latent_attention_edge_lengths(emulator, monkeypatch, window):
+    # Every edge length next to a valid row, with splits; NaN guards around the cache poison any
+    # output that reads outside it.
+    monkeypatch.setenv("KVCACHE_EXT_CUDA_SPLITS", "2")
+    valid_neighbours = [S_EDGE + 7, T_EDGE, 2 * S_EDGE + 5]
+    lengths = torch.tensor([n for i, edge in enumerate(EDGE_LENGTHS) for n in (edge, valid_neighbours[i % 3])])
+    B = len(lengths)
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(B, 4, T_EDGE, 40, generator=g)
+    cache, buffer, inside = guarded((B, 1, S_EDGE, 40), torch.float32, g)
+    plan = check_latent_attention(emulator, q, cache, lengths, 32, window)
+    assert plan["splits"] == 2
+    assert guards_intact(buffer, inside, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_latent_attention_unaligned_cache(emulator, dtype):
+    # Rows one element off 16-byte alignment take element loads; forced vector loads fault.
+    g = torch.Generator().manual_seed(22)
+    cache, _, _ = guarded((2, 1, 30, 136), dtype, g, offset_elems=1)
+    q = torch.randn(2, 8, 2, 136, generator=g).to(dtype)
+    plan = check_latent_attention(emulator, q, cache, torch.tensor([30, 9]), 64, 20)
+    assert not plan["vector_loads"]
+    emulator.emu_force_vector_loads(1)
+    error = emulated_latent_attention(emulator, q, [(cache, None)], torch.tensor([30, 9]), 64, expect_status=716)
+    assert "misaligned 16-byte load (__ldg)" in error, error
+
+
+@pytest.mark.parametrize("fmt", latent_ref.LATENT_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("quantize_rope", [False, True], ids=["rope_plain", "rope_quantized"])
+def test_quantized_latent_attention_matches_reference(emulator, fmt, dtype, quantize_rope, monkeypatch):
+    # c as codes with per-token scales, k_pe in q's dtype or quantized too, with splits and T > 1.
+    monkeypatch.setenv("KVCACHE_EXT_CUDA_SPLITS", "2")
+    g = torch.Generator().manual_seed(23)
+    B, H_q, T, Dk, Dv, S = 2, 18, 2, 576, 512, 45
+    q = torch.randn(B, T, H_q, Dk, generator=g).to(dtype).transpose(1, 2)
+    rows = (torch.randn(B, 1, S, Dk, generator=g) * 3).to(dtype)
+    c_data, c_scales, k_pe, k_pe_scales = latent_ref.quantize_latent(rows, Dv, fmt, quantize_rope)
+    lengths, window = torch.tensor([60, 2]), 30
+    parts = [(c_data, c_scales), (k_pe, k_pe_scales)]  # k_pe a view of the rows unless quantized
+    out, lse, plan = emulated_latent_attention(emulator, q, parts, lengths, Dv, window, fmt=fmt)
+    assert plan["splits"] == 2 and plan["vector_loads"]
+    rows64 = latent_ref.dequantize_latent(c_data, c_scales, k_pe, k_pe_scales, torch.float64)
+    check_latent_outputs(out, lse, q, rows64, rows64.to(dtype), lengths, Dv, window, None, plan)
+
+
+def emulated_append_latent_quantized(lib, cache, latent_new, lengths, counts=None, max_blocks=65535):
+    """append_latent_quantized's launch under emulation, every buffer between guards; `cache` =
+    [c_data, c_scales, k_pe, k_pe_scales or None] gets the new contents."""
+    fmt = latent_ref.latent_format(cache[0])
+    present = [t for t in cache if t is not None]
+    guarded_cache = [Guarded(t) for t in present]
+    views = dict(zip((i for i, t in enumerate(cache) if t is not None), (g.view for g in guarded_cache)))
+    inputs = {"latent_new": Guarded(latent_new), "lengths": Guarded(lengths)}
+    if counts is not None:
+        inputs["counts"] = Guarded(counts)
+    B, H, S, Dv = cache[0].shape
+    strides = []
+    for i in range(4):
+        strides.extend(cache[i].stride()[:3] if cache[i] is not None else (0, 0, 0))
+    status = lib.emu_append_latent_quantized(
+        FORMAT_CODE[fmt],
+        ELEM[latent_new.dtype],
+        *(ptr(views[i]) if i in views else None for i in range(4)),
+        ptr(inputs["latent_new"].view),
+        int64s(strides + list(latent_new.stride())),
+        ptr(inputs["lengths"].view),
+        ctypes.c_int64(lengths.stride(0)),
+        ptr(inputs["counts"].view) if counts is not None else None,
+        ctypes.c_int64(counts.stride(0) if counts is not None else 0),
+        int64s([B, H, latent_new.shape[2], S, latent_new.shape[3], Dv]),
+        ctypes.c_int64(max_blocks),
+    )
+    error = take_error(lib)
+    assert status == 0, f"emulated latent append failed with status {status}: {error}"
+    assert not error, error
+    for name, guarded_input in inputs.items():
+        assert guarded_input.unchanged(), f"the append wrote into {name} or its guards"
+    for t, g in zip(present, guarded_cache):
+        assert g.guards_intact(), "the append wrote outside the cache's buffers"
+        t.copy_(g.view)
+
+
+@pytest.mark.parametrize("fmt", latent_ref.LATENT_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("quantize_rope", [False, True], ids=["rope_plain", "rope_quantized"])
+@pytest.mark.parametrize("Dk,Dv,with_counts", [(576, 512, False), (72, 40, True)], ids=["deepseek", "small_counts"])
+def test_append_latent_quantized_is_bit_identical_to_the_reference(
+    emulator, fmt, dtype, quantize_rope, Dk, Dv, with_counts
+):
+    # Bytes equal to python_ref's (the CPU kernel's too): wrapped rings, edge lengths left alone, a
+    # strided source, an all-zero row (scale 0) and values over many magnitudes; grids of 2 blocks.
+    g = torch.Generator().manual_seed(Dk + Dv)
+    B, H, T, S = 5, 2, 3, 7
+    c_data, c_scales, k_pe, k_pe_scales = latent_ref.quantize_latent(
+        torch.randn(B, H, S, Dk, generator=g).to(dtype), Dv, fmt, quantize_rope
+    )
+    cache = [c_data, c_scales, k_pe.contiguous(), k_pe_scales]
+    magnitude = torch.exp(torch.empty(B, H, T, 1).uniform_(-12.0, 8.0, generator=g))
+    latent_new = (torch.randn(B, T, H, Dk, generator=g).transpose(1, 2) * magnitude).to(dtype)
+    latent_new[1, 0, 1] = 0
+    lengths = torch.tensor([0, 5, 12, MAX_LENGTH + 1, -1])
+    counts = torch.tensor([3, 1, 2, 3, 0]) if with_counts else None
+    expected = [None if t is None else t.clone() for t in cache]
+    valid = torch.tensor([0 <= int(n) <= MAX_LENGTH for n in lengths])
+    rows = valid.nonzero().flatten()
+    sub = [None if t is None else t[rows].clone() for t in expected]
+    latent_ref.append_quantized_latent_to_slots(
+        *sub, latent_new[rows], lengths[rows], None if counts is None else counts[rows]
+    )
+    for t, part in zip(expected, sub):
+        if t is not None:
+            t[rows] = part
+    emulated_append_latent_quantized(emulator, cache, latent_new, lengths, counts, max_blocks=2)
+    for name, got, want in zip(("c_data", "c_scales", "k_pe", "k_pe_scales"), cache, expected):
+        if want is not None:
+            assert torch.equal(bits(got), bits(want)), name
+
+
 # ---- the emulation's own checks -------------------------------------------------------------------
 def test_random_order_catches_a_missing_syncthreads(emulator):
     # Thread 0 writes a shared value every thread reads: right with the barrier, wrong (another
@@ -1726,7 +2008,9 @@ SANITIZED_SELECTION = (
     "or paged_attention_unaligned_pool and float16 or paged_append_matches_reference and float16 "
     "or paged_append_token_chunks or paged_append_refusals or paged_attention_refusals "
     "or paged_quantized_attention_matches_reference and bfloat16 and pq1 "
-    "or paged_append_quantized_is_bit_identical and float16 and 4-True or paged_append_quantized_refusals"
+    "or paged_append_quantized_is_bit_identical and float16 and 4-True or paged_append_quantized_refusals "
+    "or latent_attention_matches_reference and bfloat16 and (latent1 or latent3) or latent_attention_edge_lengths "
+    "and w5 or append_latent_quantized_is_bit_identical and bfloat16 and small_counts"
 )
 
 

@@ -6,7 +6,8 @@
 #
 # ptxas reports every kernel's registers and spills (-Xptxas -warn-spills, --resource-usage):
 # a spill in a hot kernel (the split kernels with 16-byte loads of a full power-of-two row,
-# decode_attention_split_kernel<E, C, R, true, true>, and combine_splits_kernel) fails the
+# decode_attention_split_kernel<E, C, R, true, true>, combine_splits_kernel and the latent (MLA)
+# kernels, latent_attention_split_kernel and append_latent_quantized_kernel) fails the
 # check; spills elsewhere are listed. Output ptxas no longer prints in the expected form fails
 # too, rather than passing unchecked.
 #
@@ -147,7 +148,8 @@ def hot(name):
     text = readable[name]
     return bool(re.search(r"decode_attention_split_kernel<[^<>]*, *true, *true>", text)
                 or re.search(r"decode_attention_split_kernelI.*Lb1ELb1EE", name)
-                or "combine_splits_kernel" in text or "combine_splits_kernel" in name)
+                or "combine_splits_kernel" in text or "combine_splits_kernel" in name
+                or "latent_attention_split_kernel" in name or "append_latent_quantized_kernel" in name)
 
 hot_kernels = [key for key in kernels if hot(key[0])]
 if not hot_kernels:

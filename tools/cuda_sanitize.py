@@ -17,8 +17,11 @@ against float64 over the dequantized values; aligned and byte-offset rows), and 
 random block tables with NaN in every unheld pool element, windows, forced splits, unaligned
 pools; an out-of-range id refused before any launch), and the quantized paged ops
 (paged_append_kv_quantized over random block tables, bytes equal to the CPU kernel's;
-paged_decode_attention_quantized over them with NaN scales at every unheld position). Each case
-synchronises, so an error is attributed to it.
+paged_decode_attention_quantized over them with NaN scales at every unheld position), and the latent
+(MLA) ops (latent_decode_attention at DeepSeek's 576/512 with 128 and 20 heads, T > 1, a window in a
+wrapped ring, forced splits, rows one element off alignment; append_latent_quantized with the bytes
+equal to the CPU kernel's and latent_decode_attention_quantized over them, k_pe plain or quantized).
+Each case synchronises, so an error is attributed to it.
 
 Exit status: 0 every case ran and matched the reference, 1 a case failed (wrong result or a
 refused call), 2 the CUDA context was lost (an illegal access: the cases after it cannot run),
@@ -328,6 +331,61 @@ def paged_refusal_case():
     raise AssertionError("an out-of-range block id was accepted")
 
 
+# ---- latent (MLA) caches -------------------------------------------------------------------------
+def latent_case(dtype, q_heads, num_new, key_dim, value_dim, window, splits, offset=False):
+    B, slots = 2, 50
+    g = torch.Generator().manual_seed(q_heads + num_new + key_dim)
+    # offset: every row starts one element past alignment (the kernel's element-load path)
+    cache = torch.randn(B, 1, slots, key_dim + offset, generator=g).to(dtype)[..., int(offset) :]
+    lengths = torch.tensor([slots + 7, num_new])  # a wrapped ring, and a row of only the new tokens
+    q = torch.randn(B, q_heads, num_new, key_dim, generator=g).to(dtype)
+    with with_env("KVCACHE_EXT_CUDA_SPLITS", splits):
+        out, lse = kvcache_ext.latent_decode_attention(
+            q.to(DEVICE), cache.to(DEVICE), lengths.to(DEVICE), value_dim, window
+        )
+        synchronize()
+    exact, exact_lse = reference_attention(q.double(), cache.double(), cache.double(), lengths, window, return_lse=True)
+    return checked_error(out, lse, exact[..., :value_dim], exact_lse, dtype)
+
+
+def latent_quantized_case(fmt, dtype, quantize_rope, splits):
+    B, H, slots, key_dim, value_dim = 2, 1, 40, 576, 512
+    g = torch.Generator().manual_seed(7 + quantize_rope)
+    codes = QUANTIZED_DATA[fmt]
+
+    def empty(device):
+        rope = (B, H, slots, key_dim - value_dim)
+        return [
+            torch.zeros(B, H, slots, value_dim, dtype=torch.uint8, device=device).view(codes),
+            torch.zeros(B, H, slots, device=device),
+            torch.zeros(rope, dtype=torch.uint8, device=device).view(codes)
+            if quantize_rope
+            else torch.zeros(rope, dtype=dtype, device=device),
+            torch.zeros(B, H, slots, device=device) if quantize_rope else None,
+        ]
+
+    gpu, cpu = empty(DEVICE), empty("cpu")
+    lengths = torch.tensor([0, 3 * slots + 5])
+    latent_new = torch.randn(B, H, slots, key_dim, generator=g).to(dtype)
+    kvcache_ext.append_latent_quantized(*gpu, latent_new.to(DEVICE), lengths.to(DEVICE))
+    kvcache_ext.append_latent_quantized(*cpu, latent_new, lengths)
+    synchronize()
+    for got, want in zip(gpu, cpu):
+        if want is not None and not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
+            raise AssertionError("quantized latent bytes differ from the CPU kernel's")
+    lengths = lengths + 2
+    q = torch.randn(B, 128, 2, key_dim, generator=g).to(dtype)
+    with with_env("KVCACHE_EXT_CUDA_SPLITS", splits):
+        out, lse = kvcache_ext.latent_decode_attention_quantized(q.to(DEVICE), *gpu, lengths.to(DEVICE), 30)
+        synchronize()
+    rows = torch.cat(
+        [dequantized(cpu[0], cpu[1], fmt), cpu[2].double() if cpu[3] is None else dequantized(cpu[2], cpu[3], fmt)],
+        dim=-1,
+    )
+    exact, exact_lse = reference_attention(q.double(), rows, rows, lengths, 30, return_lse=True)
+    return checked_error(out, lse, exact[..., :value_dim], exact_lse, dtype)
+
+
 def build_cases(quick: bool):
     cases = []  # (name, thunk)
 
@@ -438,6 +496,39 @@ def build_cases(quick: bool):
                 splits,
             )
     add("paged append refused id", paged_refusal_case)
+    # (q_heads, num_new, key_dim, value_dim, window, splits, offset)
+    latent_configs = [
+        (128, 1, 576, 512, None, None, False),
+        (20, 3, 576, 512, 9, 4, False),
+        (6, 2, 136, 64, None, 1, True),
+    ]
+    for dtype_name, dtype in DTYPES.items():
+        for q_heads, num_new, key_dim, value_dim, window, splits, offset in latent_configs[: 1 if quick else None]:
+            add(
+                f"latent {dtype_name} heads={q_heads} T={num_new} {key_dim}/{value_dim} window={window} "
+                f"splits={splits}{' unaligned rows' if offset else ''}",
+                latent_case,
+                dtype,
+                q_heads,
+                num_new,
+                key_dim,
+                value_dim,
+                window,
+                splits,
+                offset=offset,
+            )
+    for fmt in ("int8", "fp8_e4m3"):
+        for dtype_name, quantize_rope, splits in (("bfloat16", False, None), ("float16", True, 3))[
+            : 1 if quick else None
+        ]:
+            add(
+                f"latent quantized {fmt} {dtype_name} quantize_rope={quantize_rope} splits={splits}",
+                latent_quantized_case,
+                fmt,
+                DTYPES[dtype_name],
+                quantize_rope,
+                splits,
+            )
     return cases
 
 

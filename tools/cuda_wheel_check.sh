@@ -182,7 +182,8 @@ print("   CPU path: decode_attention and append_kv ran")
 if not _native.cuda_available:
     torch.ops.load_library(glob.glob(os.path.join(os.path.dirname(kvcache_ext.__file__), "_C_cuda.*.so"))[0])
 problems = []
-for op in ("append_kv", "decode_attention", "paged_append_kv_quantized", "paged_decode_attention_quantized"):
+for op in ("append_kv", "decode_attention", "paged_append_kv_quantized", "paged_decode_attention_quantized",
+           "latent_decode_attention", "latent_decode_attention_quantized", "append_latent_quantized"):
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kvcache_ext::{op}", "CUDA"):
         problems.append(f"no CUDA kernel registered for kvcache_ext::{op}")
 # Each binding called through the dispatcher's boxed path with the schema's arguments, on CPU
@@ -192,10 +193,15 @@ cuda_keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 pool = [torch.zeros(6, 2, 4, 64, dtype=torch.int8), torch.zeros(6, 2, 4)]
 pool += [t.clone() for t in pool]  # int8 codes and scales of K, then of V
 table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+latent, latent_q = torch.zeros(2, 1, 4, 576), torch.zeros(2, 8, 1, 576)  # DeepSeek's rows [c, k_pe]
+latent_codes = [torch.zeros(2, 1, 4, 512, dtype=torch.int8), torch.zeros(2, 1, 4), torch.zeros(2, 1, 4, 64), None]
 calls = {"append_kv": (k2, v2, k[:, :, :3], v[:, :, :3], lengths, None),
          "decode_attention": (q, k, v, lengths, None, None, None, None),
          "paged_append_kv_quantized": (*pool, k[:, :, :3], v[:, :, :3], table, lengths, None, False),
-         "paged_decode_attention_quantized": (q, *pool, table, lengths, None, None, None, None, False)}
+         "paged_decode_attention_quantized": (q, *pool, table, lengths, None, None, None, None, False),
+         "latent_decode_attention": (latent_q, latent, lengths, 512, None, None),
+         "latent_decode_attention_quantized": (latent_q, *latent_codes, lengths, None, None),
+         "append_latent_quantized": (*latent_codes, latent[:, :, :2], lengths, None)}
 for op, args in calls.items():
     overload = getattr(torch.ops.kvcache_ext, op).default
     assert len(overload._schema.arguments) == len(args), f"{op}: update this check to the schema {overload._schema}"

@@ -143,23 +143,8 @@ std::tuple<Tensor, Tensor> run_latent_attention(const Tensor& q, LatentProblem& 
 // key_dim values whose unquantized parts are in q's dtype `dtype`; returns each row's checked length.
 std::vector<int64_t> check_latent_queries(const Tensor& q, ScalarType dtype, const Tensor& lengths, int64_t B,
                                           int64_t H_kv, int64_t S, int64_t Dk, std::optional<int64_t> window) {
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
-  STD_TORCH_CHECK(q.is_cpu() && lengths.is_cpu(), "q and lengths must be CPU tensors for the CPU kernel");
-  elem_type_of(q, "q");
-  STD_TORCH_CHECK(q.scalar_type() == dtype, "q must have the cache's dtype ", dtype_name(dtype), ", got ",
-                  dtype_name(q.scalar_type()));
-  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == Dk, "q must be (batch=", B, ", q_heads, num_new, key_dim=", Dk,
-                  ") to match the cache, got ", shape_of(q));
-  STD_TORCH_CHECK(S >= 1, "the cache must have at least one slot, got ", S);
-  const int64_t T = q.size(2);
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  check_new_tokens_fit(T, S);
-  check_query_heads(q.size(1), H_kv);
-  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == ScalarType::Long,
-                  "lengths must be int64 of shape (", B, ",), got ", dtype_name(lengths.scalar_type()), " of shape ",
-                  shape_of(lengths));
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
-  return row_lengths(lengths, T, "the tokens of each row, the new ones included");
+  check_latent_query_shapes(q, dtype, lengths, B, H_kv, S, Dk, window);
+  return row_lengths(lengths, q.size(2), "the tokens of each row, the new ones included");
 }
 
 std::tuple<Tensor, Tensor> latent_decode_attention(Tensor q, Tensor cache, Tensor lengths, int64_t value_dim,

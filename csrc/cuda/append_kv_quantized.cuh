@@ -67,6 +67,28 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+// Quantizes the vector of `width` values a warp holds (lane l's x[i] = value l + 32 i, 0 past
+// width) into int8 or fp8 codes data[0, width) and its one scale *scale (written by lane 0), with
+// python_ref.quantize.quantize's float32 operations. The K/V and the latent appends share it.
+template <KvFormat F, int kValues>
+__device__ __forceinline__ void quantize_warp_vector(const float (&x)[kValues], int lane, int width, uint8_t* data,
+                                                     float* scale) {
+  static_assert(F == KvFormat::kInt8 || F == KvFormat::kFp8E4M3, "one scale per vector");
+  constexpr float kLimit = F == KvFormat::kInt8 ? 127.0f : 448.0f;
+  float top = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) top = fmaxf(top, fabsf(x[i]));
+  const float s = warp_max(top) / kLimit;
+  if (lane == 0) *scale = s;
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) {
+    const int d = lane + 32 * i;
+    if (d >= width) break;
+    const float ratio = fminf(fmaxf(s > 0.0f ? x[i] / s : 0.0f, -kLimit), kLimit);
+    data[d] = F == KvFormat::kInt8 ? static_cast<uint8_t>(static_cast<int8_t>(rintf(ratio))) : float_to_e4m3(ratio);
+  }
+}
+
 // Vectors (side, row, head, token), token fastest: consecutive warps fill consecutive slots.
 template <typename E, KvFormat F, bool kPaged>
 __global__ void __launch_bounds__(kQuantizeThreads) append_kv_quantized_kernel(const AppendKvQuantizedParams p) {
@@ -137,19 +159,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) append_kv_quantized_kernel(c
         if (lane == 0) scales[i] = scale_bits;
       }
     } else {
-      constexpr float kLimit = F == KvFormat::kInt8 ? 127.0f : 448.0f;
-      float top = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kMaxValuesPerLane; ++i) top = fmaxf(top, fabsf(x[i]));
-      const float s = warp_max(top) / kLimit;
-      if (lane == 0) static_cast<float*>(side ? p.scales[1] : p.scales[0])[scale_at] = s;
-#pragma unroll
-      for (int i = 0; i < kMaxValuesPerLane; ++i) {
-        const int d = lane + 32 * i;
-        if (d >= D) break;
-        const float ratio = fminf(fmaxf(s > 0.0f ? x[i] / s : 0.0f, -kLimit), kLimit);
-        data[d] = F == KvFormat::kInt8 ? static_cast<uint8_t>(static_cast<int8_t>(rintf(ratio))) : float_to_e4m3(ratio);
-      }
+      quantize_warp_vector<F>(x, lane, D, data, static_cast<float*>(side ? p.scales[1] : p.scales[0]) + scale_at);
     }
   }
 }

@@ -41,31 +41,32 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
   // (and the scratch size that follows from it) uses this bound, never the actual lengths.
   // window < slots < 2^31 before the sum: no overflow for any window.
   const int64_t span = p.window >= p.slots ? p.slots : std::min(p.slots, p.window + p.num_new - 1);
-  // The kernel rounds each split up to whole tiles of keys: with `splits` splits of span, split
-  // i starts at i * ceil(tiles / splits) tiles, so only counts whose last split starts inside
-  // the span leave no split empty (for a row that fills the span; shorter rows may still see
-  // empty splits, which the kernels handle).
-  const int64_t tiles =
-      ceil_div_host(span, decode_tile_keys(decode_layout_bytes(p), p.head_dim, p.rows_per_block, p.vector_loads));
-  auto no_empty_split = [&](int64_t s) { return (s - 1) * ceil_div_host(tiles, s) < tiles; };
-  const int64_t max_splits =
-      std::clamp<int64_t>(std::min(ceil_div_host(span, kMinPositionsPerSplit), tiles), 1, kMaxSplits);
-  // KVCACHE_EXT_CUDA_SPLITS=N forces N splits: for tuning this heuristic on a new GPU
-  // (bench/cuda_bench.py sweeps it).
-  if (const char* forced = std::getenv("KVCACHE_EXT_CUDA_SPLITS")) {
-    const long n = std::strtol(forced, nullptr, 10);
-    if (n >= 1) {
-      p.splits = static_cast<int>(std::min<long>(n, kMaxSplits));
-      return;
-    }
-  }
   const int64_t units = p.batch * p.kv_heads * p.row_chunks;
   // One "wave": the blocks the whole GPU keeps resident at once.
   int blocks_per_sm = split_kernel_blocks_per_sm(p);
   if (blocks_per_sm <= 0) blocks_per_sm = kFallbackBlocksPerSm;
   const int64_t wave = int64_t{std::max(1, sm_count)} * blocks_per_sm;
-  p.splits = 1;
-  if (max_splits == 1 || 5 * units >= 4 * wave) return;  // already ~a wave of blocks
+  const int tile = decode_tile_keys(decode_layout_bytes(p), p.head_dim, p.rows_per_block, p.vector_loads);
+  p.splits = flash_decoding_splits(span, tile, kMinPositionsPerSplit, units, wave);
+}
+
+int flash_decoding_splits(int64_t span, int64_t tile_keys, int64_t min_positions_per_split, int64_t units,
+                          int64_t wave) {
+  // The kernel rounds each split up to whole tiles of keys: with `splits` splits of span, split
+  // i starts at i * ceil(tiles / splits) tiles, so only counts whose last split starts inside
+  // the span leave no split empty (for a row that fills the span; shorter rows may still see
+  // empty splits, which the kernels handle).
+  const int64_t tiles = ceil_div_host(span, tile_keys);
+  auto no_empty_split = [&](int64_t s) { return (s - 1) * ceil_div_host(tiles, s) < tiles; };
+  const int64_t max_splits =
+      std::clamp<int64_t>(std::min(ceil_div_host(span, min_positions_per_split), tiles), 1, kMaxSplits);
+  // KVCACHE_EXT_CUDA_SPLITS=N forces N splits: for tuning this heuristic on a new GPU
+  // (bench/cuda_bench.py sweeps it).
+  if (const char* forced = std::getenv("KVCACHE_EXT_CUDA_SPLITS")) {
+    const long n = std::strtol(forced, nullptr, 10);
+    if (n >= 1) return static_cast<int>(std::min<long>(n, kMaxSplits));
+  }
+  if (max_splits == 1 || 5 * units >= 4 * wave) return 1;  // already ~a wave of blocks
 
   // Flash-Decoding split count (flash-attention's num_splits_heuristic): how well units * splits
   // blocks fill whole waves, the partly filled tail wave included; among the counts that leave
@@ -79,12 +80,9 @@ void plan_decode_attention(DecodeAttentionParams& p, int sm_count) {
     efficiency[s] = waves / std::ceil(waves);
     best = std::max(best, efficiency[s]);
   }
-  for (int64_t s = 1; s <= max_splits; ++s) {
-    if (no_empty_split(s) && efficiency[s] >= 0.85 * best) {
-      p.splits = static_cast<int>(s);
-      break;
-    }
-  }
+  for (int64_t s = 1; s <= max_splits; ++s)
+    if (no_empty_split(s) && efficiency[s] >= 0.85 * best) return static_cast<int>(s);
+  return 1;
 }
 
 int split_kernel_blocks_per_sm(const DecodeAttentionParams& p) {

@@ -225,6 +225,14 @@ constexpr int decode_tile_keys(int elem_bytes, int64_t head_dim, int rows_per_bl
 // of the chosen kernel (a host-side query: no synchronisation, allowed during capture).
 void plan_decode_attention(DecodeAttentionParams& p, int sm_count);
 
+// Flash-Decoding split count for `units` blocks of work (each over at most `span` positions, in
+// tiles of `tile_keys`) on a GPU keeping `wave` blocks resident: 1 when the units alone fill about
+// a wave, else the smallest count that leaves no split empty and fills the waves within 85% of the
+// best, each split at least `min_positions_per_split` long; KVCACHE_EXT_CUDA_SPLITS=N forces N.
+// Shared by the decode and latent planners.
+int flash_decoding_splits(int64_t span, int64_t tile_keys, int64_t min_positions_per_split, int64_t units,
+                          int64_t wave);
+
 // Blocks of the split kernel for p's dtype, head_dim and rows_per_block that one SM keeps
 // resident (cached per kernel, so per process and GPU model).
 int split_kernel_blocks_per_sm(const DecodeAttentionParams& p);

@@ -41,7 +41,9 @@
 
 #include "../binding_common.h"
 #include "../capabilities.h"
+#include "../cpu/latent_cache_checks.h"
 #include "kernels.h"
+#include "latent_attention.h"
 
 namespace kvcache_ext::cuda {
 namespace {
@@ -49,11 +51,12 @@ namespace {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-// All tensors of one call on the cache's GPU.
-void check_on_device(const Tensor& t, const char* what, const Tensor& k_cache) {
+// All tensors of one call on the cache's GPU (`cache_name`: what the message calls it).
+void check_on_device(const Tensor& t, const char* what, const Tensor& k_cache, const char* cache_name = "k_cache") {
   STD_TORCH_CHECK(t.is_cuda(), what, " must be a CUDA tensor for the CUDA kernel");
   STD_TORCH_CHECK(t.get_device_index() == k_cache.get_device_index(), what,
-                  " must be on cuda:", k_cache.get_device_index(), " like k_cache, got cuda:", t.get_device_index());
+                  " must be on cuda:", k_cache.get_device_index(), " like ", cache_name,
+                  ", got cuda:", t.get_device_index());
 }
 
 // Checks shared by both ops: the cache pair, its layout and the lengths tensor.
@@ -88,26 +91,39 @@ int sm_count(int32_t device_index) {
   return count;
 }
 
-// The part of decode_attention both caches share once p holds the checked problem: the plan,
-// out, lse and the split scratch (sized from shapes and the plan only, so graph capture sees a
-// fixed size), and the launch on the current stream.
+// An attention's out [batch, q_heads, num_new, width] in q's dtype, lse [batch, q_heads, num_new]
+// float32 and, for splits > 1, the split scratch (partial outputs, then partial log-sum-exps), whose
+// pointers P's partial_out / partial_lse receive. Sized from shapes and the plan only.
+struct AttentionBuffers {
+  Tensor out, lse;
+  std::optional<Tensor> scratch;
+};
+template <typename P>
+AttentionBuffers attention_buffers(P& p, const Tensor& q, int64_t width) {
+  const int64_t B = p.batch, H_q = p.q_heads, T = p.num_new;
+  AttentionBuffers buffers{torch::stable::empty({B, H_q, T, width}, q.scalar_type(), std::nullopt, q.device()),
+                           torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device()),
+                           std::nullopt};
+  p.out = buffers.out.mutable_data_ptr();
+  p.lse = buffers.lse.mutable_data_ptr<float>();
+  if (p.splits > 1) {
+    const int64_t rows = B * H_q * T;
+    buffers.scratch =
+        torch::stable::empty({rows * p.splits * (width + 1)}, ScalarType::Float, std::nullopt, q.device());
+    p.partial_out = buffers.scratch->mutable_data_ptr<float>();
+    p.partial_lse = p.partial_out + rows * p.splits * width;
+  }
+  return buffers;
+}
+
+// The part of decode_attention both caches share once p holds the checked problem: the plan, the
+// buffers (attention_buffers, so graph capture sees fixed sizes), the launch on the current stream.
 std::tuple<Tensor, Tensor> plan_and_launch_decode(DecodeAttentionParams& p, const Tensor& q, int32_t device) {
   torch::stable::accelerator::DeviceGuard guard(device);
   plan_decode_attention(p, sm_count(device));
-  const int64_t B = p.batch, H_q = p.q_heads, T = p.num_new, D = p.head_dim;
-  Tensor out = torch::stable::empty({B, H_q, T, D}, q.scalar_type(), std::nullopt, q.device());
-  Tensor lse = torch::stable::empty({B, H_q, T}, ScalarType::Float, std::nullopt, q.device());
-  p.out = out.mutable_data_ptr();
-  p.lse = lse.mutable_data_ptr<float>();
-  std::optional<Tensor> scratch;
-  if (p.splits > 1) {
-    const int64_t rows = B * H_q * T;
-    scratch = torch::stable::empty({rows * p.splits * (D + 1)}, ScalarType::Float, std::nullopt, q.device());
-    p.partial_out = scratch->mutable_data_ptr<float>();
-    p.partial_lse = p.partial_out + rows * p.splits * D;
-  }
+  const AttentionBuffers buffers = attention_buffers(p, q, p.head_dim);
   STD_CUDA_CHECK(launch_decode_attention(p, current_stream(device)));
-  return {out, lse};
+  return {buffers.out, buffers.lse};
 }
 
 void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tensor lengths,
@@ -561,10 +577,152 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   return in_query_dtype(plan_and_launch_decode(p, queries, k_data.get_device_index()), q);
 }
 
+// ---- latent (MLA) caches --------------------------------------------------------------------
+// The CPU binding's checks of shapes, dtypes, layouts and devices (cpu/latent_cache_checks.h), then
+// one GPU for every tensor and the CUDA limits; as for decode_attention, the values of lengths (and
+// new_counts) are the kernels' to check, so nothing here reads device memory.
+
+// The kernel's view of a checked part (cpu/latent_cache_checks.h's LatentPart).
+LatentPartParams latent_part_params(const cpu::LatentPart& part) {
+  LatentPartParams params{};
+  params.data = part.data;
+  params.column = part.column, params.width = part.width;
+  params.scales = part.scales;
+  for (int i = 0; i < 3; ++i) params.stride[i] = part.stride[i], params.scale_stride[i] = part.scale_stride[i];
+  return params;
+}
+
+// A latent attention's (out, lse) once p holds the checked problem but for the queries': the plan,
+// the buffers (attention_buffers), the launch on the current stream.
+std::tuple<Tensor, Tensor> launch_latent(LatentAttentionParams& p, const Tensor& q, const Tensor& lengths,
+                                         std::optional<int64_t> window, float scale, int32_t device) {
+  p.elem = elem_type_of(q, "q");
+  p.q = q.const_data_ptr();
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.lengths_stride = lengths.stride(0);
+  p.q_heads = q.size(1), p.num_new = q.size(2);
+  p.window = kernel_window(window.value_or(0));
+  p.scale = scale;
+  choose_latent_loads(p);
+  torch::stable::accelerator::DeviceGuard guard(device);
+  plan_latent_attention(p, sm_count(device));
+  const AttentionBuffers buffers = attention_buffers(p, q, p.value_dim);
+  STD_CUDA_CHECK(launch_latent_attention(p, current_stream(device)));
+  return {buffers.out, buffers.lse};
+}
+
+std::tuple<Tensor, Tensor> latent_decode_attention(Tensor q, Tensor cache, Tensor lengths, int64_t value_dim,
+                                                   std::optional<int64_t> window, std::optional<double> scale) {
+  STD_TORCH_CHECK(cache.dim() == 4, "cache must be (batch, kv_heads, slots, key_dim), got shape ", shape_of(cache));
+  STD_TORCH_CHECK(cache.is_cuda(), "cache must be a CUDA tensor for the CUDA kernel");
+  const int64_t B = cache.size(0), H_kv = cache.size(1), S = cache.size(2), Dk = cache.size(3);
+  elem_type_of(cache, "cache");
+  cpu::check_latent_dims(Dk, value_dim, /*cuda=*/true);
+  STD_TORCH_CHECK(cache.stride(3) == 1, "cache needs a contiguous last (key_dim) dimension, got stride ",
+                  cache.stride(3));
+  STD_TORCH_CHECK(S <= kMaxSlotsCuda, "cache must have between 1 and ", kMaxSlotsCuda, " slots on CUDA, got ", S);
+  cpu::check_latent_query_shapes(q, cache.scalar_type(), lengths, B, H_kv, S, Dk, window, /*cuda=*/true);
+  check_on_device(q, "q", cache, "cache");
+  check_on_device(lengths, "lengths", cache, "cache");
+  const float checked = checked_scale(scale, Dk);
+
+  LatentAttentionParams p{};
+  p.batch = B, p.kv_heads = H_kv, p.key_dim = Dk, p.value_dim = value_dim, p.slots = S;
+  // The whole row is one part, in q's dtype.
+  p.parts[0].data = cache.const_data_ptr();
+  p.parts[0].width = Dk;
+  for (int i = 0; i < 3; ++i) p.parts[0].stride[i] = cache.stride(i);
+  return launch_latent(p, q, lengths, window, checked, cache.get_device_index());
+}
+
+std::tuple<Tensor, Tensor> latent_decode_attention_quantized(Tensor q, Tensor c_data, Tensor c_scales, Tensor k_pe,
+                                                             std::optional<Tensor> k_pe_scales, Tensor lengths,
+                                                             std::optional<int64_t> window,
+                                                             std::optional<double> scale) {
+  STD_TORCH_CHECK(c_data.dim() == 4, "c_data must be (batch, kv_heads, slots, value_dim), got shape ",
+                  shape_of(c_data));
+  const KvFormat format = cpu::latent_format_of(c_data);
+  const int64_t B = c_data.size(0), H_kv = c_data.size(1), S = c_data.size(2);
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, key_dim), got shape ", shape_of(q));
+  const ScalarType dtype = q.scalar_type();
+  elem_type_of(q, "q");
+  cpu::LatentPart c = cpu::check_latent_part(c_data, c_scales, c_data.scalar_type(), dtype, B, H_kv, S, "c_data",
+                                             "c_scales", cpu::kCacheDims, true);
+  cpu::LatentPart pe = cpu::check_latent_part(k_pe, k_pe_scales, c_data.scalar_type(), dtype, B, H_kv, S, "k_pe",
+                                              "k_pe_scales", cpu::kCacheDims, true);
+  const int64_t Dv = c.width, Dk = c.width + pe.width;
+  cpu::check_latent_dims(Dk, Dv, /*cuda=*/true);
+  STD_TORCH_CHECK(pe.width >= 1, "k_pe must hold the rotary part (at least one column), got shape ", shape_of(k_pe));
+  STD_TORCH_CHECK(S <= kMaxSlotsCuda, "c_data must have between 1 and ", kMaxSlotsCuda, " slots on CUDA, got ", S);
+  cpu::check_latent_query_shapes(q, dtype, lengths, B, H_kv, S, Dk, window, /*cuda=*/true);
+  check_on_device(c_scales, "c_scales", c_data, "c_data");
+  check_on_device(k_pe, "k_pe", c_data, "c_data");
+  if (k_pe_scales.has_value()) check_on_device(*k_pe_scales, "k_pe_scales", c_data, "c_data");
+  check_on_device(q, "q", c_data, "c_data");
+  check_on_device(lengths, "lengths", c_data, "c_data");
+  const float checked = checked_scale(scale, Dk);
+
+  LatentAttentionParams p{};
+  p.batch = B, p.kv_heads = H_kv, p.key_dim = Dk, p.value_dim = Dv, p.slots = S;
+  p.format = format;
+  pe.column = Dv;
+  p.parts[0] = latent_part_params(c);
+  p.parts[1] = latent_part_params(pe);
+  return launch_latent(p, q, lengths, window, checked, c_data.get_device_index());
+}
+
+void append_latent_quantized(Tensor c_data, Tensor c_scales, Tensor k_pe, std::optional<Tensor> k_pe_scales,
+                             Tensor latent_new, Tensor lengths, std::optional<Tensor> new_counts) {
+  const cpu::LatentWrites w =
+      cpu::check_latent_writes(c_data, c_scales, k_pe, k_pe_scales, latent_new, cpu::kCacheDims, true, /*cuda=*/true);
+  const int64_t B = c_data.size(0), H = c_data.size(1), S = c_data.size(2), T = latent_new.size(2);
+  STD_TORCH_CHECK(S >= 1 && S <= kMaxSlotsCuda, "c_data must have between 1 and ", kMaxSlotsCuda,
+                  " slots on CUDA, got shape ", shape_of(c_data));
+  STD_TORCH_CHECK(T <= S, "cannot append ", T, " tokens at once to a cache of ", S, " slots");
+  STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == ScalarType::Long,
+                  "lengths must be int64 of shape (", B, ",), got ", dtype_name(lengths.scalar_type()), " of shape ",
+                  shape_of(lengths));
+  if (new_counts.has_value()) check_new_counts_layout(*new_counts, B);
+  check_on_device(c_scales, "c_scales", c_data, "c_data");
+  check_on_device(k_pe, "k_pe", c_data, "c_data");
+  if (k_pe_scales.has_value()) check_on_device(*k_pe_scales, "k_pe_scales", c_data, "c_data");
+  check_on_device(latent_new, "latent_new", c_data, "c_data");
+  check_on_device(lengths, "lengths", c_data, "c_data");
+  if (new_counts.has_value()) check_on_device(*new_counts, "new_counts", c_data, "c_data");
+  if (T == 0 || B == 0 || H == 0) return;
+
+  LatentAppendParams p{};
+  p.c_data = w.c_data;
+  p.c_scales = w.c_scales;
+  p.k_pe = w.pe_data;
+  p.k_pe_scales = w.pe_scales;
+  p.source = w.src;
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.lengths_stride = lengths.stride(0);
+  // Values are the kernel's to check (a row with a count outside [0, num_new] is left alone).
+  p.counts = new_counts.has_value() ? new_counts->const_data_ptr<int64_t>() : nullptr;
+  p.counts_stride = new_counts.has_value() ? new_counts->stride(0) : 0;
+  for (int i = 0; i < 3; ++i) {
+    p.c_stride[i] = w.c.stride[i], p.c_scale_stride[i] = w.c.scale_stride[i];
+    p.pe_stride[i] = w.pe.stride[i], p.pe_scale_stride[i] = w.pe.scale_stride[i];
+  }
+  for (int i = 0; i < 4; ++i) p.source_stride[i] = w.src_stride[i];
+  p.batch = B, p.kv_heads = H, p.num_new = T, p.slots = S;
+  p.key_dim = w.c.width + w.pe.width, p.value_dim = w.c.width;
+  p.format = w.format;
+  p.elem = w.elem;
+  torch::stable::accelerator::DeviceGuard guard(c_data.get_device_index());
+  STD_CUDA_CHECK(launch_append_latent_quantized(p, current_stream(c_data.get_device_index())));
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cuda
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CUDA, m) {
+  m.impl("latent_decode_attention", TORCH_BOX(&kvcache_ext::cuda::latent_decode_attention));
+  m.impl("latent_decode_attention_quantized", TORCH_BOX(&kvcache_ext::cuda::latent_decode_attention_quantized));
+  m.impl("append_latent_quantized", TORCH_BOX(&kvcache_ext::cuda::append_latent_quantized));
   m.impl("append_kv", TORCH_BOX(&kvcache_ext::cuda::append_kv));
   m.impl("decode_attention", TORCH_BOX(&kvcache_ext::cuda::decode_attention));
   m.impl("append_kv_quantized", TORCH_BOX(&kvcache_ext::cuda::append_kv_quantized));

@@ -5,6 +5,9 @@
 #include "../../csrc/cuda/decode_attention.cu"  // plan_decode_attention, launch_decode_attention
 #include "../../csrc/cuda/decode_attention.cuh"
 #include "../../csrc/cuda/key_rotation.cuh"
+#include "../../csrc/cuda/latent_append_quantized.cuh"
+#include "../../csrc/cuda/latent_attention.cu"  // plan_latent_attention
+#include "../../csrc/cuda/latent_attention.cuh"
 #include "../../csrc/paged_blocks.h"
 
 namespace kvcache_ext::cuda {
@@ -52,6 +55,25 @@ int emulated_occupancy(const DecodeAttentionParams& p) {
 KVCACHE_EXT_DECODE_ATTENTION_INSTANCES(KVCACHE_EXT_EMULATE_DECODE_ATTENTION_FAMILY)
 #undef KVCACHE_EXT_EMULATE_DECODE_ATTENTION_FAMILY
 
+// The latent kernels under the emulation (latent_attention_kernels.cu on a GPU); the occupancy
+// uncached, as for the decode families.
+cudaError_t launch_latent_attention(const LatentAttentionParams& p, cudaStream_t) {
+  return dispatch_latent_attention(
+      p,
+      [&](auto kernel, int64_t blocks, int threads, const auto& params) {
+        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
+      },
+      max_emulated_blocks);
+}
+int latent_split_kernel_blocks_per_sm(const LatentAttentionParams& p) {
+  int blocks = 0;
+  const cudaError_t status = with_elem_type(p.elem, [&](auto tag) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, latent_attention_split_kernel<typename decltype(tag)::type>, kLatentThreads, 0);
+  });
+  return status == cudaSuccess ? blocks : 0;
+}
+
 // Self-test kernels: faults the emulation must catch.
 __shared__ int race_value;
 __global__ void race_kernel(int* out, int synchronise) {
@@ -85,6 +107,31 @@ bool guards_intact(const std::vector<float>& buffer, int64_t inner) {
   }
   return true;
 }
+
+// The split scratch of an attention (partial outputs and log-sum-exps), each array between guards
+// and its inside NaN-filled: anything the combine reads that the split kernel did not write shows
+// up. Empty for splits == 1.
+struct GuardedScratch {
+  int64_t out_floats, lse_floats;
+  std::vector<float> out, lse;
+  GuardedScratch(int splits, int64_t rows, int64_t width)
+      : out_floats(rows * splits * width), lse_floats(rows * splits) {
+    if (splits == 1) return;
+    const float guard = __uint_as_float(kGuardBits);
+    out.assign(kGuardFloats + out_floats + kGuardFloats, guard);
+    lse.assign(kGuardFloats + lse_floats + kGuardFloats, guard);
+    std::fill_n(out.begin() + kGuardFloats, out_floats, std::nanf(""));
+    std::fill_n(lse.begin() + kGuardFloats, lse_floats, std::nanf(""));
+  }
+  float* partial_out() { return out.empty() ? nullptr : out.data() + kGuardFloats; }
+  float* partial_lse() { return lse.empty() ? nullptr : lse.data() + kGuardFloats; }
+  // -2 (and the emulation's first error set) when a kernel wrote outside the scratch, else 0.
+  int check() const {
+    if (out.empty() || (guards_intact(out, out_floats) && guards_intact(lse, lse_floats))) return 0;
+    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
+    return -2;
+  }
+};
 }  // namespace
 
 // What the CUDA binding does between its checks and the launch, for params filled but for the
@@ -96,31 +143,14 @@ static int plan_and_launch(DecodeAttentionParams& p, int64_t elem_bytes, int sm_
   if (!kvcache_ext::head_dim_supported(p.head_dim)) return -1;
   plan_decode_attention(p, sm_count);
   plan_out[0] = p.rows_per_block, plan_out[1] = p.row_chunks, plan_out[2] = p.splits, plan_out[3] = p.vector_loads;
-  const int64_t rows = p.batch * p.q_heads * p.num_new;
-  const int64_t partial_out_floats = rows * p.splits * p.head_dim, partial_lse_floats = rows * p.splits;
-  // Each scratch array between guards; the inside NaN-filled: anything the combine reads that
-  // the split kernel did not write shows up.
-  std::vector<float> partial_out, partial_lse;
-  if (p.splits > 1) {
-    const float guard = __uint_as_float(kGuardBits);
-    partial_out.assign(kGuardFloats + partial_out_floats + kGuardFloats, guard);
-    partial_lse.assign(kGuardFloats + partial_lse_floats + kGuardFloats, guard);
-    std::fill_n(partial_out.begin() + kGuardFloats, partial_out_floats, std::nanf(""));
-    std::fill_n(partial_lse.begin() + kGuardFloats, partial_lse_floats, std::nanf(""));
-    p.partial_out = partial_out.data() + kGuardFloats;
-    p.partial_lse = partial_lse.data() + kGuardFloats;
-  }
+  GuardedScratch scratch(p.splits, p.batch * p.q_heads * p.num_new, p.head_dim);
+  p.partial_out = scratch.partial_out();
+  p.partial_lse = scratch.partial_lse();
   max_emulated_blocks = max_blocks;
   const cudaError_t status = launch_decode_attention(p, nullptr);
-  last_partial_lse.assign(partial_lse.begin() + (p.splits > 1 ? kGuardFloats : 0),
-                          partial_lse.begin() + (p.splits > 1 ? kGuardFloats + partial_lse_floats : 0));
+  last_partial_lse.assign(p.partial_lse, p.partial_lse ? p.partial_lse + scratch.lse_floats : p.partial_lse);
   if (status != cudaSuccess) return status;
-  if (p.splits > 1 &&
-      !(guards_intact(partial_out, partial_out_floats) && guards_intact(partial_lse, partial_lse_floats))) {
-    if (emu::first_error.empty()) emu::first_error = "a kernel wrote outside the split scratch (guards changed)";
-    return -2;
-  }
-  return 0;
+  return scratch.check();
 }
 
 extern "C" {
@@ -207,6 +237,77 @@ int emu_decode_attention_quantized(int format, int elem, const void* q, const in
   p.softcap = static_cast<float>(softcap);
   p.sinks = sinks, p.sinks_stride = 1;
   return plan_and_launch(p, 1, sm_count, max_blocks, plan_out);
+}
+
+// What the CUDA binding does for latent_decode_attention(_quantized) between its checks and the
+// launch, on CPU memory. sizes: batch, q_heads, kv_heads, num_new, key_dim, value_dim, slots.
+// Part i (0: a plain cache's rows or c; 1: k_pe, width 0 for none): part_data[i] with strides
+// part_stride[3 i ..] (elements, bytes for codes), columns part_columns[2 i] onwards, part_columns[2 i
+// + 1] wide, scales part_scales[i] (null: values of elem) with strides scale_stride[3 i ..]. format:
+// KvFormat of the codes. window: 0 for none. plan_out receives row_chunks, splits, vector_loads.
+// Returns the launch status (716: a misaligned access), or -2 (the split scratch's guards were
+// written).
+int emu_latent_attention(int elem, int format, const void* q, const int64_t* q_stride, const void* const* part_data,
+                         const int64_t* part_stride, const int64_t* part_columns, const float* const* part_scales,
+                         const int64_t* scale_stride, const int64_t* lengths, int64_t lengths_stride, void* out,
+                         float* lse, const int64_t* sizes, int64_t window, double scale, int sm_count,
+                         int64_t max_blocks, int64_t* plan_out) {
+  LatentAttentionParams p{};
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  p.format = static_cast<kvcache_ext::KvFormat>(format);
+  p.q = q, p.lengths = lengths, p.lengths_stride = lengths_stride, p.out = out, p.lse = lse;
+  p.batch = sizes[0], p.q_heads = sizes[1], p.kv_heads = sizes[2], p.num_new = sizes[3];
+  p.key_dim = sizes[4], p.value_dim = sizes[5], p.slots = sizes[6];
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q_stride[i];
+  for (int part = 0; part < 2; ++part) {
+    LatentPartParams& target = p.parts[part];
+    target.data = part_data[part];
+    target.column = part_columns[2 * part], target.width = part_columns[2 * part + 1];
+    target.scales = part_scales[part];
+    for (int i = 0; i < 3; ++i)
+      target.stride[i] = part_stride[3 * part + i], target.scale_stride[i] = scale_stride[3 * part + i];
+  }
+  p.window = kernel_window(window);
+  p.scale = static_cast<float>(scale);
+  choose_latent_loads(p);
+  if (forced_vector_loads >= 0) p.vector_loads = forced_vector_loads != 0;
+  plan_latent_attention(p, sm_count);
+  plan_out[0] = p.row_chunks, plan_out[1] = p.splits, plan_out[2] = p.vector_loads;
+  GuardedScratch scratch(p.splits, p.batch * p.q_heads * p.num_new, p.value_dim);
+  p.partial_out = scratch.partial_out();
+  p.partial_lse = scratch.partial_lse();
+  max_emulated_blocks = max_blocks;
+  const cudaError_t status = launch_latent_attention(p, nullptr);
+  if (status != cudaSuccess) return status;
+  return scratch.check();
+}
+
+// What the CUDA binding does for append_latent_quantized after its checks. sizes: batch, kv_heads,
+// num_new, slots, key_dim, value_dim. strides: c_data's 3, c_scales' 3, k_pe's 3, k_pe_scales' 3,
+// then latent_new's 4 (elements; codes in bytes). k_pe_scales null: k_pe is copied. counts: null
+// (every token) or the caller's, which the kernel checks. max_blocks: the grid cap.
+int emu_append_latent_quantized(int format, int elem, void* c_data, float* c_scales, void* k_pe, float* k_pe_scales,
+                                const void* latent_new, const int64_t* strides, const int64_t* lengths,
+                                int64_t lengths_stride, const int64_t* counts, int64_t counts_stride,
+                                const int64_t* sizes, int64_t max_blocks) {
+  LatentAppendParams p{};
+  p.c_data = c_data, p.c_scales = c_scales, p.k_pe = k_pe, p.k_pe_scales = k_pe_scales, p.source = latent_new;
+  p.lengths = lengths, p.lengths_stride = lengths_stride, p.counts = counts, p.counts_stride = counts_stride;
+  for (int i = 0; i < 3; ++i) {
+    p.c_stride[i] = strides[i], p.c_scale_stride[i] = strides[3 + i];
+    p.pe_stride[i] = strides[6 + i], p.pe_scale_stride[i] = strides[9 + i];
+  }
+  for (int i = 0; i < 4; ++i) p.source_stride[i] = strides[12 + i];
+  p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3];
+  p.key_dim = sizes[4], p.value_dim = sizes[5];
+  p.format = static_cast<kvcache_ext::KvFormat>(format);
+  p.elem = static_cast<kvcache_ext::ElemType>(elem);
+  return dispatch_append_latent_quantized(
+      p,
+      [&](LatentAppendKernel kernel, int64_t blocks, int threads, const LatentAppendParams& params) {
+        return emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), params);
+      },
+      max_blocks);
 }
 
 // Copies the last decode's split log-sum-exps ([rows, splits]) to `out`; returns how many.
