@@ -8,6 +8,9 @@ What differs from GPT-2, block by block:
   key/value heads, which is where the memory goes);
 * RMSNorm instead of LayerNorm, and a gated SiLU feed-forward (SwiGLU) instead of GELU;
 * Qwen3 normalises each query and key head (RMSNorm over ``head_dim``) before the rotation;
+* Qwen2 adds a bias to the query, key and value projections (not to the output projection);
+* Mistral attends over a sliding window: each query sees the last ``sliding_window`` positions
+  only, so the cache it runs on must be a window of that size (or never hold more tokens);
 * the output head may share the token embedding's weights (Llama 3.2 1B and Qwen3 0.6B do).
 
 Tensor parallelism (``tp``) splits it as gpt2.py does; with fewer key/value heads than ranks, each
@@ -68,12 +71,16 @@ class LlamaConfig:
     norm_eps: float = 1e-5  # rms_norm_eps
     tie_embeddings: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head
+    qkv_bias: bool = False  # Qwen2: biases on the query/key/value projections
+    sliding_window: int | None = None  # Mistral: each query sees the last sliding_window positions
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs of coordinates: head_dim must be even, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}")
 
 
 LLAMA_CONFIGS = {
@@ -198,9 +205,10 @@ class GroupedQueryAttention(nn.Module):
         self.head_dim = cfg.head_dim
         q_heads = dict(unit=cfg.head_dim, what="query heads")
         kv_heads = dict(unit=cfg.head_dim, what="key/value heads", replicate=True)
-        self.W_query = ColumnParallelLinear(cfg.emb_dim, cfg.n_heads * cfg.head_dim, tp, bias=False, **q_heads)
-        self.W_key = ColumnParallelLinear(cfg.emb_dim, cfg.n_kv_heads * cfg.head_dim, tp, bias=False, **kv_heads)
-        self.W_value = ColumnParallelLinear(cfg.emb_dim, cfg.n_kv_heads * cfg.head_dim, tp, bias=False, **kv_heads)
+        bias = cfg.qkv_bias
+        self.W_query = ColumnParallelLinear(cfg.emb_dim, cfg.n_heads * cfg.head_dim, tp, bias=bias, **q_heads)
+        self.W_key = ColumnParallelLinear(cfg.emb_dim, cfg.n_kv_heads * cfg.head_dim, tp, bias=bias, **kv_heads)
+        self.W_value = ColumnParallelLinear(cfg.emb_dim, cfg.n_kv_heads * cfg.head_dim, tp, bias=bias, **kv_heads)
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.emb_dim, tp, bias=False, **q_heads)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -306,7 +314,8 @@ class LlamaModel(nn.Module):
         ``(B,)`` or ``(B, K)``: the only tokens of each row to compute logits for, returned as
         ``(B, K, vocab)`` (K = 1 for ``(B,)``), e.g. ``counts - 1`` for each row's last token.
         """
-        cache = NoCache() if cache is None else cache
+        cache = NoCache(window=self.cfg.sliding_window) if cache is None else cache
+        check_window(cache, self.cfg.sliding_window)
         positions = start_forward(cache, idx, self.cfg.context_length, counts, logits_at)
         x = self.tok_emb(idx)
         cos, sin = self.rope(positions, x.dtype)
@@ -314,6 +323,22 @@ class LlamaModel(nn.Module):
             x = block(x, cos, sin, cache)
         cache.finish_step()
         return self.out_head(self.final_norm(positions_for_logits(x, logits_at)))
+
+
+def check_window(cache, sliding_window: int | None) -> None:
+    """Refuse a cache that would let a sliding-window model's queries see past their window: it
+    must mask (or evict) at exactly ``sliding_window``, or never hold more tokens than that."""
+    if sliding_window is None:
+        return
+    window = getattr(cache, "window", None)
+    capacity = getattr(cache, "max_cache_len", None)
+    if window == sliding_window or (window is None and capacity is not None and capacity <= sliding_window):
+        return
+    raise ValueError(
+        f"this model attends over a sliding window of {sliding_window} tokens, so its cache must be created with "
+        f"window={sliding_window} (or max_cache_len <= {sliding_window}); got a {type(cache).__name__} with "
+        f"window={window}, max_cache_len={capacity}"
+    )
 
 
 def build_llama(

@@ -1,6 +1,7 @@
-"""Build a Llama/Qwen-style model from Hugging Face's layout (``LlamaForCausalLM``/``Qwen3ForCausalLM``).
+"""Build a Llama-style model from Hugging Face's layout: ``LlamaForCausalLM`` (Llama 2/3.x, SmolLM,
+TinyLlama), ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``.
 
-Hugging Face's Llama and Qwen3 checkpoints already use the rotation layout of ``llama.py``
+Hugging Face's checkpoints of these families already use the rotation layout of ``llama.py``
 (Meta's original checkpoints do not; convert those with Hugging Face's script first), so loading
 is renaming: no weight is permuted or transposed. Hyperparameters such as the head count or
 RoPE's base cannot be read off tensor shapes; they come from the checkpoint's ``config.json``.
@@ -16,9 +17,9 @@ import torch
 
 from .llama import Llama3RopeScaling, LlamaConfig, LlamaModel
 from .tensor_parallel import SINGLE_PROCESS, TensorParallel
-from .weights import _read_state
+from .hf_state import WithoutPrefix, read_state
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
@@ -37,8 +38,14 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
             raise ValueError(f"{flag}=True is not supported by python_ref's Llama/Qwen model")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"only SiLU-gated feed-forwards are supported, got hidden_act={c['hidden_act']!r}")
-    if c.get("use_sliding_window"):
-        raise ValueError("sliding-window layers from the config are not supported; pass window= to the cache instead")
+    # Mistral's window applies to every layer; Qwen2/Qwen3 declare one (use_sliding_window) for only
+    # some layers, which one cache per model cannot express, so those configs are refused.
+    if model_type == "mistral":
+        sliding_window = c.get("sliding_window")
+    elif c.get("use_sliding_window"):
+        raise ValueError(f"{model_type} with use_sliding_window=True (windows on some layers only) is not supported")
+    else:
+        sliding_window = None
 
     # transformers >= 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
@@ -71,6 +78,8 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2",
+        sliding_window=sliding_window,
     )
 
 
@@ -86,14 +95,15 @@ def load_llama(
     ``tp``, each rank reads the whole file and keeps its slices (see llama.py).
     """
     cfg = config if isinstance(config, LlamaConfig) else config_from_hf(config)
-    return LlamaModel.from_state_dict(cfg, _to_ours(_read_state(source), cfg), tp)
+    state = {name: tensor.contiguous() for name, tensor in state_dict_to_ours(read_state(source), cfg).items()}
+    return LlamaModel.from_state_dict(cfg, state, tp)
 
 
 def decoder_ends(hf: Mapping[str, torch.Tensor], tie_embeddings: bool, first_layer_key: str, family: str):
     """A Hugging Face decoder's state dict without its ``model.`` prefix, and the weights at its two
     ends under our names (embedding, final norm, output head unless tied); raises KeyError naming
     what is missing (``first_layer_key``: a weight of layer 0 that says which ``family`` it is)."""
-    hf = {k.removeprefix("model."): v for k, v in hf.items()}
+    hf = WithoutPrefix(hf, "model.")
     for required in ("embed_tokens.weight", "norm.weight", first_layer_key):
         if required not in hf:
             raise KeyError(f"not a {family} state dict in Hugging Face layout: {required!r} is missing")
@@ -105,8 +115,10 @@ def decoder_ends(hf: Mapping[str, torch.Tensor], tie_embeddings: bool, first_lay
     return hf, ours
 
 
-def _to_ours(hf: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    hf, ours = decoder_ends(hf, cfg.tie_embeddings, "layers.0.self_attn.q_proj.weight", "Llama/Qwen3")
+def state_dict_to_ours(hf: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face's names (``model.layers.0.self_attn.q_proj.weight``) to ours; the tensors
+    themselves, not copies (renaming only)."""
+    hf, ours = decoder_ends(hf, cfg.tie_embeddings, "layers.0.self_attn.q_proj.weight", "Llama/Mistral/Qwen")
     names = {
         "self_attn.q_proj": "att.W_query",
         "self_attn.k_proj": "att.W_key",
@@ -120,7 +132,10 @@ def _to_ours(hf: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torc
     }
     if cfg.qk_norm:
         names.update({"self_attn.q_norm": "att.q_norm", "self_attn.k_norm": "att.k_norm"})
+    biased = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") if cfg.qkv_bias else ()
     for i in range(cfg.n_layers):
         for theirs, mine in names.items():
             ours[f"trf_blocks.{i}.{mine}.weight"] = hf[f"layers.{i}.{theirs}.weight"]
-    return {k: v.contiguous() for k, v in ours.items()}
+            if theirs in biased:
+                ours[f"trf_blocks.{i}.{mine}.bias"] = hf[f"layers.{i}.{theirs}.bias"]
+    return ours

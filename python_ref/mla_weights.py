@@ -16,7 +16,7 @@ import torch
 
 from .llama_weights import decoder_ends
 from .mla import MLAConfig, MLAModel, YarnRopeScaling
-from .weights import _read_state
+from .hf_state import read_state
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
@@ -87,10 +87,12 @@ def load_mla(
     """A model built from a ``.safetensors`` path or a state dict in HF layout; ``config`` is an
     :class:`~python_ref.mla.MLAConfig` or anything :func:`config_from_hf` reads."""
     cfg = config if isinstance(config, MLAConfig) else config_from_hf(config)
-    return MLAModel.from_state_dict(cfg, _to_ours(_read_state(source), cfg))
+    state = {name: tensor.contiguous() for name, tensor in state_dict_to_ours(read_state(source), cfg).items()}
+    return MLAModel.from_state_dict(cfg, state)
 
 
-def _to_ours(hf: Mapping[str, torch.Tensor], cfg: MLAConfig) -> dict[str, torch.Tensor]:
+def state_dict_to_ours(hf: Mapping[str, torch.Tensor], cfg: MLAConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face's names to ours; the tensors themselves, not copies (renaming only)."""
     hf, ours = decoder_ends(hf, cfg.tie_embeddings, "layers.0.self_attn.kv_b_proj.weight", "DeepSeek")
     names = {
         "self_attn.kv_a_proj_with_mqa": "att.W_latent",
@@ -119,4 +121,4 @@ def _to_ours(hf: Mapping[str, torch.Tensor], cfg: MLAConfig) -> dict[str, torch.
             if key not in hf:
                 raise KeyError(f"{key!r} is missing (a dense DeepSeek layer has it)")
             ours[f"trf_blocks.{i}.{mine}.weight"] = hf[key]
-    return {k: v.contiguous() for k, v in ours.items()}
+    return ours

@@ -6,12 +6,14 @@ transpose of ``nn.Linear``'s, and fuses the query/key/value projections into ``c
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Mapping
 
 import torch
 
 from .gpt2 import GPT2Config, GPTModel
+from .hf_state import WithoutPrefix, read_state
 from .tensor_parallel import SINGLE_PROCESS, TensorParallel
 
 # GPT-2's published sizes: embedding width -> attention heads (not recoverable from shapes).
@@ -27,8 +29,7 @@ def load_gpt2(
 
     With ``tp``, each rank reads the whole file and keeps its slices (see gpt2.py).
     """
-    state = _read_state(source)
-    state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    state = WithoutPrefix(read_state(source), "transformer.")
     for required in ("wte.weight", "wpe.weight", "ln_f.weight"):
         if required not in state:
             raise KeyError(f"not a GPT-2 state dict in Hugging Face layout: {required!r} is missing")
@@ -46,25 +47,54 @@ def load_gpt2(
         n_layers=n_layers,
         qkv_bias=True,
     )
-    return GPTModel.from_state_dict(cfg, _to_ours(state, cfg), tp)
+    ours = {name: tensor.contiguous() for name, tensor in state_dict_to_ours(state, cfg).items()}
+    return GPTModel.from_state_dict(cfg, ours, tp)
 
 
-def _read_state(source) -> dict[str, torch.Tensor]:
-    if isinstance(source, Mapping):
-        return dict(source)
-    from safetensors.torch import load_file
+def config_from_hf(hf_config: Mapping | str | os.PathLike) -> GPT2Config:
+    """Our config from a Hugging Face GPT-2 ``config.json`` (a path, a dict, or a transformers
+    config); refuses the options python_ref's GPT-2 does not model."""
+    if hasattr(hf_config, "to_dict"):
+        hf_config = hf_config.to_dict()
+    elif not isinstance(hf_config, Mapping):
+        with open(hf_config) as f:
+            hf_config = json.load(f)
+    c = dict(hf_config)
+    if c.get("model_type") != "gpt2":
+        raise ValueError(f"model_type {c.get('model_type')!r} is not 'gpt2'")
+    emb = c["n_embd"]
+    expected = {
+        "activation_function": ("gelu_new", "the tanh approximation of GELU"),
+        "n_inner": (None, "a feed-forward 4 x n_embd wide"),
+        "layer_norm_epsilon": (1e-5, "LayerNorm's epsilon 1e-5"),
+        "scale_attn_weights": (True, "attention scaled by 1/sqrt(head size)"),
+        "scale_attn_by_inverse_layer_idx": (False, "no per-layer attention scaling"),
+        "reorder_and_upcast_attn": (False, "no reordered attention"),
+    }
+    for key, (value, meaning) in expected.items():
+        if c.get(key, value) != value and not (key == "n_inner" and c[key] == 4 * emb):
+            raise ValueError(f"python_ref's GPT-2 models {meaning} ({key}={value!r}), got {key}={c[key]!r}")
+    return GPT2Config(
+        vocab_size=c["vocab_size"],
+        context_length=c["n_positions"],
+        emb_dim=emb,
+        n_heads=c["n_head"],
+        n_layers=c["n_layer"],
+        qkv_bias=True,
+    )
 
-    return load_file(os.fspath(source))
 
-
-def _to_ours(hf: dict[str, torch.Tensor], cfg: GPT2Config) -> dict[str, torch.Tensor]:
+def state_dict_to_ours(hf: Mapping[str, torch.Tensor], cfg: GPT2Config) -> dict[str, torch.Tensor]:
+    """Hugging Face's names and layout to ours: views of ``hf``'s tensors (transposed, split), not
+    copies."""
+    hf = WithoutPrefix(hf, "transformer.")
     ours = {
         "tok_emb.weight": hf["wte.weight"],
         "pos_emb.weight": hf["wpe.weight"],
         "final_norm.scale": hf["ln_f.weight"],
         "final_norm.shift": hf["ln_f.bias"],
         # GPT-2 ties the output head to the token embedding.
-        "out_head.weight": hf.get("lm_head.weight", hf["wte.weight"]),
+        "out_head.weight": hf["lm_head.weight"] if "lm_head.weight" in hf else hf["wte.weight"],
     }
     for i in range(cfg.n_layers):
         h, b = f"h.{i}.", f"trf_blocks.{i}."
@@ -90,4 +120,4 @@ def _to_ours(hf: dict[str, torch.Tensor], cfg: GPT2Config) -> dict[str, torch.Te
                 b + "norm2.shift": hf[h + "ln_2.bias"],
             }
         )
-    return {k: v.contiguous() for k, v in ours.items()}
+    return ours

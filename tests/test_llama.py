@@ -209,7 +209,7 @@ def test_logits_match_transformers(arch):
 
 def test_loader_rejects_what_it_cannot_represent():
     with pytest.raises(ValueError, match="model_type"):
-        config_from_hf({"model_type": "mistral"})
+        config_from_hf({"model_type": "falcon"})
     with pytest.raises(ValueError, match="RoPE type"):
         config_from_hf({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
     cfg = LLAMA_CONFIGS["llama-tiny"]

@@ -1,0 +1,114 @@
+"""Tiny Hugging Face model directories written by transformers itself (``save_pretrained``), one per
+family python_ref loads, with random weights that make greedy text vary: what a user's checkpoint
+directory looks like, at a size a test can afford.
+
+Variants cover the storage forms: ``llama-sharded`` (several safetensors files and their index),
+``qwen2`` (stored in bfloat16), ``qwen3`` (tied embeddings).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Larger than the test tokenizers' vocabularies, so their ids are valid inputs.
+CHECKPOINT_VOCAB = 384
+_DECODER = dict(
+    vocab_size=CHECKPOINT_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+_LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500_000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,  # short, so that the scaling changes some frequencies
+)
+_MLA = dict(
+    vocab_size=CHECKPOINT_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+# name -> (config class name, model class name, config arguments, dtype stored, save_pretrained arguments)
+CHECKPOINTS = {
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(vocab_size=CHECKPOINT_VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=4),
+        torch.float32,
+        {},
+    ),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_DECODER, rope_parameters=_LLAMA3_ROPE), torch.float32, {}),
+    "llama-sharded": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(_DECODER, num_hidden_layers=3),
+        torch.float32,
+        dict(max_shard_size="100KB"),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_DECODER, sliding_window=12), torch.float32, {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_DECODER, rope_theta=1e6), torch.bfloat16, {}),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(_DECODER, head_dim=32, tie_word_embeddings=True),
+        torch.float32,
+        {},
+    ),
+    "deepseek_v3-dense": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(_MLA, q_lora_rank=24, first_k_dense_replace=2, rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+        torch.float32,
+        {},
+    ),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights that make a tiny random model's greedy text vary: projections that keep their input's
+    size, norms and biases away from transformers' ones and zeros (so a wrong mapping shows)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight"):
+                p.copy_(torch.rand(p.shape, generator=generator) + 0.5)
+            elif p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * min(p.shape) ** -0.5)
+
+
+def write_checkpoint(directory: str | Path, name: str) -> Path:
+    """Writes the checkpoint ``name`` of ``CHECKPOINTS`` into ``directory`` through transformers'
+    ``save_pretrained`` and returns the directory."""
+    import transformers
+
+    config_class, model_class, arguments, dtype, save_arguments = CHECKPOINTS[name]
+    config = getattr(transformers, config_class)(**arguments)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    randomize(model)
+    directory = Path(directory)
+    model.to(dtype).save_pretrained(directory, **save_arguments)
+    return directory
