@@ -180,7 +180,7 @@ def test_missing_and_extra_tensors(checkpoint, tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
     _rewrite(directory, lambda t: t.pop(name))
     with pytest.raises(
-        CheckpointError, match=rf"a tensor the config calls for is in no file: .*layers.1.mlp.up_proj.weight"
+        CheckpointError, match=r"a tensor the config calls for is in no file: .*layers.1.mlp.up_proj.weight"
     ):
         load_checkpoint(directory)
     directory = _copy(checkpoint, "qwen2", tmp_path / "extra")
