@@ -10,6 +10,7 @@ import torch
 from checkpoint_dirs import CHECKPOINT_VOCAB, CHECKPOINTS, write_checkpoint
 
 from kvcache_ext import KVCache
+from kvcache_ext.pretrained import Pretrained
 from python_ref import PreallocatedCache, generate
 from python_ref.checkpoint import CheckpointError, load_checkpoint
 
@@ -199,3 +200,21 @@ def test_config_the_model_cannot_represent(checkpoint, tmp_path):
     (directory / "config.json").write_text(json.dumps(config | {"use_sliding_window": True}))
     with pytest.raises(CheckpointError, match="config.json: qwen2 with use_sliding_window=True"):
         load_checkpoint(directory)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "deepseek_v3-dense"])
+def test_engine_serves_a_checkpoint_with_transformers_tokens(checkpoint, name):
+    """Prompts of different lengths served together on the paged cache (the shape, a latent model's
+    value width and a sliding window as Pretrained sets them) each get transformers' greedy tokens."""
+    directory = checkpoint(name)
+    pretrained = Pretrained(directory, load_checkpoint(directory, dtype=torch.float32), None, 0.0)
+    theirs = transformers_model(directory)
+    prompts = [prompt(n, seed=n).squeeze(0).tolist() for n in (5, 23, 40)]
+    engine = pretrained.engine(num_blocks=32, block_size=8, chunk_size=16)
+    got = engine.generate(prompts, max_new_tokens=12)
+    for ids, tokens in zip(prompts, got):
+        idx = torch.tensor([ids])
+        expected = theirs.generate(
+            idx, attention_mask=torch.ones_like(idx), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )
+        assert tokens == expected[0, len(ids) :].tolist()

@@ -1,0 +1,154 @@
+"""A Hugging Face model directory ready to generate from: its python_ref model, its tokenizer, and the
+caches and engine that fit it.
+
+The model's shape decides the cache's: its layers, key/value heads and head width
+(``model.kv_shape``), a latent model's ``value_dim`` (DeepSeek: one latent row per token), a
+sliding-window model's ``window`` (Mistral). :meth:`Pretrained.cache` and :meth:`Pretrained.engine`
+build them, so no caller repeats those rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from python_ref.checkpoint import load_checkpoint
+from python_ref.generate import choose_next_token
+
+from .cache import KVCache
+from .engine import Engine
+from .paged import PagedKVCache
+
+if TYPE_CHECKING:
+    from python_ref.text import Tokenizer
+
+
+@dataclass
+class Pretrained:
+    directory: Path
+    model: torch.nn.Module
+    tokenizer: Tokenizer | None  # None: token ids in and out only
+    load_seconds: float
+
+    @classmethod
+    def load(
+        cls, directory: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    ) -> Pretrained:
+        """The model (weights in ``dtype``; None: as stored) and tokenizer of ``directory``."""
+        from python_ref.text import Tokenizer
+
+        start = time.perf_counter()
+        tokenizer = Tokenizer.from_dir(directory)
+        model = load_checkpoint(directory, dtype=dtype, device=device)
+        return cls(Path(directory), model, tokenizer, time.perf_counter() - start)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def context_length(self) -> int:
+        return self.model.cfg.context_length
+
+    @property
+    def window(self) -> int | None:
+        """The model's sliding window (Mistral), which its caches must have."""
+        return getattr(self.model.cfg, "sliding_window", None)
+
+    def cache_shape(self) -> dict:
+        """What every cache of this model must hold: ``kv_shape`` and a latent model's ``value_dim``."""
+        shape = dict(self.model.kv_shape)
+        value_dim = getattr(self.model, "value_dim", None)
+        if value_dim is not None:
+            shape["value_dim"] = value_dim
+        return shape
+
+    def cache(self, batch_size: int, max_tokens: int, kv_dtype: str | None = None) -> KVCache:
+        """A ``KVCache`` for ``batch_size`` rows of up to ``max_tokens`` tokens each (a window of the
+        model's size for a sliding-window model)."""
+        device = next(self.model.parameters()).device
+        room = dict(window=self.window) if self.window else dict(max_cache_len=max_tokens)
+        return KVCache(
+            **self.cache_shape(), batch_size=batch_size, dtype=self.dtype, device=device, kv_dtype=kv_dtype, **room
+        )
+
+    def stream(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        cache,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        timing: dict | None = None,
+        stop_ids: Collection[int] | None = None,
+    ) -> Iterator[int]:
+        """The tokens that continue ``ids`` on ``cache`` (reset first), one at a time, up to
+        ``max_new_tokens`` or a stop token (yielded, then the end); greedy for ``temperature=0``,
+        else sampled (``python_ref.generate.choose_next_token``). ``timing``, if given, receives
+        ``prompt_seconds`` (reading the prompt, choosing the first token) and ``decode_seconds``.
+        ``stop_ids``: None for the tokenizer's."""
+        stop_ids = self.tokenizer.stop_ids if stop_ids is None else stop_ids
+        device = next(self.model.parameters()).device
+        cache.reset()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            tokens = torch.tensor([ids], device=device)
+            logits = self.model(tokens, cache, logits_at=torch.tensor([len(ids) - 1], device=device))
+            for step in range(max_new_tokens):
+                token = int(choose_next_token(logits[:, -1].float(), temperature, top_k, generator, top_p))
+                if step == 0 and timing is not None:
+                    timing["prompt_seconds"] = time.perf_counter() - start
+                    start = time.perf_counter()
+                yield token
+                if token in stop_ids or step == max_new_tokens - 1:
+                    break
+                logits = self.model(torch.tensor([[token]], device=device), cache)
+        if timing is not None:
+            timing["decode_seconds"] = time.perf_counter() - start
+
+    def engine(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        kv_dtype: str | None = None,
+        disk_tier: str | os.PathLike | None = None,
+        disk_tier_bytes: int | None = None,
+        **engine_options,
+    ) -> Engine:
+        """An ``Engine`` on a ``PagedKVCache`` of ``num_blocks`` blocks of ``block_size`` tokens (with a
+        disk tier of the prefix cache, if given, fingerprinted by :meth:`fingerprint`);
+        ``engine_options`` go to ``Engine`` (``chunk_size``, ``max_batch_size``, ...)."""
+        device = next(self.model.parameters()).device
+        cache = PagedKVCache(
+            **self.cache_shape(),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=device,
+            kv_dtype=kv_dtype,
+            window=self.window,
+            disk_tier=disk_tier,
+            disk_tier_bytes=disk_tier_bytes,
+            fingerprint=self.fingerprint(kv_dtype) if disk_tier is not None else None,
+        )
+        return Engine(self.model, cache, **engine_options)
+
+    def fingerprint(self, kv_dtype: str | None = None) -> str:
+        """What a disk tier's blocks must have been computed with to be reused: this directory's config
+        and weight files (names, sizes, modification times), the weights' dtype and the KV format."""
+        digest = hashlib.sha256()
+        digest.update((self.directory / "config.json").read_bytes())
+        for weights in sorted(self.directory.glob("*.safetensors")):
+            stat = weights.stat()
+            digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        digest.update(f"{self.dtype}:{kv_dtype}".encode())
+        return digest.hexdigest()[:32]
