@@ -9,6 +9,7 @@ from .llama import LLAMA_CONFIGS, Llama3RopeScaling, LlamaConfig, LlamaModel, bu
 from .llama_weights import load_llama
 from .mla import MLA_CONFIGS, MLAConfig, MLAModel, build_mla
 from .mla_weights import load_mla
+from .moe import MoEConfig
 from .paged import (
     paged_append_quantized_reference,
     paged_append_reference,
@@ -42,4 +43,5 @@ __all__ = [
     "MLAModel",
     "build_mla",
     "load_mla",
+    "MoEConfig",
 ]

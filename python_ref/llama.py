@@ -249,12 +249,20 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: attention (grouped-query unless ``attention`` is another module of the same
-    ``forward(x, cos, sin, cache)``, e.g. mla.py's latent attention), then the SwiGLU feed-forward."""
+    ``forward(x, cos, sin, cache)``, e.g. mla.py's latent attention), then the feed-forward (the SwiGLU
+    unless ``feed_forward`` is another module mapping ``x`` to its shape, e.g. moe.py's mixture of experts)."""
 
-    def __init__(self, cfg: LlamaConfig, layer: int, tp: TensorParallel, attention: nn.Module | None = None):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        layer: int,
+        tp: TensorParallel,
+        attention: nn.Module | None = None,
+        feed_forward: nn.Module | None = None,
+    ):
         super().__init__()
         self.att = GroupedQueryAttention(cfg, layer, tp) if attention is None else attention
-        self.ff = FeedForward(cfg, tp)
+        self.ff = FeedForward(cfg, tp) if feed_forward is None else feed_forward
         self.norm1 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.emb_dim, cfg.norm_eps)
 

@@ -27,10 +27,10 @@ of 128 heads x (192 + 128). Two forms of the same function are written out here:
   output. Attention is then multi-query attention with one 576-wide key head whose values are the
   first 512 columns of the keys: a cache holds the latents, once for all heads.
 
-The blocks are ``llama.py``'s with this attention: the feed-forward is its dense SwiGLU in every layer (DeepSeek's mixture of experts
-changes nothing about attention or its cache; HF configs with ``first_k_dense_replace >=
-num_hidden_layers`` are fully dense). Parameter names follow ``llama.py`` where the part is the same;
-``mla_weights.py`` maps Hugging Face's names onto them.
+The blocks are ``llama.py``'s with this attention. Their feed-forward is its dense SwiGLU, or, with
+``MLAConfig.moe``, DeepSeek's mixture of experts (``moe.py``) in the layers it names (all but the
+first ``first_dense_layers`` in the published models); the experts change nothing about attention or its cache. Parameter names
+follow ``llama.py`` where the part is the same; ``mla_weights.py`` maps Hugging Face's names onto them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from torch import nn
 
 from .caches import NoCache, positions_for_logits, start_forward
 from .llama import RMSNorm, TransformerBlock, init_weights
+from .moe import MixtureOfExperts, MoEConfig
 from .tensor_parallel import SINGLE_PROCESS
 
 
@@ -88,6 +89,7 @@ class MLAConfig:
     norm_eps: float = 1e-6
     rope_interleave: bool = True  # rotated pairs are adjacent coordinates (DeepSeek's checkpoints)
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None  # None: the dense feed-forward in every layer
 
     def __post_init__(self):
         if self.qk_rope_head_dim % 2:
@@ -109,8 +111,7 @@ class MLAConfig:
         return scale
 
 
-# The attention shapes of the published checkpoints (their config.json files); the feed-forward
-# width is the dense layers' intermediate_size (their MoE layers are not modelled here).
+# The published checkpoints' shapes (their config.json files).
 MLA_CONFIGS = {
     # deepseek-ai/DeepSeek-V2-Lite
     "deepseek-v2-lite": MLAConfig(
@@ -128,6 +129,15 @@ MLA_CONFIGS = {
         rope_scaling=YarnRopeScaling(
             factor=40.0, original_context_length=4096, beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707
         ),
+        moe=MoEConfig(
+            n_routed_experts=64,
+            experts_per_token=6,
+            expert_hidden_dim=1408,
+            n_shared_experts=2,
+            first_dense_layers=1,
+            scoring="softmax",
+            topk_method="greedy",
+        ),
     ),
     # deepseek-ai/DeepSeek-V3 (R1 has the same attention)
     "deepseek-v3": MLAConfig(
@@ -144,6 +154,19 @@ MLA_CONFIGS = {
         v_head_dim=128,
         rope_scaling=YarnRopeScaling(
             factor=40.0, original_context_length=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+        ),
+        moe=MoEConfig(
+            n_routed_experts=256,
+            experts_per_token=8,
+            expert_hidden_dim=2048,
+            n_shared_experts=1,
+            first_dense_layers=3,
+            scoring="sigmoid",
+            topk_method="noaux_tc",
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
         ),
     ),
     # moonshotai/Kimi-K2-Instruct (first release): DeepSeek-V3's attention with 64 heads; the 0905
@@ -164,10 +187,22 @@ MLA_CONFIGS = {
         rope_scaling=YarnRopeScaling(
             factor=32.0, original_context_length=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
         ),
+        moe=MoEConfig(
+            n_routed_experts=384,
+            experts_per_token=8,
+            expert_hidden_dim=2048,
+            n_shared_experts=1,
+            first_dense_layers=1,
+            scoring="sigmoid",
+            topk_method="noaux_tc",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.827,
+        ),
     ),
 }
 # Test sizes: GPT-2's vocabulary (the GPT-2 tokenizer's ids are valid inputs), a short original
-# context so that YaRN changes some frequencies, uneven widths so that no two are confused.
+# context so that YaRN changes some frequencies, uneven widths so that no two are confused; dense
+# feed-forwards (the "-moe-tiny" ones add a few experts).
 _TEST_SIZES = dict(
     vocab_size=50_257,
     context_length=256,
@@ -179,6 +214,7 @@ _TEST_SIZES = dict(
     qk_nope_head_dim=24,
     qk_rope_head_dim=8,
     v_head_dim=16,
+    moe=None,
 )
 MLA_CONFIGS["deepseek-v3-tiny"] = replace(
     MLA_CONFIGS["deepseek-v3"],
@@ -191,6 +227,33 @@ MLA_CONFIGS["deepseek-v2-lite-tiny"] = replace(
     **_TEST_SIZES,
     q_lora_rank=None,
     rope_scaling=YarnRopeScaling(factor=4.0, original_context_length=32, mscale=0.707, mscale_all_dim=0.707),
+)
+# One dense layer, then experts in groups that the router excludes (group-limited routing)
+MLA_CONFIGS["deepseek-v3-moe-tiny"] = replace(
+    MLA_CONFIGS["deepseek-v3-tiny"],
+    n_layers=3,
+    moe=replace(
+        MLA_CONFIGS["deepseek-v3"].moe,
+        n_routed_experts=8,
+        experts_per_token=3,
+        expert_hidden_dim=24,
+        first_dense_layers=1,
+        n_group=4,
+        topk_group=2,
+    ),
+)
+MLA_CONFIGS["deepseek-v2-lite-moe-tiny"] = replace(
+    MLA_CONFIGS["deepseek-v2-lite-tiny"],
+    n_layers=3,
+    moe=replace(
+        MLA_CONFIGS["deepseek-v2-lite"].moe,
+        n_routed_experts=8,
+        experts_per_token=3,
+        expert_hidden_dim=24,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+    ),
 )
 
 
@@ -331,12 +394,22 @@ class MLAModel(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
         self.rope = LatentRotaryEmbedding(cfg)
         self.trf_blocks = nn.ModuleList(
-            TransformerBlock(cfg, i, SINGLE_PROCESS, attention=LatentAttention(cfg, i)) for i in range(cfg.n_layers)
+            TransformerBlock(
+                cfg,
+                i,
+                SINGLE_PROCESS,
+                attention=LatentAttention(cfg, i),
+                feed_forward=MixtureOfExperts(cfg.emb_dim, cfg.moe) if self.is_moe_layer(i) else None,
+            )
+            for i in range(cfg.n_layers)
         )
         self.final_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.out_head.weight = self.tok_emb.weight
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.cfg.moe is not None and self.cfg.moe.is_moe_layer(layer)
 
     def set_form(self, form: str) -> MLAModel:
         """``"absorbed"`` (caches hold latents; the default) or ``"expanded"`` (caches hold per-head

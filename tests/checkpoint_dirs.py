@@ -48,6 +48,10 @@ _MLA = dict(
     max_position_embeddings=256,
     tie_word_embeddings=False,
 )
+# Mixture-of-experts layers after a dense first one; 4 groups of 2 experts, 2 groups kept.
+_EXPERTS = dict(
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2
+)
 
 # name -> (config class name, model class name, config arguments, dtype stored, save_pretrained arguments)
 CHECKPOINTS = {
@@ -75,6 +79,27 @@ CHECKPOINTS = {
         torch.float32,
         {},
     ),
+    "deepseek_v2": (  # DeepSeek-V2-Lite's form: no query LoRA, group-limited routing, shared experts
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            _MLA,
+            q_lora_rank=None,
+            **_EXPERTS,
+            n_shared_experts=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+        ),
+        torch.float32,
+        {},
+    ),
+    "deepseek_v3": (  # noaux_tc routing with its score bias, query LoRA
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(_MLA, q_lora_rank=24, **_EXPERTS, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+        torch.float32,
+        {},
+    ),
     "deepseek_v3-dense": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
@@ -97,6 +122,9 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
             else:
                 p.copy_(torch.randn(p.shape, generator=generator) * min(p.shape) ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: let it change choices
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.2)
 
 
 def write_checkpoint(directory: str | Path, name: str) -> Path:

@@ -202,7 +202,7 @@ def test_config_the_model_cannot_represent(checkpoint, tmp_path):
         load_checkpoint(directory)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "deepseek_v3-dense"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3"])
 def test_engine_serves_a_checkpoint_with_transformers_tokens(checkpoint, name):
     """Prompts of different lengths served together on the paged cache (the shape, a latent model's
     value width and a sliding window as Pretrained sets them) each get transformers' greedy tokens."""
