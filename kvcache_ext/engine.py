@@ -20,17 +20,20 @@ readmitted (cheaply, where the prefix cache still holds its full blocks).
 The engine remembers every request until its output is collected: :meth:`Engine.generate` collects
 its own; users of :meth:`Engine.step`, :meth:`Engine.stream` or :meth:`Engine.add_request` call
 :meth:`Engine.pop_finished`, else a long-running engine keeps every finished request's tokens.
+A request finishes at one of its stop tokens (``"stop"``), at its ``max_new_tokens`` (``"length"``),
+cancelled (:meth:`Engine.cancel`, ``"cancelled"``) or in a step that raised (``"error"``, see
+:class:`StepFailedError`); :meth:`Engine.result` tells which, and how much of its prompt it reused.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from python_ref.generate import choose_next_token
+from python_ref.generate import check_top_p, choose_next_token
 
 from .paged import PagedKVCache, PoolExhaustedError
 
@@ -43,9 +46,13 @@ class _Request:
     max_new_tokens: int
     temperature: float
     top_k: int | None
+    top_p: float | None
     generator: torch.Generator | None
+    stop_ids: frozenset[int]  # the tokens that end it (generated, then it stops)
     computed: int = 0  # tokens whose keys/values the cache holds
-    stopped: bool = False  # it generated the end-of-sequence token
+    cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
+    admitted: bool = False  # it was admitted once (and may have been preempted since)
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"; None while it runs or waits
 
     @property
     def generated(self) -> list[int]:
@@ -53,7 +60,37 @@ class _Request:
 
     @property
     def done(self) -> bool:
-        return self.stopped or len(self.generated) >= self.max_new_tokens
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What :meth:`Engine.result` tells of a request: its generated ``tokens`` so far, its prompt's
+    length, ``cached_tokens`` (prompt tokens taken from the prefix cache, pool or tier, instead of
+    computed, when it was first admitted: OpenAI's ``usage.prompt_tokens_details.cached_tokens``; 0
+    before), and ``finish_reason``: ``"stop"`` (it generated one of its stop tokens, the last of
+    ``tokens``), ``"length"`` (``max_new_tokens`` generated), ``"cancelled"``, ``"error"`` (a step it
+    was in raised), or None while it waits or runs."""
+
+    request_id: int
+    tokens: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StepFailedError(RuntimeError):
+    """A forward pass of :meth:`Engine.step` raised (the cause is ``__cause__``). The requests of that
+    pass, ``failed``, are finished with ``finish_reason="error"`` and their blocks freed; ``events``
+    are the tokens the step chose before (delivered nowhere else); the engine serves the others on."""
+
+    def __init__(self, failed: list[int], events: list[tuple[int, int]], cause: BaseException):
+        super().__init__(f"a forward pass failed ({type(cause).__name__}: {cause}); requests {failed} failed with it")
+        self.failed, self.events = failed, events
 
 
 class Engine:
@@ -66,7 +103,8 @@ class Engine:
 
     ``chunk_size``: the most prompt tokens a request reads per step. ``max_batch_size``: the most
     requests running at once (None: as many as the pool holds). ``eos_id``: a request that generates
-    it stops there. ``prefix_caching``: whether a prompt takes the cached blocks of an earlier
+    it stops there (each request may have stop tokens of its own too, ``add_request(stop_ids=...)``).
+    ``prefix_caching``: whether a prompt takes the cached blocks of an earlier
     prompt with the same start (False computes every prompt in full: the baseline that shows what
     prefix caching saves).
 
@@ -90,6 +128,8 @@ class Engine:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be a positive int or None, got {max_batch_size!r}")
+        if eos_id is not None and (not isinstance(eos_id, int) or isinstance(eos_id, bool)):
+            raise TypeError(f"eos_id must be an int token id or None, got {eos_id!r}")
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {prefix_caching!r}")
         if cache.pool.sequences:
@@ -126,12 +166,17 @@ class Engine:
         temperature: float = 0.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        top_p: float | None = None,
+        stop_ids: Iterable[int] = (),
     ) -> int:
         """Queue a request; it joins the batch at the next :meth:`step`. Returns its id.
-        ``temperature``, ``top_k``, ``generator``: as for ``python_ref.generate`` (0: greedy)."""
-        return self._enqueue([self._checked_request(prompt, max_new_tokens, temperature, top_k, generator)])[0]
+        ``temperature``, ``top_k``, ``top_p``, ``generator``: as for ``python_ref.generate`` (0:
+        greedy; a generator of its own makes a sampled request's tokens its own, whatever else runs).
+        ``stop_ids``: tokens that end this request (as well as the engine's ``eos_id``)."""
+        request = self._checked_request(prompt, max_new_tokens, temperature, top_k, generator, top_p, stop_ids)
+        return self._enqueue([request])[0]
 
-    def _checked_request(self, prompt, max_new_tokens, temperature, top_k, generator) -> _Request:
+    def _checked_request(self, prompt, max_new_tokens, temperature, top_k, generator, top_p, stop_ids) -> _Request:
         prompt = list(prompt)
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError(f"prompt must be a non-empty sequence of int token ids, got {prompt!r}")
@@ -144,6 +189,14 @@ class Engine:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        check_top_p(top_p)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        stop_ids = frozenset(stop_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids):
+            raise ValueError(f"stop_ids must be token ids in [0, {vocab}), got {sorted(stop_ids, key=repr)}")
+        if self.eos_id is not None:
+            stop_ids |= {self.eos_id}
         # The last generated token is never fed back: the model reads prompt + max_new_tokens - 1.
         fed = len(prompt) + max_new_tokens - 1
         if fed > self.model.cfg.context_length:
@@ -159,7 +212,10 @@ class Engine:
                 f"the request needs room for {fed} tokens, {needed} blocks at once{window}; the whole pool holds "
                 f"{pool.num_blocks * pool.block_size} ({pool.num_blocks} blocks)"
             )
-        return _Request(-1, prompt, len(prompt), max_new_tokens, temperature, top_k, generator)
+        request = _Request(-1, prompt, len(prompt), max_new_tokens, temperature, top_k, top_p, generator, stop_ids)
+        if max_new_tokens == 0:
+            request.finish_reason = "length"
+        return request
 
     def _enqueue(self, requests: list[_Request]) -> list[int]:
         """Queue requests already checked, numbering them."""
@@ -177,6 +233,26 @@ class Engine:
 
     def is_finished(self, request_id: int) -> bool:
         return self._request(request_id).done
+
+    def result(self, request_id: int) -> RequestResult:
+        """What request ``request_id`` has generated so far, how much of its prompt it reused, and
+        why it finished (if it has); see :class:`RequestResult`."""
+        r = self._request(request_id)
+        return RequestResult(r.request_id, list(r.generated), r.prompt_length, r.cached_tokens, r.finish_reason)
+
+    def cancel(self, request_id: int) -> None:
+        """Stop request ``request_id`` (waiting or running) now: its blocks return to the pool and it
+        finishes with ``finish_reason="cancelled"``, its tokens so far kept until collected. A request
+        already finished is left as it is. Call it between steps, as every other method."""
+        request = self._request(request_id)
+        if request.done:
+            return
+        if request in self._running:
+            self.cache.free(request_id)
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        request.finish_reason = "cancelled"
 
     def pop_finished(self) -> dict[int, list[int]]:
         """The generated tokens of every finished request not collected yet, by request id (in id
@@ -212,13 +288,24 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    @property
+    def num_running(self) -> int:
+        """Requests admitted (holding blocks) and not finished."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, not admitted yet (or preempted and waiting to be readmitted)."""
+        return len(self._waiting)
+
     # -- running ---------------------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], **sampling
     ) -> list[list[int]]:
         """The continuation of each prompt (generated tokens only), served together.
-        ``max_new_tokens``: one for all, or one per prompt; ``sampling``: ``temperature``, ``top_k``
-        (for all) and ``generators`` (one per prompt), as :meth:`add_request` takes them."""
+        ``max_new_tokens``: one for all, or one per prompt; ``sampling``: ``temperature``, ``top_k``,
+        ``top_p``, ``stop_ids`` (for all) and ``generators`` (one per prompt), as :meth:`add_request`
+        takes them."""
         request_ids = self._add_all(prompts, max_new_tokens, **sampling)
         while self.has_unfinished:
             self.step()
@@ -237,11 +324,21 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int]]:
         """Admit waiting requests, run every running one a piece further; returns the tokens chosen,
-        as ``(request_id, token)`` in order. Finished requests are kept until :meth:`pop_finished`."""
+        as ``(request_id, token)`` in order. Finished requests are kept until :meth:`pop_finished`.
+        A forward pass that raises fails its requests and raises :class:`StepFailedError`."""
         self._admit()
         events = []
         for group in self._passes(list(self._running)):
-            events += self._forward(group)
+            try:
+                events += self._forward(group)
+            except Exception as error:
+                failed = [r for r in group if r in self._running]
+                self.cache.abort_step()
+                for request in failed:
+                    self.cache.free(request.request_id)
+                    self._running.remove(request)
+                    request.finish_reason = "error"
+                raise StepFailedError([r.request_id for r in failed], events, error) from error
         return events
 
     def _pending(self, request: _Request) -> int:
@@ -271,7 +368,9 @@ class Engine:
                 passes.append(current)
         return passes
 
-    def _add_all(self, prompts, max_new_tokens, temperature=0.0, top_k=None, generators=None) -> list[int]:
+    def _add_all(
+        self, prompts, max_new_tokens, temperature=0.0, top_k=None, generators=None, top_p=None, stop_ids=()
+    ) -> list[int]:
         counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         generators = [None] * len(prompts) if generators is None else list(generators)
         for name, values in (("max_new_tokens", counts), ("generators", generators)):
@@ -280,7 +379,7 @@ class Engine:
         # Every request is checked before the first is queued: a refused call queues nothing.
         return self._enqueue(
             [
-                self._checked_request(prompt, count, temperature, top_k, generator)
+                self._checked_request(prompt, count, temperature, top_k, generator, top_p, stop_ids)
                 for prompt, count, generator in zip(prompts, counts, generators)
             ]
         )
@@ -304,6 +403,9 @@ class Engine:
                 request.request_id, request.tokens if self.prefix_caching else None
             )
             self.reused_tokens += request.computed
+            if not request.admitted:  # readmitted after a preemption, it may reuse its own blocks: not counted
+                request.cached_tokens = min(request.computed, request.prompt_length)
+                request.admitted = True
             self._running.append(request)
             free -= wanted
 
@@ -359,12 +461,19 @@ class Engine:
                 continue  # more of the prompt to read
             token = int(
                 choose_next_token(
-                    last_logits[row : row + 1].float(), request.temperature, request.top_k, request.generator
+                    last_logits[row : row + 1].float(),
+                    request.temperature,
+                    request.top_k,
+                    request.generator,
+                    request.top_p,
                 )
             )
             request.tokens.append(token)
             events.append((request.request_id, token))
-            request.stopped = token == self.eos_id
+            if token in request.stop_ids:
+                request.finish_reason = "stop"
+            elif len(request.generated) >= request.max_new_tokens:
+                request.finish_reason = "length"
             if request.done:
                 self.cache.free(request.request_id)
                 self._running.remove(request)

@@ -272,6 +272,12 @@ class PagedKVCache(StorageAttributes):
             self.pool.commit(seq_id, counts[row], None if self._new_tokens is None else self._new_tokens[row])
         self._step, self._step_counts, self._new_tokens = None, None, None
 
+    def abort_step(self) -> None:
+        """Forget a step that raised part-way (before ``finish_step``): nothing of it is committed,
+        the room it reserved stays with its rows (a later step reuses it, ``free`` returns it)."""
+        self._step, self._step_counts, self._new_tokens, self._lengths_after = None, None, None, None
+        self._step_shapes = None
+
     def write_back(self) -> None:
         """Write every block of the prefix cache to the disk tier (those it holds already are skipped),
         so that a later process finds them; call it before the process exits."""

@@ -1,4 +1,4 @@
-"""Text generation with any cache: greedy, or temperature / top-k sampling."""
+"""Text generation with any cache: greedy, or temperature / top-k / top-p (nucleus) sampling."""
 
 from __future__ import annotations
 
@@ -22,13 +22,15 @@ def generate(
     eos_id: int | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
     prompt_lengths=None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     """Continue each row of ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens.
 
     ``cache=None`` (or a ``NoCache``) re-runs the model over the whole sequence every step.
     With a cache, the prompt is fed once (prefill) and then only the newest token.
     ``temperature=0`` is greedy; otherwise sample from softmax(logits / temperature),
-    restricted to the ``top_k`` largest logits if given, using ``generator``.
+    restricted to the ``top_k`` largest logits if given, then to the nucleus of ``top_p`` if given
+    (:func:`nucleus_mask`), using ``generator``.
     Rows that produced ``eos_id`` keep emitting it; generation stops once all rows have.
     ``on_token`` receives each new ``(B,)`` column of tokens as it is chosen.
     Returns ``(B, T + new)`` token ids.
@@ -47,6 +49,7 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be a positive int or None, got {top_k}")
+    check_top_p(top_p)
     B, T = idx.shape
     if prompt_lengths is None:
         lengths = None
@@ -75,7 +78,7 @@ def generate(
                 logits = model(tokens, cache)
         else:
             logits = model(generated[:, -1:], cache)
-        next_token = choose_next_token(logits[:, -1].float(), temperature, top_k, generator)
+        next_token = choose_next_token(logits[:, -1].float(), temperature, top_k, generator, top_p)
         if eos_id is not None:
             next_token = torch.where(finished, torch.full_like(next_token, eos_id), next_token)
             finished |= next_token == eos_id
@@ -105,7 +108,7 @@ def _with_generated(idx, generated, lengths):
     return torch.cat([idx, generated], dim=1).gather(1, source)
 
 
-def choose_next_token(logits, temperature=0.0, top_k=None, generator=None):
+def choose_next_token(logits, temperature=0.0, top_k=None, generator=None, top_p=None):
     """The next token of each row of ``logits`` ``(B, vocab)``: greedy for ``temperature=0``, else
     sampled as :func:`generate` describes (``kvcache_ext.Engine`` chooses its tokens here too)."""
     if temperature == 0:
@@ -114,5 +117,24 @@ def choose_next_token(logits, temperature=0.0, top_k=None, generator=None):
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        logits = logits.masked_fill(~nucleus_mask(torch.softmax(logits, dim=-1), top_p), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens of each row of ``probs`` ``(B, vocab)`` top-p (nucleus) sampling keeps: the most
+    probable tokens, in order of probability, until their total reaches ``top_p`` (the token that
+    crosses it is kept; so is the most probable one, whatever ``top_p``). Ties are taken in id order."""
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    # The probability of the tokens ranked above each (a shifted sum, not cumsum - p: that rounds 0.5 down)
+    before = torch.nn.functional.pad(order.values.cumsum(dim=-1)[:, :-1], (1, 0))
+    keep_sorted = before < top_p
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter(-1, order.indices, keep_sorted)
+
+
+def check_top_p(top_p) -> None:
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
