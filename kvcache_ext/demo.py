@@ -101,7 +101,7 @@ def _run(args, caches, tp) -> int:
     if not args.weights:
         print(
             f"Random weights, seeded (--seed {args.seed}): the text is not meant to read well; the demo measures "
-            "the caches and checks that they agree. `kvcache-ext generate MODEL_DIR --prompt ...` runs a real "
+            "the caches and checks that they agree.\n`kvcache-ext generate MODEL_DIR --prompt ...` runs a real "
             "Hugging Face checkpoint.",
             flush=True,
         )
