@@ -16,8 +16,8 @@ library the package warns once and runs the same API on the pure-PyTorch referen
 (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that an error).
 
 Importing the package imports neither torch nor the native library: each public name is imported
-from its module on first use (PEP 562), which is when the library loads (or the warning comes), so
-that ``kvcache-ext --help`` answers at once.
+from its module on first use (PEP 562), which is when the library loads (or the warning comes) and
+``torch.ops.kvcache_ext.*`` are registered, so that ``kvcache-ext --help`` answers at once.
 """
 
 import importlib
