@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from python_ref.latent import LATENT_FORMATS
-from python_ref.quantize import KIVI_FORMATS, KV_FORMATS
 
 from . import _native
 from ._native import CPU_ISAS  # noqa: F401 (part of this module's table of what runs)
+from .format_names import KIVI_FORMATS, KV_FORMATS
 
 CPU_LIBRARY = "cpu library"
 CUDA_LIBRARY = "cuda library"
@@ -175,7 +175,7 @@ def python_fallback_table(device_type: str) -> Capabilities:
         paged_block_sizes=(),
         paged_kv_formats=(),
         latent_kv_formats=LATENT_FORMATS,
-        kivi_kv_formats=tuple(KIVI_FORMATS),
+        kivi_kv_formats=KIVI_FORMATS,
         independent_value_head_dim=True,
     )
 

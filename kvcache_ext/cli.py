@@ -1,9 +1,15 @@
-"""The `kvcache-ext` command: `demo`, `bench`, `info` and `disk-tier`."""
+"""The `kvcache-ext` command: `demo`, `bench`, `info` and `disk-tier`.
+
+Its parser imports no torch (nor does ``import kvcache_ext``), so ``--help`` and a wrong argument
+answer at once; a subcommand's handler imports the modules it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from . import bench, demo_options
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -18,59 +24,81 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, built from torch-free modules: `--help` and wrong arguments answer without
+    importing torch, which each subcommand's handler imports when it runs."""
     parser = argparse.ArgumentParser(
         prog="kvcache-ext", description="KV-cache extension for PyTorch LLM decoding", formatter_class=HelpFormatter
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info,disk-tier}")
-
-    from . import bench, demo
-
-    demo_parser = commands.add_parser(
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_subcommand(
+        commands,
         "demo",
-        help="the article's experiment with every cache",
+        demo_options.add_arguments,
+        run_demo,
+        help="the article's experiment with every cache (random weights: it measures the caches, not the text)",
         description="Generate from one prompt with every cache (none, torch.cat, preallocated, native), "
-        "check that all give the same tokens and print their speed and KV memory.",
-        formatter_class=HelpFormatter,
+        "check that all give the same tokens and print their speed and KV memory. The model's weights are "
+        "random (seeded) unless --weights names a GPT-2 checkpoint, so the text is not meant to read well.",
     )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run)
-
-    bench_parser = commands.add_parser(
-        "bench", help="run the benchmark suites; write JSON, a summary and plots", formatter_class=HelpFormatter
+    add_subcommand(
+        commands,
+        "bench",
+        bench.add_arguments,
+        bench.run,
+        help="run the benchmark suites; write JSON, a summary and plots",
     )
-    bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(run=bench.run)
-
-    info_parser = commands.add_parser(
+    add_subcommand(
+        commands,
         "info",
+        info_arguments,
+        info,
         help="what the native extension was built with, what runs, what it supports",
         description="What was built (torch, CPU kernel copies, CUDA), what runs here and the capability "
         "table of each device, as a table.",
-        formatter_class=HelpFormatter,
     )
-    info_parser.add_argument(
+    add_subcommand(
+        commands,
+        "disk-tier",
+        disk_tier_arguments,
+        disk_tier,
+        help="what a prefix cache's disk tier directory holds; clear it",
+        description="Count the block files of a disk tier directory (PagedKVCache(disk_tier=...)) by "
+        "fingerprint, format version and layout, read from each file's metadata; or remove them all.",
+    )
+    commands.metavar = "{" + ",".join(commands.choices) + "}"  # what a missing subcommand's error names
+    return parser
+
+
+def add_subcommand(commands, name, add_arguments, run, help, description=None) -> None:
+    """Register subcommand ``name``: ``add_arguments(parser)`` declares its options and must not import
+    torch; ``run(args)`` runs it (importing what it needs) and returns the exit status."""
+    subparser = commands.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
+    add_arguments(subparser)
+    subparser.set_defaults(run=run)
+
+
+def run_demo(args) -> int:
+    from . import demo
+
+    return demo.run(args)
+
+
+def info_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--json",
         action="store_true",
         help="print the raw form instead: build_info() and every capability field (default: off, the table)",
     )
-    info_parser.set_defaults(run=info)
 
-    tier_parser = commands.add_parser(
-        "disk-tier",
-        help="what a prefix cache's disk tier directory holds; clear it",
-        description="Count the block files of a disk tier directory (PagedKVCache(disk_tier=...)) by "
-        "fingerprint, format version and layout, read from each file's metadata; or remove them all.",
-        formatter_class=HelpFormatter,
-    )
-    tier_parser.add_argument("directory", type=existing_directory, help="the disk tier's directory")
-    tier_parser.add_argument("--json", action="store_true", help="print the report as JSON (default: off, text)")
-    tier_parser.add_argument(
+
+def disk_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", type=existing_directory, help="the disk tier's directory")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (default: off, text)")
+    parser.add_argument(
         "--clear",
         action="store_true",
         help="remove every block file and partial file instead (nothing else in the directory; default: off)",
     )
-    tier_parser.set_defaults(run=disk_tier)
-    return parser
 
 
 def existing_directory(text: str) -> str:

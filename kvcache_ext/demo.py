@@ -1,4 +1,8 @@
-"""`kvcache-ext demo`: the article's experiment, run with every cache and checked token for token.
+"""`kvcache-ext demo`: the article's experiment, run with every cache and checked token for token
+(its options: kvcache_ext/demo_options.py).
+
+The model has random weights unless ``--weights`` names a GPT-2 checkpoint: the demo measures the
+caches, not the text, and says so before it starts.
 
 With ``--tp N`` under ``torchrun --nproc-per-node N``, the model and each cache are split over N
 processes by attention heads (kvcache_ext/distributed.py); every rank generates the same tokens
@@ -7,7 +11,6 @@ and only rank 0 prints.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -18,68 +21,20 @@ import torch
 
 import kvcache_ext
 from kvcache_ext import distributed
-from python_ref import LLAMA_CONFIGS, ConcatCache, NoCache, PreallocatedCache, build_gpt2, build_llama, generate
+from python_ref import (
+    GPT2_CONFIGS,
+    LLAMA_CONFIGS,
+    ConcatCache,
+    NoCache,
+    PreallocatedCache,
+    build_gpt2,
+    build_llama,
+    generate,
+)
 from python_ref.tokenizer import gpt2_tokenizer
 from python_ref.weights import load_gpt2
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CACHE_NAMES = ("none", "concat", "prealloc", "native")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", default="Hello, I am", help="the text to continue (GPT-2 tokenizer)")
-    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per row")
-    parser.add_argument(
-        "--arch",
-        choices=("gpt2", "llama"),
-        default="gpt2",
-        help="GPT-2, or the Llama/Qwen-style model (GPT-2 tokenizer ids as its input)",
-    )
-    parser.add_argument(
-        "--model",
-        help="random-weight size: GPT-2 124M, 355M, 774M, 1558M, tiny; "
-        f"with --arch llama: {', '.join(LLAMA_CONFIGS)} (default: 124M, with --arch llama llama-tiny)",
-    )
-    parser.add_argument(
-        "--weights",
-        help="a GPT-2 .safetensors file in Hugging Face layout, for real text (default: none, random weights "
-        "seeded by --seed)",
-    )
-    parser.add_argument("--seed", type=int, default=123, help="seed for the random weights")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the model and caches")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda (under torchrun: GPU LOCAL_RANK of each machine)")
-    parser.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="tensor-parallel over N ranks (heads split, each rank's cache holds its heads); "
-        "run under `torchrun --nproc-per-node N`: gloo on cpu, NCCL on cuda (default: 1, one process)",
-    )
-    parser.add_argument("--batch-size", type=int, default=1, help="rows, each holding the prompt")
-    parser.add_argument(
-        "--window", type=int, help="sliding window in tokens, applied by every cache (default: none, full attention)"
-    )
-    parser.add_argument(
-        "--caches",
-        default=",".join(CACHE_NAMES),
-        help="comma-separated subset of none (recompute everything), concat (torch.cat), prealloc "
-        "(python_ref's preallocated cache), native (KVCache)",
-    )
-    parser.add_argument(
-        "--kv-dtype",
-        choices=("int8", "fp8_e4m3", "int4"),
-        help="the native cache stores keys/values quantized (python_ref/quantize.py); its tokens "
-        "are then compared with the others' for agreement, not required identical (default: none, unquantized)",
-    )
-    parser.add_argument(
-        "--progress-seconds",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="when the output is not a terminal (a log), a progress line every S seconds of a cache's run; "
-        "0: only the line each cache prints when it finishes",
-    )
+from .demo_options import CACHE_NAMES
 
 
 def make_cache(name, model, batch_size, max_cache_len, window, dtype, device, kv_dtype=None):
@@ -98,12 +53,13 @@ def make_cache(name, model, batch_size, max_cache_len, window, dtype, device, kv
 
 
 def run(args) -> int:
-    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
-    for c in caches:
-        if c not in CACHE_NAMES:
-            raise SystemExit(f"unknown cache {c!r}; choose from {', '.join(CACHE_NAMES)}")
+    """Run the demo with the options of demo_options.add_arguments."""
+    caches = args.caches
     if args.arch == "llama" and args.weights:
         raise SystemExit("--weights loads GPT-2 checkpoints only; --arch llama runs random weights")
+    sizes = LLAMA_CONFIGS if args.arch == "llama" else GPT2_CONFIGS
+    if args.model is not None and args.model not in sizes:
+        raise SystemExit(f"unknown --model {args.model!r} for --arch {args.arch}; choose from {', '.join(sizes)}")
     tp = distributed.init_tensor_parallel(args.tp, args.device)
     try:
         if tp.rank == 0:
@@ -116,7 +72,7 @@ def run(args) -> int:
 
 
 def _run(args, caches, tp) -> int:
-    dtype, device = DTYPES[args.dtype], distributed.process_device(args.device)
+    dtype, device = getattr(torch, args.dtype), distributed.process_device(args.device)
     tokenizer = gpt2_tokenizer()
     if args.arch == "llama":
         args.model = args.model or "llama-tiny"
@@ -142,10 +98,29 @@ def _run(args, caches, tp) -> int:
         + (f", window {args.window}" if args.window else ""),
         flush=True,
     )
+    if not args.weights:
+        print(
+            f"Random weights, seeded (--seed {args.seed}): the text is not meant to read well; the demo measures "
+            "the caches and checks that they agree.\n`kvcache-ext generate MODEL_DIR --prompt ...` runs a real "
+            "Hugging Face checkpoint.",
+            flush=True,
+        )
+
+    # The native cache first: a format or shape it refuses ends the demo before the other caches run.
+    native = None
+    if "native" in caches:
+        try:
+            native = make_cache("native", model, args.batch_size, total, args.window, dtype, device, args.kv_dtype)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            stored = f"--kv-dtype {args.kv_dtype}" if args.kv_dtype else "this model"
+            raise SystemExit(f"the native cache (KVCache) cannot hold {stored} here: {error}") from None
 
     results = {}
     for name in caches:
-        cache = make_cache(name, model, args.batch_size, total, args.window, dtype, device, args.kv_dtype)
+        if name == "native":
+            cache = native
+        else:
+            cache = make_cache(name, model, args.batch_size, total, args.window, dtype, device)
         label = name if name != "native" else f"native ({kvcache_ext.kernels_used(device)})"
         if name == "native" and args.kv_dtype:
             label = f"native {args.kv_dtype}"

@@ -67,10 +67,10 @@ def test_positions_come_from_the_cache_per_row():
 def test_demo_runs_the_llama_architecture_with_every_cache(capsys):
     import argparse
 
-    from kvcache_ext import demo
+    from kvcache_ext import demo, demo_options
 
     parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
+    demo_options.add_arguments(parser)
     args = parser.parse_args(
         ["--arch", "llama", "--model", "qwen3-tiny", "--max-new-tokens", "6", "--batch-size", "2", "--window", "3"]
     )
