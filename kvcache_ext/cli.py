@@ -1,4 +1,4 @@
-"""The `kvcache-ext` command: `demo`, `bench`, `info` and `disk-tier`.
+"""The `kvcache-ext` command: `generate`, `chat`, `demo`, `bench`, `info` and `disk-tier`.
 
 Its parser imports no torch (nor does ``import kvcache_ext``), so ``--help`` and a wrong argument
 answer at once; a subcommand's handler imports the modules it runs.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, demo_options
+from . import bench, chat_command, demo_options, generate_command
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -30,6 +30,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvcache-ext", description="KV-cache extension for PyTorch LLM decoding", formatter_class=HelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    add_subcommand(
+        commands,
+        "generate",
+        generate_command.add_arguments,
+        run_generate,
+        help="continue a prompt with a Hugging Face checkpoint (the text alone on stdout)",
+        description="Load a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) and "
+        "continue --prompt, greedy unless --temperature is given. Only the generated text goes to stdout, "
+        "as it is decoded; load time, prompt and decode tokens/s and KV bytes go to stderr.",
+    )
+    add_subcommand(
+        commands,
+        "chat",
+        chat_command.add_arguments,
+        run_chat,
+        help="a conversation with a Hugging Face checkpoint (turns reuse the earlier turns' keys and values)",
+        description="Talk to a Hugging Face model directory through its chat template, one line a turn "
+        "(/exit or end of input quits). The Engine's paged prefix cache keeps the conversation's blocks, so "
+        "each turn computes only its new tokens.",
+    )
     add_subcommand(
         commands,
         "demo",
@@ -75,6 +95,14 @@ def add_subcommand(commands, name, add_arguments, run, help, description=None) -
     subparser = commands.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
     add_arguments(subparser)
     subparser.set_defaults(run=run)
+
+
+def run_generate(args) -> int:
+    return generate_command.run(args)
+
+
+def run_chat(args) -> int:
+    return chat_command.run(args)
 
 
 def run_demo(args) -> int:
