@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from python_ref.checkpoint import load_checkpoint
+from python_ref.checkpoint import load_checkpoint, read_config
 from python_ref.generate import choose_next_token
 
 from .cache import KVCache
@@ -45,6 +45,7 @@ class Pretrained:
         from python_ref.text import Tokenizer
 
         start = time.perf_counter()
+        read_config(directory)  # not a model directory: say so before anything else
         tokenizer = Tokenizer.from_dir(directory)
         model = load_checkpoint(directory, dtype=dtype, device=device)
         return cls(Path(directory), model, tokenizer, time.perf_counter() - start)

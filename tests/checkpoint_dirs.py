@@ -1,6 +1,8 @@
 """Tiny Hugging Face model directories written by transformers itself (``save_pretrained``), one per
-family python_ref loads, with random weights that make greedy text vary: what a user's checkpoint
-directory looks like, at a size a test can afford.
+family python_ref loads, with random weights that make greedy text vary and a byte-level BPE trained on
+the spot (tokenizer_dirs.py) with a chat template: what a user's checkpoint directory looks like, at a
+size a test can afford. Llama-family directories get a Llama 3 style template, the others ChatML; every
+one stops at two eos ids (generation_config.json), as chat models do.
 
 Variants cover the storage forms: ``llama-sharded`` (several safetensors files and their index),
 ``qwen2`` (stored in bfloat16), ``qwen3`` (tied embeddings).
@@ -11,9 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizer_dirs import CHATML_TEMPLATE, LLAMA3_TEMPLATE, write_tokenizer
 
-# Larger than the test tokenizers' vocabularies, so their ids are valid inputs.
+# Larger than the test tokenizers' vocabularies, so their ids are valid inputs (real checkpoints pad
+# their vocabularies too).
 CHECKPOINT_VOCAB = 384
+# tokenizer_dirs' special tokens: "<|end|>" is the tokenizer's eos, "<|eot_id|>" ends a Llama 3 turn and
+# "<|im_end|>" a ChatML one.
+END, IM_END, BEGIN_OF_TEXT, EOT = 0, 3, 4, 7
 _DECODER = dict(
     vocab_size=CHECKPOINT_VOCAB,
     hidden_size=64,
@@ -133,10 +140,20 @@ def write_checkpoint(directory: str | Path, name: str) -> Path:
     import transformers
 
     config_class, model_class, arguments, dtype, save_arguments = CHECKPOINTS[name]
+    llama_family = config_class in ("LlamaConfig", "MistralConfig")
     config = getattr(transformers, config_class)(**arguments)
+    config.eos_token_id, config.bos_token_id = END, BEGIN_OF_TEXT if llama_family else None
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).eval()
     randomize(model)
     directory = Path(directory)
+    model.generation_config.eos_token_id = None  # written by write_tokenizer below
     model.to(dtype).save_pretrained(directory, **save_arguments)
+    write_tokenizer(
+        directory,
+        chat_template=LLAMA3_TEMPLATE if llama_family else CHATML_TEMPLATE,
+        bos="<|begin_of_text|>" if llama_family else None,
+        add_bos=llama_family,
+        generation_eos=[END, EOT if llama_family else IM_END],
+    )
     return directory
