@@ -431,12 +431,19 @@ def test_detokenizer_decodes_a_short_window(loaded, monkeypatch):
     ours, _ = loaded["chatml"]
     ids = ours.encode(" ".join(TRAINING_TEXT))
     lengths = []
-    backend_decode = ours._backend.decode
-    monkeypatch.setattr(
-        ours,
-        "_backend",
-        type("Spy", (), {"decode": lambda _, i, **k: lengths.append(len(i)) or backend_decode(i, **k)})(),
-    )
+
+    class CountingBackend:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getattr__(self, name):
+            return getattr(self.backend, name)
+
+        def decode(self, ids, **options):
+            lengths.append(len(ids))
+            return self.backend.decode(ids, **options)
+
+    monkeypatch.setattr(ours, "_backend", CountingBackend(ours._backend))
     detokenizer = ours.detokenizer()
     for token_id in ids:
         detokenizer.push(token_id)
