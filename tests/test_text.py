@@ -187,9 +187,10 @@ def test_chat_template_file_takes_precedence_over_the_config(tmp_path):
 
 def test_template_helpers_match_transformers(tmp_path):
     # tojson keeps non-ASCII as is (Jinja's own would escape), {% generation %} renders its body, loop
-    # controls and special-token variables are there.
+    # controls, the special-token variables and tools = documents = None are there.
     template = (
         "{{ messages | tojson }}|{{ {'k': 'é'} | tojson(indent=2) }}|{{ eos_token }}{{ pad_token }}|"
+        "{% if tools is none and documents is none %}no tools{% endif %}|"
         "{% for message in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
         "{% generation %}{{ message['content'] }}{% endgeneration %}{% endfor %}"
     )
@@ -198,7 +199,7 @@ def test_template_helpers_match_transformers(tmp_path):
     messages = CHATS["multi turn"]
     rendered = ours.render_chat(messages, add_generation_prompt=False)
     assert rendered == theirs.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-    assert "Be brief" in rendered and "\\u" not in rendered and "<|end|><|pad|>" in rendered
+    assert "Be brief" in rendered and "\\u" not in rendered and "<|end|><|pad|>|no tools|" in rendered
 
 
 def test_stop_ids_gather_every_eos(loaded, directories):

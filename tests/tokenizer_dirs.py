@@ -38,16 +38,20 @@ SPECIAL_TOKENS = (
 )
 PLAIN_ADDED_TOKENS = ("<think>",)
 
-# ChatML, as Qwen and others write it: a default system message when the chat has none.
-CHATML_TEMPLATE = (
-    r"{% for message in messages %}"
-    r"{% if loop.first and message['role'] != 'system' %}"
-    r"{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
-    r"{% endif %}"
-    r"{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    r"{% endfor %}"
-    r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# ChatML, as Qwen and others write it, with a default system message when the chat has none. Its block
+# tags sit on lines of their own, indented: the text is right only with trim_blocks and lstrip_blocks.
+CHATML_TEMPLATE = """{% for message in messages %}
+    {% if loop.first and message['role'] != 'system' %}
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"""
 
 # Llama 3 style: bos_token first, an optional leading system message (with today's date, through
 # strftime_now), headers around each role, and raise_exception on roles it does not know. Written over
