@@ -4,9 +4,12 @@ transformers renders it), and an incremental detokenizer for streaming generated
 
 The results match transformers' ``AutoTokenizer.from_pretrained(directory)`` for tokenizers that
 transformers loads as a plain ``TokenizersBackend`` / ``PreTrainedTokenizerFast`` (tokenizer.json is
-then the whole pipeline); transformers itself is not needed. Not reproduced: model-specific tokenizer
-classes that rebuild the pipeline in Python, and ``clean_up_tokenization_spaces``, which transformers
-applies only to WordPiece and Unigram models, not to the BPE models this project runs.
+then the whole pipeline); transformers itself is not needed. As in transformers 5, tokenizer.json's
+post-processor alone decides what ``add_special_tokens`` adds: tokenizer_config.json's
+add_bos_token / add_eos_token are ignored (transformers writes them into that post-processor when it
+saves). Not reproduced: model-specific tokenizer classes that rebuild the pipeline in Python, and
+``clean_up_tokenization_spaces``, which transformers applies only to WordPiece and Unigram models, not
+to the BPE models this project runs.
 """
 
 from __future__ import annotations
@@ -134,7 +137,7 @@ class Tokenizer:
         as in transformers (the template writes the bos token if the model wants one)."""
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
-    def detokenizer(self, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(self, stop: Sequence[str] | None = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` for one generated sequence."""
         return IncrementalDetokenizer(self, stop, skip_special_tokens)
 
@@ -163,10 +166,12 @@ class IncrementalDetokenizer:
     decoder its context (a leading-space strip, say) and the difference is the new text. Text is
     held back while it ends in an unfinished UTF-8 character (or an open run of byte-fallback
     tokens), and while its tail could be the start of a stop string. The chunks add up to
-    ``tokenizer.decode(ids, skip_special_tokens)``, cut before the first stop string if one appears.
+    ``tokenizer.decode(ids, skip_special_tokens)``; if a stop string appears, they end after the first
+    token whose text completes one, cut where the earliest stop string in the text starts.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] | None = (), skip_special_tokens: bool = True):
+        stop = () if stop is None else stop  # None: no stop strings, as in OpenAI's API
         if isinstance(stop, str):
             raise TypeError(f"stop must be a sequence of strings, not one string {stop!r}; wrap it in a list")
         for string in stop:
