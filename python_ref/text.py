@@ -4,9 +4,12 @@ transformers renders it), and an incremental detokenizer for streaming generated
 
 The results match transformers' ``AutoTokenizer.from_pretrained(directory)`` for tokenizers that
 transformers loads as a plain ``TokenizersBackend`` / ``PreTrainedTokenizerFast`` (tokenizer.json is
-then the whole pipeline); transformers itself is not needed. Not reproduced: model-specific tokenizer
-classes that rebuild the pipeline in Python, and ``clean_up_tokenization_spaces``, which transformers
-applies only to WordPiece and Unigram models, not to the BPE models this project runs.
+then the whole pipeline); transformers itself is not needed. As in transformers 5, tokenizer.json's
+post-processor alone decides what ``add_special_tokens`` adds: tokenizer_config.json's
+add_bos_token / add_eos_token are ignored (transformers writes them into that post-processor when it
+saves). Not reproduced: model-specific tokenizer classes that rebuild the pipeline in Python, and
+``clean_up_tokenization_spaces``, which transformers applies only to WordPiece and Unigram models, not
+to the BPE models this project runs.
 """
 
 from __future__ import annotations
@@ -58,7 +61,16 @@ class Tokenizer:
         eos_id = None if self.eos_token is None else backend.token_to_id(self.eos_token)
         self.stop_ids = frozenset(extra_stop_ids) | ({eos_id} if eos_id is not None else set())
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)  # == len(AutoTokenizer)
-        self._byte_fallback = b'"ByteFallback"' in (backend.decoder.__getstate__() if backend.decoder else b"")
+        # A decoder with ByteFallback joins each run of byte tokens ("<0xE4>") into one UTF-8 string.
+        byte_fallback = backend.decoder is not None and b'"ByteFallback"' in backend.decoder.__getstate__()
+        self._byte_token_ids = frozenset(
+            token_id
+            for token, token_id in (backend.get_vocab().items() if byte_fallback else ())
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+        )
+        self._special_ids = frozenset(
+            token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+        )
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
@@ -125,17 +137,13 @@ class Tokenizer:
         as in transformers (the template writes the bos token if the model wants one)."""
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
-    def detokenizer(self, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(self, stop: Sequence[str] | None = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` for one generated sequence."""
         return IncrementalDetokenizer(self, stop, skip_special_tokens)
 
-    def _is_open_byte_token(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a byte-fallback token ("<0xE2>"): a decoder with ByteFallback
-        decodes a run of them as one byte string, so text that ends in one is not final yet."""
-        if not self._byte_fallback:
-            return False
-        token = self._backend.id_to_token(token_id)
-        return token is not None and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+    def _decodes_to_nothing(self, token_id: int, skip_special_tokens: bool) -> bool:
+        """Whether decoding drops ``token_id``: a special token being skipped, or an id past the vocabulary."""
+        return (skip_special_tokens and token_id in self._special_ids) or self._backend.id_to_token(token_id) is None
 
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
@@ -158,10 +166,12 @@ class IncrementalDetokenizer:
     decoder its context (a leading-space strip, say) and the difference is the new text. Text is
     held back while it ends in an unfinished UTF-8 character (or an open run of byte-fallback
     tokens), and while its tail could be the start of a stop string. The chunks add up to
-    ``tokenizer.decode(ids, skip_special_tokens)``, cut before the first stop string if one appears.
+    ``tokenizer.decode(ids, skip_special_tokens)``; if a stop string appears, they end after the first
+    token whose text completes one, cut where the earliest stop string in the text starts.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] | None = (), skip_special_tokens: bool = True):
+        stop = () if stop is None else stop  # None: no stop strings, as in OpenAI's API
         if isinstance(stop, str):
             raise TypeError(f"stop must be a sequence of strings, not one string {stop!r}; wrap it in a list")
         for string in stop:
@@ -175,6 +185,7 @@ class IncrementalDetokenizer:
         self._window: list[int] = []
         self._read = 0
         self._pending = ""  # decoded, not returned: possibly the start of a stop string
+        self._in_byte_run = False
         self._finished = False
         self.stopped = False
         self.text = ""
@@ -187,7 +198,14 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._window.append(token_id)
-        if self._tokenizer._is_open_byte_token(token_id):
+        # A run of byte tokens decodes as a whole (an invalid one as one U+FFFD per byte), so its text
+        # is not final before a token that the decoder sees ends it.
+        byte_token_ids = self._tokenizer._byte_token_ids
+        if token_id in byte_token_ids:
+            self._in_byte_run = True
+        elif byte_token_ids and not self._tokenizer._decodes_to_nothing(token_id, self._skip_special_tokens):
+            self._in_byte_run = False
+        if self._in_byte_run:
             return ""
         prefix_text = self._decode(self._window[: self._read])
         window_text = self._decode(self._window)

@@ -38,16 +38,20 @@ SPECIAL_TOKENS = (
 )
 PLAIN_ADDED_TOKENS = ("<think>",)
 
-# ChatML, as Qwen and others write it: a default system message when the chat has none.
-CHATML_TEMPLATE = (
-    r"{% for message in messages %}"
-    r"{% if loop.first and message['role'] != 'system' %}"
-    r"{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
-    r"{% endif %}"
-    r"{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    r"{% endfor %}"
-    r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# ChatML, as Qwen and others write it, with a default system message when the chat has none. Its block
+# tags sit on lines of their own, indented: the text is right only with trim_blocks and lstrip_blocks.
+CHATML_TEMPLATE = """{% for message in messages %}
+    {% if loop.first and message['role'] != 'system' %}
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"""
 
 # Llama 3 style: bos_token first, an optional leading system message (with today's date, through
 # strftime_now), headers around each role, and raise_exception on roles it does not know. Written over
@@ -112,8 +116,9 @@ def write_tokenizer(
     """Write a Hugging Face tokenizer directory and return its path.
 
     ``add_bos`` makes encode(add_special_tokens=True) start with ``bos`` (transformers stores that as
-    tokenizer.json's post-processor). ``generation_eos`` / ``config_eos``: eos_token_id of a
-    generation_config.json / config.json written beside it (none written when None).
+    tokenizer.json's post-processor). ``generation_eos`` / ``config_eos``: the eos_token_id to set in
+    generation_config.json / config.json (created, or updated when a model was saved there first; left
+    alone when None).
     """
     from transformers import PreTrainedTokenizerFast
 
@@ -127,8 +132,14 @@ def write_tokenizer(
     fast.save_pretrained(directory)
     for file_name, eos_token_id in (("generation_config.json", generation_eos), ("config.json", config_eos)):
         if eos_token_id is not None:
-            with open(os.path.join(directory, file_name), "w", encoding="utf-8") as file:
-                json.dump({"eos_token_id": eos_token_id}, file)
+            # Beside a model saved in the same directory: its config keeps everything else.
+            path = os.path.join(directory, file_name)
+            contents = {}
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as file:
+                    contents = json.load(file)
+            with open(path, "w", encoding="utf-8") as file:
+                json.dump(contents | {"eos_token_id": eos_token_id}, file, indent=2)
     return str(directory)
 
 
