@@ -223,7 +223,7 @@ def test_concurrent_clients_each_get_the_tokens_they_get_alone(server, client, m
 
 
 def test_a_client_that_drops_its_stream_leaves_no_blocks_held(server):
-    wait_until_idle(server)
+    generated = wait_until_idle(server)["kvcache_ext_generation_tokens_total"]
     body = dict(model=MODEL, prompt="a long answer, please", max_tokens=200, temperature=0, stream=True)
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
         assert response.status_code == 200
@@ -232,12 +232,25 @@ def test_a_client_that_drops_its_stream_leaves_no_blocks_held(server):
         assert len(received) >= 2
         during = metrics(server)
         assert during["kvcache_ext_kv_blocks_used"] > 0 and during["kvcache_ext_requests_running"] == 1
-    # Leaving the block closed the connection with ~190 tokens still to come.
+    # Leaving the block closed the connection with ~190 tokens still to come: the request was cancelled.
     after = wait_until_idle(server)
     assert (
         after["kvcache_ext_kv_blocks_free"]
         == during["kvcache_ext_kv_blocks_free"] + during["kvcache_ext_kv_blocks_used"]
     )
+    assert after["kvcache_ext_generation_tokens_total"] - generated < 200
+
+
+def test_a_client_that_leaves_before_its_answer_has_its_request_cancelled(server, model):
+    generated = wait_until_idle(server)["kvcache_ext_generation_tokens_total"]
+    prompt = "sixteen long answers"
+    whole = len(expected_tokens(model, TOKENIZER.encode(prompt), 220))
+    assert whole > 150  # no stop token early: the answer takes well over 0.2 s
+    body = dict(model=MODEL, prompt=prompt, max_tokens=220, n=16, temperature=0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.2))
+    after = wait_until_idle(server)
+    assert after["kvcache_ext_generation_tokens_total"] - generated < 16 * whole
 
 
 LONG = "x" * 300  # more tokens than the model's 256 positions

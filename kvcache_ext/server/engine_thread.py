@@ -98,6 +98,7 @@ class EngineThread:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
         self.steps_failed = 0
+        self.tokens_generated = 0
         self.snapshot = self._engine_state()
 
     # -- any thread ------------------------------------------------------------------------------
@@ -199,6 +200,7 @@ class EngineThread:
             events = failure.events
             for request_id in failure.failed:
                 self._jobs.pop(request_id).send(Failed(500, f"generation failed: {failure.__cause__}"))
+        self.tokens_generated += len(events)
         for request_id, token in events:
             job = self._jobs.get(request_id)
             if job is not None:
@@ -244,4 +246,5 @@ class EngineThread:
             "prompt_tokens_reused": engine.reused_tokens,
             "preemptions": engine.preemptions,
             "steps_failed": self.steps_failed,
+            "tokens_generated": self.tokens_generated,
         }

@@ -39,6 +39,7 @@ class _EngineStateCollector:
             ("prompt_tokens_reused", "prompt_tokens_reused", "Prompt tokens taken from the prefix cache."),
             ("preemptions", "preemptions", "Requests preempted when the pool ran out."),
             ("steps_failed", "steps_failed", "Engine steps that raised (their requests failed)."),
+            ("generation_tokens", "tokens_generated", "Tokens the engine generated."),
         ]:
             yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=state[key])
         hits = CounterMetricFamily(
