@@ -273,6 +273,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 100000]}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": [-1]}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG, "n": 3, "stream": True}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400),

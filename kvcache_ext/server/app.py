@@ -14,6 +14,7 @@ validation or the engine refuses is a 400 (an unknown model a 404, as OpenAI ans
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
@@ -110,6 +111,7 @@ class _Generation:
         self.first_token_seen = False
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: collections.deque = collections.deque()  # events start() read that deltas() is to see
         sampled = body.temperature > 0
         self.jobs = [
             Job(
@@ -136,18 +138,18 @@ class _Generation:
             raise APIError(503, f"the server is busy: {error}; retry later", "server_error") from None
         except RuntimeError as error:
             raise APIError(503, str(error), "server_error") from None
-        accepted, refusal = 0, None
+        answered, refusal = set(), None
         try:
-            while accepted + (refusal is not None) < len(self.jobs):
+            while len(answered) < len(self.jobs):
                 index, event = await self.queue.get()
-                if isinstance(event, Accepted):
-                    accepted += 1
-                elif isinstance(event, Failed) and refusal is None:
-                    refusal = event
+                if index in answered:  # a job's events after its acceptance: for deltas(), in order
+                    self.pending.append((index, event))
+                elif isinstance(event, Accepted):
+                    answered.add(index)
+                else:  # Failed: every job is answered Accepted or Failed before anything else
+                    answered.add(index)
                     self.choices[index].done = True
-                else:  # a job done at once (max_new_tokens reached) or a second refusal: handled later
-                    self.queue.put_nowait((index, event))
-                    await asyncio.sleep(0)
+                    refusal = refusal or event
         finally:
             if refusal is not None:
                 self.cancel_unfinished()
@@ -159,7 +161,7 @@ class _Generation:
         every job is done."""
         metrics = self.state.metrics
         while not all(choice.done for choice in self.choices):
-            index, event = await self.queue.get()
+            index, event = self.pending.popleft() if self.pending else await self.queue.get()
             choice = self.choices[index]
             ended = choice.finish_reason is not None
             if isinstance(event, Token):
@@ -178,7 +180,7 @@ class _Generation:
                 text = choice.on_finished(event.result)
             elif isinstance(event, Failed):
                 choice.done, choice.failure, text = True, event, ""
-            else:  # Accepted, already counted
+            else:  # Accepted: start() saw to it
                 continue
             if text or (choice.finish_reason is not None and not ended):
                 yield index, text, None if ended else choice.finish_reason
