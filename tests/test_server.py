@@ -1,0 +1,386 @@
+"""The OpenAI-compatible server as a process: started on 127.0.0.1 and a free port (tests/serve_tiny.py,
+the tiny Llama with a byte-level tokenizer), driven by the official `openai` client and httpx, and
+compared with python_ref's generation of the same prompt ids. Every wait is bounded in time."""
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from server_fakes import ByteTokenizer, tiny_llama  # noqa: E402
+from test_engine import alone  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "llama-tiny"
+POISON = 511  # a prompt chunk holding it makes the server's model raise (serve_tiny.py --poison-token)
+TOKENIZER = ByteTokenizer()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def start_server(*options, timeout=60.0):
+    """The server in a subprocess, once ``/health`` answers; yields its base URL, then stops it."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "serve_tiny.py"), "--port", str(port), *options],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited ({process.returncode}):\n{process.stdout.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not answer /health within {timeout} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_server("--poison-token", str(POISON)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return tiny_llama()
+
+
+def expected_tokens(model, prompt_ids, max_tokens, **sampling):
+    """python_ref's tokens for the prompt, cut after the first stop token as the engine stops there."""
+    tokens = alone(model, prompt_ids, max_tokens, **sampling)
+    stops = [i for i, t in enumerate(tokens) if t in TOKENIZER.stop_ids]
+    return tokens[: stops[0] + 1] if stops else tokens
+
+
+def text_of(tokens) -> str:
+    return TOKENIZER.decode(tokens, skip_special_tokens=True)
+
+
+def metrics(url) -> dict:
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        match = re.fullmatch(r"(kvcache_ext_\w+(?:\{[^}]*\})?) (\S+)", line)
+        if match:
+            values[match[1]] = float(match[2])
+    return values
+
+
+def wait_until_idle(url, timeout=15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(url)
+        idle = values["kvcache_ext_kv_blocks_used"] == 0 and values["kvcache_ext_requests_running"] == 0
+        if idle and values["kvcache_ext_requests_waiting"] == 0:
+            return values
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server holds requests or blocks {timeout} s on: {values}")
+        time.sleep(0.1)
+
+
+PROMPTS = ["The quick brown fox", "hello world, said the", "a", "Once upon a time there were three"]
+
+
+def test_the_model_list_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_greedy_completions_are_python_refs_tokens(client, model):
+    for prompt in PROMPTS:
+        ids = TOKENIZER.encode(prompt)
+        expected = expected_tokens(model, ids, 12)
+        completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert completion.choices[0].text == text_of(expected)
+        assert completion.choices[0].finish_reason == ("stop" if expected[-1] in TOKENIZER.stop_ids else "length")
+        assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (len(ids), len(expected))
+    ids = [7, 8, 9, 300, 301]  # a prompt of token ids
+    completion = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert completion.choices[0].text == text_of(expected_tokens(model, ids, 6))
+
+
+def test_streaming_gives_the_text_of_the_whole_answer(client, model):
+    prompt = PROMPTS[3]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        whole.choices[0].finish_reason
+    ]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # The repeated prompt took its full blocks (8 tokens each) from the prefix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 8 * 8 > 0
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+    expected = text_of(expected_tokens(model, TOKENIZER.apply_chat_template(messages), 16))
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == expected and chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+
+
+def test_n_seeded_samples_are_python_refs_samples(client, model):
+    prompt = "sampling, seeded"
+    ids = TOKENIZER.encode(prompt)
+    sampling = dict(temperature=0.9, top_p=0.9)
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, n=3, seed=7, extra_body=dict(top_k=40), **sampling
+    )
+    expected = [
+        text_of(expected_tokens(model, ids, 10, top_k=40, generator=torch.Generator().manual_seed(7 + i), **sampling))
+        for i in range(3)
+    ]
+    assert [c.text for c in sorted(completion.choices, key=lambda c: c.index)] == expected
+    assert len(set(expected)) == 3  # each choice drew its own tokens
+    assert completion.usage.completion_tokens == sum(
+        len(expected_tokens(model, ids, 10, top_k=40, generator=torch.Generator().manual_seed(7 + i), **sampling))
+        for i in range(3)
+    )
+
+
+def test_a_stop_string_ends_the_text_before_it(client, model):
+    prompt = PROMPTS[0]
+    text = text_of(expected_tokens(model, TOKENIZER.encode(prompt), 30))
+    start = next(k for k in range(3, len(text) - 2) if text[k : k + 2].isascii() and text[k : k + 2].isalnum())
+    stop = text[start : start + 2]
+    before = text[: text.find(stop)]
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "@@@"])
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (before, "stop")
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == before
+
+
+def test_concurrent_clients_each_get_the_tokens_they_get_alone(server, client, model):
+    prompts = [f"client {i} asks: " + "abcdefghij"[: i % 7] for i in range(12)]
+    expected = [text_of(expected_tokens(model, TOKENIZER.encode(p), 16)) for p in prompts]
+
+    def ask(i):
+        if i % 2:
+            stream = client.completions.create(
+                model=MODEL, prompt=prompts[i], max_tokens=16, temperature=0, stream=True
+            )
+            return "".join(c.choices[0].text for c in stream)
+        return client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, range(len(prompts)), timeout=60))
+    assert answers == expected
+    wait_until_idle(server)
+
+
+def test_a_client_that_drops_its_stream_leaves_no_blocks_held(server):
+    generated = wait_until_idle(server)["kvcache_ext_generation_tokens_total"]
+    body = dict(model=MODEL, prompt="a long answer, please", max_tokens=200, temperature=0, stream=True)
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert len(received) >= 2
+        during = metrics(server)
+        assert during["kvcache_ext_kv_blocks_used"] > 0 and during["kvcache_ext_requests_running"] == 1
+    # Leaving the block closed the connection with ~190 tokens still to come: the request was cancelled.
+    after = wait_until_idle(server)
+    assert (
+        after["kvcache_ext_kv_blocks_free"]
+        == during["kvcache_ext_kv_blocks_free"] + during["kvcache_ext_kv_blocks_used"]
+    )
+    assert after["kvcache_ext_generation_tokens_total"] - generated < 200
+
+
+def test_a_client_that_leaves_before_its_answer_has_its_request_cancelled(server, model):
+    generated = wait_until_idle(server)["kvcache_ext_generation_tokens_total"]
+    prompt = "sixteen long answers"
+    whole = len(expected_tokens(model, TOKENIZER.encode(prompt), 220))
+    assert whole > 150  # no stop token early: the answer takes well over 0.2 s
+    body = dict(model=MODEL, prompt=prompt, max_tokens=220, n=16, temperature=0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.2))
+    after = wait_until_idle(server)
+    assert after["kvcache_ext_generation_tokens_total"] - generated < 16 * whole
+
+
+LONG = "x" * 300  # more tokens than the model's 256 positions
+BAD_REQUESTS = [
+    # (path, body: a dict, or raw bytes, expected status)
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", b"", 400),
+    ("/v1/completions", b"[1, 2]", 400),
+    ("/v1/completions", b'"a string"', 400),
+    ("/v1/completions", {}, 400),
+    ("/v1/completions", {"model": MODEL}, 400),
+    ("/v1/completions", {"prompt": "hi"}, 400),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404),
+    ("/v1/completions", {"model": 3, "prompt": "hi"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": None}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, "2"]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2.5]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 100000]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": [-1]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG, "n": 3, "stream": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8.5}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 3}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": 2.5}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 1000}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": "7"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": 1}}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
+    ("/v1/chat/completions", {"model": MODEL}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": []}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
+        400,
+    ),
+    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("/v1/nowhere", {"model": MODEL}, 404),
+]
+
+
+def test_malformed_requests_get_4xx_json_and_the_server_serves_on(server, client, model):
+    with httpx.Client(base_url=server, timeout=30) as http:
+        for path, body, status in BAD_REQUESTS:
+            if isinstance(body, bytes):
+                response = http.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                response = http.post(path, json=body)
+            assert response.status_code == status, (path, body, response.text)
+            error = response.json()["error"]
+            assert isinstance(error["message"], str) and error["message"], (path, body, error)
+            assert set(error) == {"message", "type", "param", "code"}
+        assert http.get("/v1/completions").status_code == 405
+        assert http.get("/health").status_code == 200
+    wait_until_idle(server)
+    ids = TOKENIZER.encode(PROMPTS[1])
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert completion.choices[0].text == text_of(expected_tokens(model, ids, 8))
+
+
+def test_the_engines_refusal_says_what_was_expected(server):
+    response = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": LONG}, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and "256 positions" in error["message"] and error["param"] == "prompt"
+    response = httpx.post(
+        f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi", "temperature": "hot"}, timeout=30
+    )
+    error = response.json()["error"]
+    assert error["param"] == "temperature" and "'hot'" in error["message"]
+
+
+def test_a_failed_step_fails_its_request_with_500_and_the_server_serves_on(server, client, model):
+    before = metrics(server)["kvcache_ext_steps_failed_total"]
+    response = httpx.post(
+        f"{server}/v1/completions", json={"model": MODEL, "prompt": [1, POISON, 2], "max_tokens": 4}, timeout=30
+    )
+    assert response.status_code == 500 and "poisoned" in response.json()["error"]["message"]
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/completions",
+        json={"model": MODEL, "prompt": [3, POISON, 4], "max_tokens": 4, "stream": True},
+        timeout=30,
+    ) as stream:  # headers went out when the engine accepted it: the error comes as an event
+        events = [line[len("data: ") :] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert "poisoned" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+    assert metrics(server)["kvcache_ext_steps_failed_total"] == before + 2
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    assert completion.choices[0].text == text_of(expected_tokens(model, TOKENIZER.encode(PROMPTS[2]), 8))
+    wait_until_idle(server)
+
+
+def test_past_max_queued_requests_get_503_with_retry_after():
+    with start_server("--max-queued", "2", "--max-batch-size", "1") as url:
+        body = dict(model=MODEL, prompt="queue", max_tokens=60, temperature=0)
+
+        def ask(_):
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            return response.status_code, response.headers.get("retry-after"), response.json()
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8), timeout=90))
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses.count(200) >= 3 and statuses.count(503) >= 1 and set(statuses) == {200, 503}
+        for status, retry_after, answer in answers:
+            if status == 503:
+                assert int(retry_after) >= 1 and "busy" in answer["error"]["message"]
+        texts = {answer["choices"][0]["text"] for status, _, answer in answers if status == 200}
+        assert len(texts) == 1  # the same prompt, greedy: every answered request got the same text
