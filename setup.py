@@ -134,9 +134,30 @@ setup(
         "python_ref": ["assets/gpt2.tiktoken", "assets/gpt2.tiktoken.LICENSE"],
         "kvcache_ext": ["_build_info.json"],
     },
-    install_requires=[f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}", "tiktoken", "safetensors", "numpy"],
+    install_requires=[
+        f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}",
+        "tiktoken",
+        "safetensors",
+        "numpy",
+        # Hugging Face checkpoints' text: tokenizer.json, chat templates (3.1.6: the sandbox fixes)
+        "tokenizers>=0.15",
+        "jinja2>=3.1.6",
+        # kvcache-ext serve
+        "fastapi",
+        "uvicorn",
+        "prometheus_client",
+    ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.24,<6", "accelerate", "matplotlib"],
+        "test": [
+            "pytest",
+            "pytest-benchmark",
+            "hypothesis",
+            "transformers>=5.24,<6",
+            "accelerate",
+            "matplotlib",
+            "openai",
+            "httpx",
+        ],
         "bench": ["pytest", "pytest-benchmark", "matplotlib"],
         "hf": ["transformers>=5.24,<6"],
         "docs": ["mkdocs-material", "mkdocstrings[python]"],

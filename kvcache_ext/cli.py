@@ -1,4 +1,4 @@
-"""The `kvcache-ext` command: `generate`, `chat`, `demo`, `bench`, `info` and `disk-tier`.
+"""The `kvcache-ext` command: `generate`, `chat`, `serve`, `demo`, `bench`, `info` and `disk-tier`.
 
 Its parser imports no torch (nor does ``import kvcache_ext``), so ``--help`` and a wrong argument
 answer at once; a subcommand's handler imports the modules it runs.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chat_command, demo_options, generate_command
+from . import bench, chat_command, demo_options, generate_command, serve_command
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -49,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Talk to a Hugging Face model directory through its chat template, one line a turn "
         "(/exit or end of input quits). The Engine's paged prefix cache keeps the conversation's blocks, so "
         "each turn computes only its new tokens.",
+    )
+    add_subcommand(
+        commands,
+        "serve",
+        serve_command.add_arguments,
+        run_serve,
+        help="an OpenAI-compatible HTTP server on a Hugging Face checkpoint",
+        description="Serve a Hugging Face model directory over the OpenAI API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics) by one Engine on a paged KV cache with prefix "
+        "caching and, with --disk-tier, a prefix cache that survives restarts. SIGTERM or SIGINT: running "
+        "requests get a grace period, the prefix cache is written back, exit 0.",
     )
     add_subcommand(
         commands,
@@ -103,6 +114,10 @@ def run_generate(args) -> int:
 
 def run_chat(args) -> int:
     return chat_command.run(args)
+
+
+def run_serve(args) -> int:
+    return serve_command.run(args)
 
 
 def run_demo(args) -> int:

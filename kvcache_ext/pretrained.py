@@ -116,20 +116,18 @@ class Pretrained:
         if timing is not None:
             timing["decode_seconds"] = time.perf_counter() - start
 
-    def engine(
+    def paged_cache(
         self,
         num_blocks: int,
         block_size: int = 16,
         kv_dtype: str | None = None,
         disk_tier: str | os.PathLike | None = None,
         disk_tier_bytes: int | None = None,
-        **engine_options,
-    ) -> Engine:
-        """An ``Engine`` on a ``PagedKVCache`` of ``num_blocks`` blocks of ``block_size`` tokens (with a
-        disk tier of the prefix cache, if given, fingerprinted by :meth:`fingerprint`);
-        ``engine_options`` go to ``Engine`` (``chunk_size``, ``max_batch_size``, ...)."""
+    ) -> PagedKVCache:
+        """A ``PagedKVCache`` of ``num_blocks`` blocks of ``block_size`` tokens for this model, with a
+        disk tier of the prefix cache if given (fingerprinted by :meth:`fingerprint`)."""
         device = next(self.model.parameters()).device
-        cache = PagedKVCache(
+        return PagedKVCache(
             **self.cache_shape(),
             num_blocks=num_blocks,
             block_size=block_size,
@@ -141,7 +139,15 @@ class Pretrained:
             disk_tier_bytes=disk_tier_bytes,
             fingerprint=self.fingerprint(kv_dtype) if disk_tier is not None else None,
         )
-        return Engine(self.model, cache, **engine_options)
+
+    def block_bytes(self, block_size: int = 16, kv_dtype: str | None = None) -> int:
+        """What one more block of :meth:`paged_cache` allocates (keys, values, scales, all layers)."""
+        one, two = (self.paged_cache(n, block_size, kv_dtype).bytes_allocated() for n in (1, 2))
+        return two - one
+
+    def engine(self, num_blocks: int, block_size: int = 16, kv_dtype: str | None = None, **engine_options) -> Engine:
+        """An ``Engine`` on :meth:`paged_cache` (``engine_options``: ``Engine``'s, e.g. ``chunk_size``)."""
+        return Engine(self.model, self.paged_cache(num_blocks, block_size, kv_dtype), **engine_options)
 
     def fingerprint(self, kv_dtype: str | None = None) -> str:
         """What a disk tier's blocks must have been computed with to be reused: this directory's config

@@ -38,12 +38,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def start_server(*options, timeout=60.0):
-    """The server in a subprocess, once ``/health`` answers; yields its base URL, then stops it."""
+def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), timeout=60.0, exit_status=None):
+    """The server (``python PROGRAM --port PORT OPTIONS``) in a subprocess, once ``/health`` answers;
+    yields its base URL, then stops it (SIGTERM, then kill) and puts its exit status in
+    ``exit_status["status"]`` if given a dict."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "serve_tiny.py"), "--port", str(port), *options],
+        [sys.executable, *program, "--port", str(port), *options],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -71,6 +73,8 @@ def start_server(*options, timeout=60.0):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+        if exit_status is not None:
+            exit_status["status"] = process.returncode
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,99 @@
+"""`kvcache-ext serve MODEL_DIR` as a user runs it: a transformers-written checkpoint directory served
+over the OpenAI API, driven by the official `openai` client. Its greedy text is `kvcache-ext generate`'s;
+32 concurrent clients each get the text they get alone; SIGTERM exits 0 after writing the prefix cache
+back, and a server restarted on the same disk tier computes only a repeated prompt's uncached suffix."""
+
+import concurrent.futures
+
+import pytest
+import torch
+from checkpoint_dirs import write_checkpoint
+
+from kvcache_ext.cli import main
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from test_server import metrics, start_server, wait_until_idle  # noqa: E402
+
+NAME = "qwen3"  # ChatML template, tied embeddings
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(NAME), NAME)
+
+
+def serve(checkpoint, *options, **kwargs):
+    program = ("-m", "kvcache_ext.cli", "serve", str(checkpoint))
+    return start_server("--dtype", "float32", "--threads", "1", *options, program=program, **kwargs)
+
+
+def client_of(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def generated_text(checkpoint, prompt, capsys, chat=False):
+    """What `kvcache-ext generate` prints for the prompt (greedy), without its newline."""
+    torch.set_num_threads(1)
+    argv = ["generate", str(checkpoint), "--prompt", prompt, "--max-new-tokens", str(MAX_TOKENS), "--dtype", "float32"]
+    assert main(argv + (["--chat"] if chat else [])) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n")
+    return out[:-1]
+
+
+PROMPTS = [f"Request {i}: the café near 東京 sold {i * 7} crêpes" for i in range(32)]
+
+
+def test_greedy_text_is_generates_and_many_clients_get_their_own(checkpoint, capsys):
+    expected = {prompt: generated_text(checkpoint, prompt, capsys) for prompt in PROMPTS}
+    chat_expected = generated_text(checkpoint, PROMPTS[0], capsys, chat=True)
+    with serve(checkpoint, "--num-blocks", "512", "--block-size", "8") as url, client_of(url) as client:
+        assert [m.id for m in client.models.list().data] == [checkpoint.name]
+        one = client.completions.create(model=checkpoint.name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+        assert one.choices[0].text == expected[PROMPTS[0]]
+        streamed = client.completions.create(
+            model=checkpoint.name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in streamed) == expected[PROMPTS[0]]
+        chat = client.chat.completions.create(
+            model=checkpoint.name,
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        assert chat.choices[0].message.content == chat_expected
+
+        def complete(prompt):
+            answer = client.completions.create(
+                model=checkpoint.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+            )
+            return answer.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            got = dict(zip(PROMPTS, pool.map(complete, PROMPTS, timeout=300)))
+        assert got == expected
+        wait_until_idle(url)
+
+
+def test_restart_on_a_disk_tier_reuses_a_long_prompt(checkpoint, tmp_path):
+    prompt = " ".join(f"word{i}" for i in range(28))  # about 200 tokens: many full blocks
+    tier = ["--disk-tier", str(tmp_path / "tier"), "--disk-tier-bytes", str(64 * 2**20), "--block-size", "8"]
+    first_exit, second_exit = {}, {}
+    with serve(checkpoint, "--num-blocks", "256", *tier, exit_status=first_exit) as url, client_of(url) as client:
+        first = client.completions.create(model=checkpoint.name, prompt=prompt, max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first_exit["status"] == 0  # SIGTERM: a graceful stop, the prefix cache written back
+    with serve(checkpoint, "--num-blocks", "256", *tier, exit_status=second_exit) as url, client_of(url) as client:
+        again = client.completions.create(model=checkpoint.name, prompt=prompt, max_tokens=4, temperature=0)
+        prompt_tokens = again.usage.prompt_tokens
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        # Every full block of the prompt but the one holding its last token comes from the disk tier.
+        assert cached >= (prompt_tokens - 1) // 8 * 8 - 8 and cached > 0, (cached, prompt_tokens)
+        assert again.choices[0].text == first.choices[0].text
+        values = metrics(url)
+        assert values['kvcache_ext_prefix_tokens_reused_total{tier="disk"}'] == cached
+        assert values["kvcache_ext_prompt_tokens_computed_total"] == prompt_tokens - cached
+    assert second_exit["status"] == 0
