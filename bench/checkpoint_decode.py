@@ -99,7 +99,9 @@ def main():
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
     vocab = hf.config.vocab_size
     print(f"Llama-3.2-1B shape, {args.layers} layers, bfloat16, batch 1, {args.new} new tokens, ", end="")
-    print(f"{args.threads} threads, median of {args.rounds} rounds; torch {torch.__version__}, transformers {transformers.__version__}\n")
+    print(
+        f"{args.threads} threads, median of {args.rounds} rounds; torch {torch.__version__}, transformers {transformers.__version__}\n"
+    )
     print("| prompt tokens | ours tokens/s | transformers Dynamic | transformers Static | ours / best |")
     print("|---|---|---|---|---|")
     # Untimed: each implementation's first pass faults in its weights (ours are mapped from the file).
@@ -114,14 +116,20 @@ def main():
         for _ in range(args.rounds):
             for name in runs:
                 with torch.inference_mode():
-                    speed, tokens = ours(pretrained, ids, args.new) if name == "ours" else theirs(hf, ids, args.new, name)
+                    speed, tokens = (
+                        ours(pretrained, ids, args.new) if name == "ours" else theirs(hf, ids, args.new, name)
+                    )
                 reference = tokens if reference is None else reference
                 if tokens != reference:
-                    print(f"warning: {name}'s greedy tokens differ at prompt {length}: bfloat16 rounding", file=sys.stderr)
+                    print(
+                        f"warning: {name}'s greedy tokens differ at prompt {length}: bfloat16 rounding", file=sys.stderr
+                    )
                 runs[name].append(speed)
         med = {name: statistics.median(v) for name, v in runs.items()}
         best = max(med["dynamic"], med["static"])
-        print(f"| {length} | {med['ours']:.2f} | {med['dynamic']:.2f} | {med['static']:.2f} | {med['ours'] / best:.2f}x |")
+        print(
+            f"| {length} | {med['ours']:.2f} | {med['dynamic']:.2f} | {med['static']:.2f} | {med['ours'] / best:.2f}x |"
+        )
         sys.stdout.flush()
 
 

@@ -70,7 +70,7 @@ def write_llama_1b(directory: Path, layers: int) -> None:
 
 
 # Runs in a fresh process: prints one JSON line with the load's seconds and peak RSS.
-_LOAD = """
+_LOAD = r"""
 import json, re, sys, time
 import torch
 
