@@ -214,7 +214,21 @@ def _renamed(family: Family, tensors: Mapping[str, torch.Tensor], cfg, directory
     return ours, recording.read
 
 
-def _check_against_model(family: Family, cfg, stored: Mapping[str, StoredTensor], directory: Path) -> set[str]:
+def _not_modelled(name: str, config: Mapping, tied: bool) -> bool:
+    """Whether a stored tensor is one a checkpoint may carry that no python_ref model reads: buffers
+    recomputed at run time, a tied head saved anyway, DeepSeek-V3's multi-token-prediction layers
+    (numbered after the decoder's, used only for speculative decoding)."""
+    if name.endswith(UNUSED_BUFFERS) or (tied and name.removeprefix("model.") == "lm_head.weight"):
+        return True
+    parts = name.split(".")
+    if config.get("num_nextn_predict_layers") and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2]) >= config["num_hidden_layers"]
+    return False
+
+
+def _check_against_model(
+    family: Family, cfg, config: Mapping, stored: Mapping[str, StoredTensor], directory: Path
+) -> set[str]:
     """Runs the renaming on meta tensors of the stored shapes and compares with the model the config
     builds: returns the stored names the model uses; raises naming file, tensor and expectation."""
     meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in stored.items()}
@@ -240,13 +254,7 @@ def _check_against_model(family: Family, cfg, stored: Mapping[str, StoredTensor]
                 f"{directory}: {origin(ours[name])} has shape {list(ours[name].shape)}; the config "
                 f"calls for {list(tensor.shape)} (our {name!r})"
             )
-    unused = [
-        name
-        for name in stored
-        if name not in used
-        and not name.endswith(UNUSED_BUFFERS)
-        and not (tied and name.removeprefix("model.") == "lm_head.weight")
-    ]
+    unused = [name for name in stored if name not in used and not _not_modelled(name, config, tied)]
     if unused:
         raise CheckpointError(
             f"{directory}: {len(unused)} tensor(s) in the files match nothing in the config, e.g. {unused[0]!r} in "
@@ -277,7 +285,7 @@ def load_checkpoint(
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{directory / CONFIG_FILE}: {error}") from None
     stored = stored_tensors(directory)
-    used = _check_against_model(family, cfg, stored, directory)
+    used = _check_against_model(family, cfg, config, stored, directory)
     dtype = stored_dtype(config, stored) if dtype is None else dtype
     if dtype not in STORED_DTYPES.values():
         raise CheckpointError(f"dtype must be one of {sorted(map(str, STORED_DTYPES.values()))}, got {dtype}")

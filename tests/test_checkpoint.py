@@ -218,3 +218,19 @@ def test_engine_serves_a_checkpoint_with_transformers_tokens(checkpoint, name):
             idx, attention_mask=torch.ones_like(idx), max_new_tokens=12, do_sample=False, eos_token_id=None
         )
         assert tokens == expected[0, len(ids) :].tolist()
+
+
+def test_multi_token_prediction_layers_are_left_out(checkpoint, tmp_path):
+    """DeepSeek-V3's checkpoints carry a next-token-prediction layer after the decoder's (speculative
+    decoding only): declared by num_nextn_predict_layers, it is not read; undeclared, it is refused."""
+    directory = _copy(checkpoint, "deepseek_v3", tmp_path)
+    extra = "model.layers.3.eh_proj.weight"
+    _rewrite(directory, lambda t: t.update({extra: torch.zeros(4, 4)}))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 0}))
+    with pytest.raises(CheckpointError, match="match nothing in the config"):
+        load_checkpoint(directory)
+    (directory / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    torch.testing.assert_close(
+        load_checkpoint(directory)(prompt(6)), load_checkpoint(checkpoint("deepseek_v3"))(prompt(6)), rtol=0, atol=0
+    )
