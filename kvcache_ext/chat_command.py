@@ -46,6 +46,8 @@ def run(args, lines=None) -> int:
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     interactive = lines is None and sys.stdin.isatty()
     print(f"[{pretrained.directory.name}: /exit or end of input to quit]", file=sys.stderr)
+    if interactive:
+        print("> ", end="", file=sys.stderr, flush=True)
     for line in sys.stdin if lines is None else lines:
         text = line.rstrip("\n")
         if text.strip() == "/exit":
