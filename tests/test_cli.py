@@ -142,12 +142,17 @@ for argv in json.loads(sys.argv[1]):
     print(json.dumps([code, out.getvalue(), err.getvalue(), "torch" in sys.modules]))
 """
 
-SUBCOMMANDS = ("demo", "bench", "info", "disk-tier")
+SUBCOMMANDS = ("generate", "chat", "serve", "demo", "bench", "info", "disk-tier")
 # A command line, its exit status and what its output says.
 ANSWERED_WITHOUT_TORCH = [
-    (["--help"], 0, "usage: kvcache-ext [-h] {demo,bench,info,disk-tier}"),
+    (["--help"], 0, "usage: kvcache-ext [-h] {generate,chat,serve,demo,bench,info,disk-tier}"),
     *(([command, "--help"], 0, f"usage: kvcache-ext {command} [-h]") for command in SUBCOMMANDS),
-    ([], 2, "the following arguments are required: {demo,bench,info,disk-tier}"),
+    ([], 2, "the following arguments are required: {generate,chat,serve,demo,bench,info,disk-tier}"),
+    (["generate", "model"], 2, "the following arguments are required: --prompt"),
+    (["generate", "model", "--prompt", "x", "--top-p", "2"], 2, "argument --top-p: expected a number in (0, 1]"),
+    (["generate", "model", "--prompt", "x", "--kv-dtype", "int3"], 2, "argument --kv-dtype: invalid choice: 'int3'"),
+    (["chat", "model", "--kv-dtype", "int4_kivi"], 2, "argument --kv-dtype: invalid choice: 'int4_kivi'"),
+    (["serve", "model", "--num-blocks", "4", "--kv-cache-memory", "9"], 2, "not allowed with argument"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
     (["demo", "--no-such-option"], 2, "unrecognized arguments: --no-such-option"),
     (["demo", "--kv-dtype", "int3"], 2, "argument --kv-dtype: invalid choice: 'int3'"),
