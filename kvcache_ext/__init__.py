@@ -15,9 +15,10 @@ copy-on-write, prompt prefixes cached, blocks released as they leave a sliding w
 library the package warns once and runs the same API on the pure-PyTorch reference path
 (``KVCACHE_EXT_REQUIRE_NATIVE=1`` makes that an error).
 
-Importing the package imports neither torch nor the native library: each public name is imported
-from its module on first use (PEP 562), which is when the library loads (or the warning comes) and
-``torch.ops.kvcache_ext.*`` are registered, so that ``kvcache-ext --help`` answers at once.
+Importing the package without torch imports neither torch nor the native library: each public name is
+imported from its module on first use (PEP 562), so that ``kvcache-ext --help`` answers at once. Where
+torch is imported already (``import torch, kvcache_ext``: every program that then calls
+``torch.ops.kvcache_ext.*``), importing the package loads the library at once, as it always did.
 """
 
 import importlib
@@ -120,3 +121,8 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+if "torch" in sys.modules:
+    # torch.ops.kvcache_ext.* exist once the library is loaded: a program that has torch already may call
+    # them right after `import kvcache_ext`, with no name of the package used first.
+    importlib.import_module("._native", __name__)
