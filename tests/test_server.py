@@ -39,11 +39,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerURL(str):
+    """A server's base URL, and its ``process`` (to signal it)."""
+
+    process: subprocess.Popen
+
+
 @contextlib.contextmanager
 def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), timeout=60.0, exit_status=None):
     """The server (``python PROGRAM --port PORT OPTIONS``) in a subprocess, once ``/health`` answers;
-    yields its base URL, then stops it (SIGTERM, then kill) and puts its exit status in
-    ``exit_status["status"]`` if given a dict."""
+    yields its base URL (a :class:`ServerURL`), then stops it (SIGTERM, then kill) and puts its exit
+    status in ``exit_status["status"]`` if given a dict."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen(
@@ -53,7 +59,8 @@ def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), tim
         stderr=subprocess.STDOUT,
         text=True,
     )
-    url = f"http://127.0.0.1:{port}"
+    url = ServerURL(f"http://127.0.0.1:{port}")
+    url.process = process
     try:
         deadline = time.monotonic() + timeout
         while True:
