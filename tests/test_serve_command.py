@@ -1,9 +1,13 @@
 """`kvcache-ext serve MODEL_DIR` as a user runs it: a transformers-written checkpoint directory served
 over the OpenAI API, driven by the official `openai` client. Its greedy text is `kvcache-ext generate`'s;
 32 concurrent clients each get the text they get alone; SIGTERM exits 0 after writing the prefix cache
-back, and a server restarted on the same disk tier computes only a repeated prompt's uncached suffix."""
+back, and a server restarted on the same disk tier computes only a repeated prompt's uncached suffix;
+a stream running at the SIGTERM finishes within the grace period while new connections are refused."""
 
 import concurrent.futures
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from checkpoint_dirs import write_checkpoint
 from kvcache_ext.cli import main
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from test_server import metrics, start_server, wait_until_idle  # noqa: E402
@@ -97,3 +102,64 @@ def test_restart_on_a_disk_tier_reuses_a_long_prompt(checkpoint, tmp_path):
         assert values['kvcache_ext_prefix_tokens_reused_total{tier="disk"}'] == cached
         assert values["kvcache_ext_prompt_tokens_computed_total"] == prompt_tokens - cached
     assert second_exit["status"] == 0
+
+
+def test_sigterm_lets_a_running_stream_finish_refuses_new_requests_and_writes_the_tier(checkpoint, tmp_path):
+    prompt = " ".join(f"word{i}" for i in range(9))  # its greedy answer runs about 80 tokens
+    choices, max_tokens = 16, 120  # 16 choices of about 80 tokens: a stream of about 2 s here
+    tier = ["--disk-tier", str(tmp_path / "tier"), "--disk-tier-bytes", str(64 * 2**20), "--block-size", "8"]
+    first_exit = {}
+    with serve(checkpoint, "--num-blocks", "256", *tier, exit_status=first_exit) as url, client_of(url) as client:
+        stream = client.completions.create(
+            model=checkpoint.name,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            n=choices,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        arrivals, chunks, under_way = [], [], threading.Event()
+
+        def read():
+            for chunk in stream:
+                chunks.append(chunk)
+                arrivals.append(time.monotonic())
+                if len(chunks) == 2:
+                    under_way.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert under_way.wait(60)
+        url.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        refused = None
+        while refused is None and time.monotonic() < signalled + 10:
+            try:  # a new connection each time: uvicorn stops listening at the signal
+                response = httpx.post(
+                    f"{url}/v1/completions", json={"model": checkpoint.name, "prompt": "late"}, timeout=10
+                )
+            except httpx.TransportError:
+                refused = time.monotonic()
+            else:
+                if response.status_code == 503:
+                    refused = time.monotonic()
+        reader.join(60)
+        assert not reader.is_alive() and refused is not None
+        assert refused < arrivals[-1]  # refused while the running stream still sent its tokens
+        assert url.process.wait(timeout=60) == 0
+    assert first_exit["status"] == 0
+    # The stream ran to its end within the grace period: every choice finished, usage came last.
+    texts = [
+        "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(choices)
+    ]
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(reasons) == choices and chunks[-1].usage is not None and len(set(texts)) == 1
+    usage = chunks[-1].usage
+    with serve(checkpoint, "--num-blocks", "256", *tier) as url, client_of(url) as client:
+        again = client.completions.create(model=checkpoint.name, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert again.choices[0].text == texts[0]
+        # The stream's prompt was written back at the stop: its full blocks but the last token's come from disk.
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        assert cached >= (usage.prompt_tokens - 1) // 8 * 8 - 8 and cached > 0, (cached, usage.prompt_tokens)
+        assert metrics(url)['kvcache_ext_prefix_tokens_reused_total{tier="disk"}'] == cached

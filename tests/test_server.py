@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -37,11 +39,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerURL(str):
+    """A server's base URL, and its ``process`` (to signal it)."""
+
+    process: subprocess.Popen
+
+
 @contextlib.contextmanager
 def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), timeout=60.0, exit_status=None):
     """The server (``python PROGRAM --port PORT OPTIONS``) in a subprocess, once ``/health`` answers;
-    yields its base URL, then stops it (SIGTERM, then kill) and puts its exit status in
-    ``exit_status["status"]`` if given a dict."""
+    yields its base URL (a :class:`ServerURL`), then stops it (SIGTERM, then kill) and puts its exit
+    status in ``exit_status["status"]`` if given a dict."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen(
@@ -51,7 +59,8 @@ def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), tim
         stderr=subprocess.STDOUT,
         text=True,
     )
-    url = f"http://127.0.0.1:{port}"
+    url = ServerURL(f"http://127.0.0.1:{port}")
+    url.process = process
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -258,86 +267,299 @@ def test_a_client_that_leaves_before_its_answer_has_its_request_cancelled(server
 
 
 LONG = "x" * 300  # more tokens than the model's 256 positions
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = {"model": MODEL, "prompt": "hi"}  # "hi" is 2 tokens: <|begin|> and the merge "hi"
+USER = {"role": "user", "content": "hi"}
+CHAT_HI = {"model": MODEL, "messages": [USER]}
+
+
+def content(part):
+    return {**CHAT_HI, "messages": [{"role": "user", "content": part}]}
+
+
+class Raw(bytes):
+    """A body sent as it is, with its own Content-Type."""
+
+    def __new__(cls, data: bytes, content_type: str | None = "application/json"):
+        raw = super().__new__(cls, data)
+        raw.content_type = content_type
+        return raw
+
+
 BAD_REQUESTS = [
-    # (path, body: a dict, or raw bytes, expected status)
-    ("/v1/completions", b"{not json", 400),
-    ("/v1/completions", b"", 400),
-    ("/v1/completions", b"[1, 2]", 400),
-    ("/v1/completions", b'"a string"', 400),
-    ("/v1/completions", {}, 400),
-    ("/v1/completions", {"model": MODEL}, 400),
-    ("/v1/completions", {"prompt": "hi"}, 400),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404),
-    ("/v1/completions", {"model": 3, "prompt": "hi"}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": None}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": [1, "2"]}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": [1, 2.5]}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": [1, 100000]}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": [-1]}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": LONG, "n": 3, "stream": True}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8.5}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 3}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": 0}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": 2.5}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 1000}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": "7"}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": 1}}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
-    ("/v1/chat/completions", {"model": MODEL}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": []}]}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
-    (
-        "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
-        400,
-    ),
-    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    # (path, body: a dict sent as JSON or a Raw body, expected status)
+    # The body is no JSON object, or not sent as JSON.
+    (C, Raw(b"{not json"), 400),
+    (C, Raw(b""), 400),
+    (C, Raw(b"[1, 2]"), 400),
+    (C, Raw(b'"a string"'), 400),
+    (C, Raw(b"null"), 400),
+    (C, Raw(b"42"), 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi"'), 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi",}'), 400),
+    (C, Raw(b"{'model': 'llama-tiny', 'prompt': 'hi'}"), 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi"} and more'), 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "\xff\xfe"}'), 400),  # not UTF-8
+    (C, Raw(b"\x00\x01\x02"), 400),
+    (C, Raw(b"[" * 100_000 + b"]" * 100_000), 400),  # deeper than the JSON parser recurses
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi"}', "text/plain"), 400),
+    (C, Raw(b"model=llama-tiny&prompt=hi", "application/x-www-form-urlencoded"), 400),  # curl -d's default
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi"}', None), 400),
+    (CHAT, Raw(b"{not json"), 400),
+    (CHAT, Raw(b""), 400),
+    (CHAT, Raw(b'{"model": "llama-tiny", "messages": [{"role": "user", "content": "hi"}]}', "text/plain"), 400),
+    # Fields missing, or of the wrong type.
+    (C, {}, 400),
+    (C, {"model": MODEL}, 400),
+    (C, {"prompt": "hi"}, 400),
+    (C, {"model": 3, "prompt": "hi"}, 400),
+    (C, {"model": None, "prompt": "hi"}, 400),
+    (C, {"model": [MODEL], "prompt": "hi"}, 400),
+    (C, {"model": MODEL, "prompt": 5}, 400),
+    (C, {"model": MODEL, "prompt": None}, 400),
+    (C, {"model": MODEL, "prompt": True}, 400),
+    (C, {"model": MODEL, "prompt": {"text": "hi"}}, 400),
+    (C, {"model": MODEL, "prompt": ["hi", "there"]}, 400),  # OpenAI's batch of prompts: not served
+    (C, {"model": MODEL, "prompt": [[1, 2]]}, 400),
+    (C, {"model": MODEL, "prompt": [1, "2"]}, 400),
+    (C, {"model": MODEL, "prompt": [1, 2.5]}, 400),
+    (C, {"model": MODEL, "prompt": [1, True]}, 400),
+    (C, {**HI, "max_tokens": "8"}, 400),
+    (C, {**HI, "max_tokens": 8.5}, 400),
+    (C, {**HI, "max_tokens": 8.0}, 400),
+    (C, {**HI, "max_tokens": True}, 400),
+    (C, {**HI, "max_tokens": [8]}, 400),
+    (C, {**HI, "temperature": "hot"}, 400),
+    (C, {**HI, "temperature": [1]}, 400),
+    (C, {**HI, "temperature": True}, 400),
+    (C, {**HI, "top_p": "0.5"}, 400),
+    (C, {**HI, "top_k": 2.5}, 400),
+    (C, {**HI, "top_k": "5"}, 400),
+    (C, {**HI, "top_k": True}, 400),
+    (C, {**HI, "n": "2"}, 400),
+    (C, {**HI, "n": 2.0}, 400),
+    (C, {**HI, "seed": "7"}, 400),
+    (C, {**HI, "seed": 1.5}, 400),
+    (C, {**HI, "seed": True}, 400),
+    (C, {**HI, "stop": 5}, 400),
+    (C, {**HI, "stop": [1]}, 400),
+    (C, {**HI, "stop": [None]}, 400),
+    (C, {**HI, "stop": {"a": 1}}, 400),
+    (C, {**HI, "stream": "yes"}, 400),
+    (C, {**HI, "stream": 1}, 400),
+    (C, {**HI, "stream_options": "yes"}, 400),
+    (C, {**HI, "stream_options": {"include_usage": 1}}, 400),
+    (C, {**HI, "stream_options": {"include_usage": "yes"}}, 400),
+    # Values out of range: negative, zero, absurd, NaN and infinities (Python's JSON reads them).
+    (C, {**HI, "max_tokens": 0}, 400),
+    (C, {**HI, "max_tokens": -5}, 400),
+    (C, {**HI, "max_tokens": 10**9}, 400),
+    (C, {**HI, "max_tokens": 2**80}, 400),
+    (C, {**HI, "max_tokens": 256}, 400),  # 2 + 256 tokens: one more than the 256 positions
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi", "max_tokens": 1e400}'), 400),
+    (C, {**HI, "temperature": -0.1}, 400),
+    (C, {**HI, "temperature": 3}, 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi", "temperature": NaN}'), 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi", "temperature": Infinity}'), 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi", "temperature": -Infinity}'), 400),
+    (C, {**HI, "top_p": 0}, 400),
+    (C, {**HI, "top_p": -0.5}, 400),
+    (C, {**HI, "top_p": 1.5}, 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi", "top_p": NaN}'), 400),
+    (C, {**HI, "top_k": 0}, 400),
+    (C, {**HI, "top_k": -3}, 400),
+    (C, {**HI, "n": 0}, 400),
+    (C, {**HI, "n": -1}, 400),
+    (C, {**HI, "n": 17}, 400),
+    (C, {**HI, "n": 1000}, 400),
+    (C, {**HI, "seed": 2**70}, 400),
+    (C, {**HI, "seed": -(2**64)}, 400),
+    (C, {**HI, "stop": ""}, 400),
+    (C, {**HI, "stop": ["a", ""]}, 400),
+    (C, {**HI, "stop": ["a", "b", "c", "d", "e"]}, 400),
+    (C, {**HI, "stop": ["s"] * 1000}, 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "hi", "stop": ["\\ud800"]}'), 400),  # a lone surrogate
+    # Prompts: empty, out of the vocabulary, longer than the context.
+    (C, {"model": MODEL, "prompt": ""}, 400),
+    (C, {"model": MODEL, "prompt": []}, 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "\\ud800"}'), 400),
+    (C, Raw(b'{"model": "llama-tiny", "prompt": "ok \\udfff"}'), 400),
+    (C, {"model": MODEL, "prompt": [1, 100000]}, 400),
+    (C, {"model": MODEL, "prompt": [512]}, 400),  # the vocabulary's size: one past its last id
+    (C, {"model": MODEL, "prompt": [-1]}, 400),
+    (C, {"model": MODEL, "prompt": [2**63]}, 400),
+    (C, {"model": MODEL, "prompt": [2**90]}, 400),
+    (C, {"model": MODEL, "prompt": LONG}, 400),
+    (C, {"model": MODEL, "prompt": LONG, "n": 3, "stream": True}, 400),
+    (C, {"model": MODEL, "prompt": [1] * 257}, 400),
+    (C, {"model": MODEL, "prompt": [1] * 100_000}, 400),
+    (C, {"model": MODEL, "prompt": "x" * 200_000}, 400),
+    (C, {"model": MODEL, "prompt": "hi", "n": 16, "max_tokens": 10**6}, 400),
+    # Models this server does not serve.
+    (C, {"model": "gpt-4", "prompt": "hi"}, 404),
+    (C, {"model": "", "prompt": "hi"}, 404),
+    (C, {"model": "LLAMA-TINY", "prompt": "hi"}, 404),
+    (C, {"model": MODEL + " ", "prompt": "hi"}, 404),
+    (CHAT, {**CHAT_HI, "model": "other"}, 404),
+    # Chat messages: none, of the wrong shape, bad roles, missing or bad content.
+    (CHAT, {"model": MODEL}, 400),
+    (CHAT, {"messages": [USER]}, 400),
+    (CHAT, {"model": None, "messages": [USER]}, 400),
+    (CHAT, {"model": MODEL, "messages": []}, 400),
+    (CHAT, {"model": MODEL, "messages": None}, 400),
+    (CHAT, {"model": MODEL, "messages": "hi"}, 400),
+    (CHAT, {"model": MODEL, "messages": USER}, 400),
+    (CHAT, {"model": MODEL, "messages": [None]}, 400),
+    (CHAT, {"model": MODEL, "messages": ["hi"]}, 400),
+    (CHAT, {"model": MODEL, "messages": [[]]}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"content": "hi"}]}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"role": "USER", "content": "hi"}]}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"role": "", "content": "hi"}]}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"role": 5, "content": "hi"}]}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"role": None, "content": "hi"}]}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "hi"}]}, 400),  # no tools
+    (CHAT, {"model": MODEL, "messages": [USER, {"role": "function", "content": "hi"}]}, 400),
+    (CHAT, content(None), 400),
+    (CHAT, content(5), 400),
+    (CHAT, content({"type": "text", "text": "hi"}), 400),
+    (CHAT, content([]), 400),
+    (CHAT, content(["hi"]), 400),
+    (CHAT, content([{"type": "image"}]), 400),
+    (CHAT, content([{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]), 400),
+    (CHAT, content([{"type": "text"}]), 400),
+    (CHAT, content([{"text": "hi"}]), 400),
+    (CHAT, content([{"type": "text", "text": 5}]), 400),
+    (CHAT, Raw(b'{"model": "llama-tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'), 400),
+    (CHAT, content(LONG), 400),
+    (CHAT, {"model": MODEL, "messages": [USER] * 100}, 400),  # 100 short turns: past the 256 positions
+    # Chat's numbers.
+    (CHAT, {**CHAT_HI, "max_tokens": -1}, 400),
+    (CHAT, {**CHAT_HI, "max_tokens": 0}, 400),
+    (CHAT, {**CHAT_HI, "max_tokens": 10**9}, 400),
+    (CHAT, {**CHAT_HI, "max_completion_tokens": 0}, 400),
+    (CHAT, {**CHAT_HI, "max_completion_tokens": "5"}, 400),
+    (CHAT, {**CHAT_HI, "max_completion_tokens": 10**6}, 400),
+    (CHAT, {**CHAT_HI, "n": 0}, 400),
+    (CHAT, {**CHAT_HI, "n": 17}, 400),
+    (CHAT, {**CHAT_HI, "temperature": -1}, 400),
+    (CHAT, {**CHAT_HI, "top_p": 2}, 400),
+    (CHAT, {**CHAT_HI, "top_k": 0}, 400),
+    (CHAT, {**CHAT_HI, "seed": "x"}, 400),
+    (CHAT, {**CHAT_HI, "stop": ["1", "2", "3", "4", "5"]}, 400),
+    (CHAT, {**CHAT_HI, "stream": "no"}, 400),
+    # Paths and methods the server does not have.
     ("/v1/nowhere", {"model": MODEL}, 404),
+    ("/v1/embeddings", {"model": MODEL, "input": "hi"}, 404),
+    ("/v1/models", {}, 405),
+    ("/health", {}, 405),
 ]
+
+
+def post(http, path, body):
+    if isinstance(body, Raw):
+        headers = {} if body.content_type is None else {"content-type": body.content_type}
+        return http.post(path, content=bytes(body), headers=headers)
+    return http.post(path, json=body)
+
+
+def assert_error_body(response, context):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}`` with a message."""
+    assert response.headers["content-type"] == "application/json", (context, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, (context, error)
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), (context, error)
+
+
+def test_the_bad_request_battery_is_a_hundred_distinct_cases():
+    assert len({(path, repr(body), getattr(body, "content_type", "")) for path, body, _ in BAD_REQUESTS}) >= 100
 
 
 def test_malformed_requests_get_4xx_json_and_the_server_serves_on(server, client, model):
     with httpx.Client(base_url=server, timeout=30) as http:
         for path, body, status in BAD_REQUESTS:
-            if isinstance(body, bytes):
-                response = http.post(path, content=body, headers={"content-type": "application/json"})
-            else:
-                response = http.post(path, json=body)
-            assert response.status_code == status, (path, body, response.text)
-            error = response.json()["error"]
-            assert isinstance(error["message"], str) and error["message"], (path, body, error)
-            assert set(error) == {"message", "type", "param", "code"}
-        assert http.get("/v1/completions").status_code == 405
+            response = post(http, path, body)
+            assert response.status_code == status, (path, repr(body)[:200], response.text)
+            assert_error_body(response, (path, repr(body)[:200]))
+        for method, path in [("GET", C), ("PUT", CHAT), ("DELETE", "/v1/models")]:
+            response = http.request(method, path)
+            assert response.status_code == 405
+            assert_error_body(response, (method, path))
         assert http.get("/health").status_code == 200
     wait_until_idle(server)
     ids = TOKENIZER.encode(PROMPTS[1])
     completion = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
     assert completion.choices[0].text == text_of(expected_tokens(model, ids, 8))
+
+
+def test_a_body_not_sent_as_json_or_not_json_says_so(server):
+    with httpx.Client(base_url=server, timeout=30) as http:
+        for body in [Raw(b"{not json"), Raw(b'{"prompt": "\xff"}'), Raw(b"[" * 100_000)]:
+            assert "not valid JSON" in post(http, C, body).json()["error"]["message"]
+        message = post(http, C, Raw(b'{"model": "llama-tiny"}', "application/x-www-form-urlencoded")).json()
+        assert "Content-Type: application/json" in message["error"]["message"]
+        assert "x-www-form-urlencoded" in message["error"]["message"]
+        error = post(http, C, Raw(b'{"model": "llama-tiny", "prompt": "a\\ud800"}')).json()["error"]
+        assert error["param"] == "prompt" and "\\ud800" in error["message"]
+        error = post(http, CHAT, content([{"type": "image"}])).json()["error"]
+        assert error["param"] == "messages.0.content.0.type" and "'text'" in error["message"]
+
+
+JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(st.characters(), max_size=8)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+          "seed", "stop", "stream", "stream_options"]  # fmt: skip
+
+
+def send(http, path, body):
+    """The answer to ``body`` sent as JSON (NaN and infinities as Python writes them), read to its end."""
+    with http.stream(
+        "POST", path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    ) as r:
+        r.read()
+        return r
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from([C, CHAT]), body=JSON_VALUES | st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES))
+def test_random_json_for_another_model_gets_a_4xx_error_body(server, path, body):
+    if isinstance(body, dict) and body.get("model") == MODEL:
+        body["model"] = MODEL + "?"
+    with httpx.Client(base_url=server, timeout=30) as http:
+        response = send(http, path, body)
+    assert 400 <= response.status_code < 500, (body, response.text)
+    assert_error_body(response, body)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.sampled_from([C, CHAT]),
+    changes=st.dictionaries(st.sampled_from(FIELDS[1:]), JSON_VALUES | st.integers(-2, 20) | st.floats(-1, 3)),
+)
+def test_a_request_with_random_fields_is_answered_or_refused_never_a_5xx(server, path, changes):
+    body = {**(HI if path == C else CHAT_HI), "max_tokens": 4, **changes}
+    with httpx.Client(base_url=server, timeout=60) as http:
+        response = send(http, path, body)
+    assert response.status_code == 200 or 400 <= response.status_code < 500, (body, response.text)
+    if response.status_code != 200:
+        assert_error_body(response, body)
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), (body, events)
+    else:
+        answer = response.json()
+        assert len(answer["choices"]) == body.get("n", 1) and answer["usage"]["completion_tokens"] >= 0, answer
+
+
+def test_after_the_fuzzing_the_server_is_idle_and_right(server, client, model):
+    wait_until_idle(server)
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert completion.choices[0].text == text_of(expected_tokens(model, TOKENIZER.encode(PROMPTS[0]), 8))
 
 
 def test_the_engines_refusal_says_what_was_expected(server):
@@ -371,20 +593,41 @@ def test_a_failed_step_fails_its_request_with_500_and_the_server_serves_on(serve
     wait_until_idle(server)
 
 
-def test_past_max_queued_requests_get_503_with_retry_after():
-    with start_server("--max-queued", "2", "--max-batch-size", "1") as url:
-        body = dict(model=MODEL, prompt="queue", max_tokens=60, temperature=0)
+SMALL_POOL_TOKENS = 16 * 8  # small_server's pool: 16 blocks of 8 tokens, half the model's 256 positions
 
-        def ask(_):
-            response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-            return response.status_code, response.headers.get("retry-after"), response.json()
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(ask, range(8), timeout=90))
-        statuses = sorted(status for status, _, _ in answers)
-        assert statuses.count(200) >= 3 and statuses.count(503) >= 1 and set(statuses) == {200, 503}
-        for status, retry_after, answer in answers:
-            if status == 503:
-                assert int(retry_after) >= 1 and "busy" in answer["error"]["message"]
-        texts = {answer["choices"][0]["text"] for status, _, answer in answers if status == 200}
-        assert len(texts) == 1  # the same prompt, greedy: every answered request got the same text
+@pytest.fixture(scope="module")
+def small_server():
+    with start_server("--num-blocks", "16", "--max-queued", "2", "--max-batch-size", "1") as url:
+        yield url
+
+
+def test_a_prompt_the_pool_can_never_hold_gets_400_and_one_it_can_is_served(small_server):
+    too_long = {"model": MODEL, "prompt": [1] * (SMALL_POOL_TOKENS + 8), "max_tokens": 4}
+    assert len(too_long["prompt"]) + 4 < 256  # the model's context would take it
+    response = httpx.post(f"{small_server}/v1/completions", json=too_long, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "pool" in error["message"] and error["param"] == "prompt"
+    fits = {**too_long, "prompt": [1] * (SMALL_POOL_TOKENS - 16)}
+    answer = httpx.post(f"{small_server}/v1/completions", json=fits, timeout=30).json()
+    assert answer["usage"]["completion_tokens"] == 4
+    wait_until_idle(small_server)
+
+
+def test_past_max_queued_requests_get_503_with_retry_after(small_server):
+    body = dict(model=MODEL, prompt="queue", max_tokens=60, temperature=0)
+
+    def ask(_):
+        response = httpx.post(f"{small_server}/v1/completions", json=body, timeout=60)
+        return response.status_code, response.headers.get("retry-after"), response.json()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8), timeout=90))
+    statuses = sorted(status for status, _, _ in answers)
+    assert statuses.count(200) >= 3 and statuses.count(503) >= 1 and set(statuses) == {200, 503}
+    for status, retry_after, answer in answers:
+        if status == 503:
+            assert int(retry_after) >= 1 and "busy" in answer["error"]["message"]
+    texts = {answer["choices"][0]["text"] for status, _, answer in answers if status == 200}
+    assert len(texts) == 1  # the same prompt, greedy: every answered request got the same text

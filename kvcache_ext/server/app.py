@@ -60,16 +60,30 @@ def _failed_error(failure: Failed, param: str | None) -> APIError:
     return APIError(failure.status, failure.message, error_type, param if failure.status == 400 else None)
 
 
-def _validation_error(error: RequestValidationError) -> APIError:
-    """The first problem pydantic found, saying where, what was expected and what came."""
-    problem = error.errors()[0]
-    location = [str(part) for part in problem.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    if problem.get("type") == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {problem.get('ctx', {}).get('error', problem['msg'])}")
-    given = problem.get("input")
-    came = "" if problem.get("type") == "missing" else f" (got {given!r:.200})"
-    return APIError(400, f"{param or 'body'}: {problem['msg']}{came}", param=param)
+def _location(problem: dict) -> tuple[str, ...]:
+    """Where a pydantic problem lies in the body: field names and list indices. The members of a union
+    are named by their types (``list[int]``, ``function-after[...]``), which no field name has."""
+    return tuple(str(part) for part in problem.get("loc", ()) if part != "body" and "[" not in str(part))
+
+
+def _validation_error(error: RequestValidationError, content_type: str | None) -> APIError:
+    """The first field pydantic refused, saying where, what was expected and what came. A value no
+    member of a union took has a problem per member: those at the deepest place in the value say what
+    was expected there, together."""
+    problems = error.errors()
+    first = problems[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if not _location(first) and isinstance(first.get("input"), bytes):  # FastAPI parses JSON only when told it is
+        return APIError(400, f"the body must be a JSON object sent as Content-Type: application/json, got Content-Type {content_type!r}")  # fmt: skip
+    field = [p for p in problems if _location(p)[:1] == _location(first)[:1]]
+    where = max((_location(p) for p in field), key=len)
+    deepest = [p for p in field if _location(p) == where]
+    param = ".".join(where) or None
+    expected = " or ".join(dict.fromkeys(p["msg"] for p in deepest))
+    given = deepest[0].get("input")
+    came = "" if deepest[0].get("type") == "missing" else f" (got {given!r:.200})"
+    return APIError(400, f"{param or 'body'}: {expected}{came}", param=param)
 
 
 class _Choice:
@@ -248,10 +262,13 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
-        return _validation_error(error).response()
+        return _validation_error(error, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):  # unknown paths, wrong methods
+        if error.status_code == 400 and error.__cause__ is not None:  # FastAPI's "error parsing the body"
+            cause = error.__cause__
+            return APIError(400, f"the body is not valid JSON: {type(cause).__name__}: {cause}").response()
         return APIError(error.status_code, str(error.detail), code=str(error.status_code)).response()
 
     @app.get("/health")

@@ -6,12 +6,28 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 # Bounds that say "absurd" rather than "big": OpenAI's own limits where it states them.
 MAX_CHOICES = 16
 MAX_STOP_STRINGS = 4
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def _unicode(text: str) -> str:
+    """JSON's ``\\ud800`` escapes make strings no tokenizer can encode (lone surrogates): refused here,
+    saying where, rather than failing inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"must be valid Unicode, got a lone surrogate {text[error.start]!r} at {error.start}"
+        ) from None
+    return text
+
+
+# Text the server tokenizes or matches: valid Unicode.
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +48,7 @@ class SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=1)] | None = None  # not OpenAI's: vLLM's and llama.cpp's extension
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -49,20 +65,20 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` as text or as token ids."""
 
-    prompt: str | Annotated[list[int], Field(min_length=1)]
+    prompt: Annotated[str, Field(min_length=1), AfterValidator(_unicode)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
