@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,10 +53,12 @@ def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), tim
     status in ``exit_status["status"]`` if given a dict."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    # Its log goes to a file, not a pipe: an unread pipe fills (uvicorn logs every request) and stalls it.
+    log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(
         [sys.executable, *program, "--port", str(port), *options],
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
     )
@@ -65,7 +68,8 @@ def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), tim
         deadline = time.monotonic() + timeout
         while True:
             if process.poll() is not None:
-                pytest.fail(f"the server exited ({process.returncode}):\n{process.stdout.read()}")
+                log.seek(0)
+                pytest.fail(f"the server exited ({process.returncode}):\n{log.read()}")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
@@ -82,6 +86,7 @@ def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), tim
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+        log.close()
         if exit_status is not None:
             exit_status["status"] = process.returncode
 
