@@ -3,10 +3,22 @@ mapping, under names with or without a model's prefix (``model.``, ``transformer
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
 import torch
+
+
+def config_dict(hf_config: Mapping | str | os.PathLike) -> dict:
+    """A Hugging Face config as a dict: from a transformers config object, a mapping, or the path of
+    a ``config.json``."""
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    with open(hf_config) as f:
+        return json.load(f)
 
 
 def read_state(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -9,7 +9,6 @@ RoPE's base cannot be read off tensor shapes; they come from the checkpoint's ``
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Mapping
 
@@ -17,19 +16,14 @@ import torch
 
 from .llama import Llama3RopeScaling, LlamaConfig, LlamaModel
 from .tensor_parallel import SINGLE_PROCESS, TensorParallel
-from .hf_state import WithoutPrefix, read_state
+from .hf_state import WithoutPrefix, config_dict, read_state
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
     """Our config from a Hugging Face ``config.json`` (a path, a dict, or a transformers config)."""
-    if hasattr(hf_config, "to_dict"):
-        hf_config = hf_config.to_dict()
-    elif not isinstance(hf_config, Mapping):
-        with open(hf_config) as f:
-            hf_config = json.load(f)
-    c = dict(hf_config)
+    c = config_dict(hf_config)
     model_type = c.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")

@@ -12,7 +12,6 @@ transformers and DeepSeek's own code disagree, is refused with the reason.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Mapping
 
@@ -20,7 +19,7 @@ import torch
 
 from .llama_weights import decoder_ends
 from .mla import MLAConfig, MLAModel, YarnRopeScaling
-from .hf_state import read_state
+from .hf_state import config_dict, read_state
 from .moe import MoEConfig
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -28,12 +27,7 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 def config_from_hf(hf_config: Mapping | str | os.PathLike) -> MLAConfig:
     """Our config from a Hugging Face ``config.json`` (a path, a dict, or a transformers config)."""
-    if hasattr(hf_config, "to_dict"):
-        hf_config = hf_config.to_dict()
-    elif not isinstance(hf_config, Mapping):
-        with open(hf_config) as f:
-            hf_config = json.load(f)
-    c = dict(hf_config)
+    c = config_dict(hf_config)
     model_type = c.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")

@@ -6,14 +6,13 @@ transpose of ``nn.Linear``'s, and fuses the query/key/value projections into ``c
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Mapping
 
 import torch
 
 from .gpt2 import GPT2Config, GPTModel
-from .hf_state import WithoutPrefix, read_state
+from .hf_state import WithoutPrefix, config_dict, read_state
 from .tensor_parallel import SINGLE_PROCESS, TensorParallel
 
 # GPT-2's published sizes: embedding width -> attention heads (not recoverable from shapes).
@@ -54,12 +53,7 @@ def load_gpt2(
 def config_from_hf(hf_config: Mapping | str | os.PathLike) -> GPT2Config:
     """Our config from a Hugging Face GPT-2 ``config.json`` (a path, a dict, or a transformers
     config); refuses the options python_ref's GPT-2 does not model."""
-    if hasattr(hf_config, "to_dict"):
-        hf_config = hf_config.to_dict()
-    elif not isinstance(hf_config, Mapping):
-        with open(hf_config) as f:
-            hf_config = json.load(f)
-    c = dict(hf_config)
+    c = config_dict(hf_config)
     if c.get("model_type") != "gpt2":
         raise ValueError(f"model_type {c.get('model_type')!r} is not 'gpt2'")
     emb = c["n_embd"]
