@@ -41,6 +41,22 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(name)``: the test checkpoint directory ``name`` of tests/checkpoint_dirs.py, written
+    once per test module (transformers writes it: imported only by the tests that ask)."""
+    from checkpoint_dirs import write_checkpoint
+
+    written = {}
+
+    def directory(name):
+        if name not in written:
+            written[name] = write_checkpoint(tmp_path_factory.mktemp(name), name)
+        return written[name]
+
+    return directory
+
+
 class FuzzTally:
     """Counts of one fuzz session, per op entry point: calls made, Python exceptions (refusals),
     results checked against the reference, calls run in a forked child, contract violations."""

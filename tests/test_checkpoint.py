@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from checkpoint_dirs import CHECKPOINT_VOCAB, CHECKPOINTS, write_checkpoint
+from checkpoint_dirs import CHECKPOINT_VOCAB, CHECKPOINTS
 
 from kvcache_ext import KVCache
 from kvcache_ext.pretrained import Pretrained
@@ -17,18 +17,6 @@ from python_ref.checkpoint import CheckpointError, load_checkpoint
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    written = {}
-
-    def directory(name):
-        if name not in written:
-            written[name] = write_checkpoint(tmp_path_factory.mktemp(name), name)
-        return written[name]
-
-    return directory
 
 
 def transformers_model(directory):

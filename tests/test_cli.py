@@ -3,14 +3,12 @@ arguments answered without importing torch, the demo's progress in a log, every 
 
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from child_python import run_python
 
 import kvcache_ext
 from kvcache_ext import cli, demo
@@ -118,12 +116,6 @@ def test_demo_run_shows_one_finished_line_per_cache(capsys):
     ]
     assert all("4/4 tokens" in line and "tokens/s" in line for line in finished)
     assert out.count("identical") == 4
-
-
-def run_python(*args):
-    """A fresh interpreter on this checkout (its packages first on sys.path), as a newcomer's shell runs one."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
 
 
 # Parses each command line the way the console script (kvcache_ext.cli:main) does and reports, per line,

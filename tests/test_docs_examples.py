@@ -7,7 +7,6 @@ reported as a skipped test under its page and number, never dropped silently.
 """
 
 import json
-import os
 import re
 import runpy
 import subprocess
@@ -17,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_python import child_env
 
 import kvcache_ext
-import python_ref
 from python_ref import ConcatCache, NoCache, generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,10 +103,7 @@ def test_pages_have_python_examples_and_no_unknown_fences():
 @pytest.mark.parametrize("page", PAGES_TO_RUN)
 def test_the_examples_of_a_page_run(page, tmp_path):
     blocks = [b for b in BLOCKS if b.page == page and b.skip_reason is None]
-    # The kvcache_ext and python_ref this test imported (installed, or this tree), offline.
-    path = [str(Path(module.__file__).parents[1]) for module in (kvcache_ext, python_ref)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")])
+    env = child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # offline
     run = subprocess.run(
         [sys.executable, "-c", RUNNER],
         input=json.dumps([{"name": b.name, "code": b.code} for b in blocks]),

@@ -3,12 +3,11 @@ text on stdout is transformers' greedy text, and nothing else is; chat turns reu
 keys and values."""
 
 import io
-import subprocess
 import sys
 
 import pytest
 import torch
-from checkpoint_dirs import write_checkpoint
+from child_python import run_python
 
 from kvcache_ext.cli import main
 from python_ref import generate
@@ -19,18 +18,6 @@ transformers = pytest.importorskip("transformers")
 
 PROMPT = "The cat sat on the mat. Café, naïve, 東京!"
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    written = {}
-
-    def directory(name):
-        if name not in written:
-            written[name] = write_checkpoint(tmp_path_factory.mktemp(name), name)
-        return written[name]
-
-    return directory
 
 
 def transformers_text(directory, chat=False, prompt=PROMPT):
@@ -102,8 +89,18 @@ def test_seeded_sampling_is_python_refs(checkpoint, capsys):
 
 def test_only_the_text_goes_to_stdout(checkpoint):
     directory = checkpoint("llama")
-    command = [sys.executable, "-m", "kvcache_ext.cli", "generate", str(directory), "--prompt", PROMPT]
-    done = subprocess.run(command + ["--max-new-tokens", "8", "--dtype", "float32"], capture_output=True, text=True)
+    done = run_python(
+        "-m",
+        "kvcache_ext.cli",
+        "generate",
+        directory,
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "8",
+        "--dtype",
+        "float32",
+    )
     assert done.returncode == 0, done.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)

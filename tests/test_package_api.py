@@ -4,20 +4,17 @@ module on first use, as the import statements of the package's source say."""
 import ast
 import importlib
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import kvcache_ext
+from child_python import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_python(code):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+def run_python_code(code):
+    run = run_python("-c", code)
     assert run.returncode == 0, run.stderr
     return run.stdout.split()
 
@@ -33,7 +30,7 @@ def declared_imports() -> dict[str, str]:
 
 
 def test_importing_the_package_lists_its_names_without_importing_torch():
-    torch_imported, names_listed = run_python(
+    torch_imported, names_listed = run_python_code(
         "import sys, kvcache_ext; print('torch' in sys.modules, set(kvcache_ext.__all__) <= set(dir(kvcache_ext)))"
     )
     assert (torch_imported, names_listed) == ("False", "True")
@@ -48,7 +45,7 @@ def test_each_public_name_is_the_object_its_module_defines():
 
 def test_capabilities_stays_the_function_when_a_module_importing_its_module_comes_first():
     # kvcache_ext.storage imports the module kvcache_ext.capabilities before anything asked for the function.
-    assert run_python(
+    assert run_python_code(
         "import kvcache_ext.storage, kvcache_ext\n"
         "from kvcache_ext import capabilities\n"
         "print(capabilities is kvcache_ext.capabilities, kvcache_ext.capabilities('cpu').device_type)"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_python import child_env
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_models import TINY_MODELS, TINY_VOCAB
@@ -22,17 +23,13 @@ from tiny_models import TINY_MODELS, TINY_VOCAB
 import kvcache_ext
 from kvcache_ext import Engine, PagedKVCache, cli
 from kvcache_ext.prefix_tiers import BLOCK_KEY, SUFFIX, model_fingerprint
-import python_ref
 from python_ref import generate, saved_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # A child serves from outside the checkout with the kvcache_ext and python_ref this test imported on
 # its path: the checkout's in development, the installed ones where the checkout holds no library (CI).
-CHILD_ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join({str(Path(m.__file__).parents[1]) for m in (kvcache_ext, python_ref)}),
-}
+CHILD_ENV = child_env()
 FINGERPRINT = "llama-tiny seed 0"
 BLOCK_SIZE = 4
 PROMPT_LENGTH = 41  # 10 full blocks of 4 before the last token, which is always computed

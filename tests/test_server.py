@@ -5,7 +5,6 @@ compared with python_ref's generation of the same prompt ids. Every wait is boun
 import concurrent.futures
 import contextlib
 import json
-import os
 import re
 import signal
 import socket
@@ -25,6 +24,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from child_python import child_env  # noqa: E402
 from server_fakes import ByteTokenizer, tiny_llama  # noqa: E402
 from test_engine import alone  # noqa: E402
 
@@ -52,12 +52,12 @@ def start_server(*options, program=(str(ROOT / "tests" / "serve_tiny.py"),), tim
     yields its base URL (a :class:`ServerURL`), then stops it (SIGTERM, then kill) and puts its exit
     status in ``exit_status["status"]`` if given a dict."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     # Its log goes to a file, not a pipe: an unread pipe fills (uvicorn logs every request) and stalls it.
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(
         [sys.executable, *program, "--port", str(port), *options],
-        env=env,
+        cwd=tempfile.gettempdir(),
+        env=child_env(),
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
