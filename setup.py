@@ -157,6 +157,7 @@ setup(
             "matplotlib",
             "openai",
             "httpx",
+            "torchao>=0.18,<0.19",  # tests/test_weight_quantization.py's int4 cases
         ],
         "bench": ["pytest", "pytest-benchmark", "matplotlib"],
         "hf": ["transformers>=5.24,<6"],

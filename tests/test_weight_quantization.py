@@ -133,6 +133,22 @@ def test_generate_command_greedy_text(checkpoint, capsys, weights):
     assert out == pretrained.tokenizer.decode(generated) + "\n"
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_engine_on_a_paged_cache_matches_the_stream(checkpoint, weights):
+    """What ``chat`` and ``serve`` run (the Engine, chunked prompts, a paged cache) on quantized weights
+    gives the tokens of the contiguous cache's loop."""
+    needs_torchao(weights)
+    pretrained = Pretrained.load(checkpoint("qwen3"), weights=weights)
+    ids = pretrained.tokenizer.encode(PROMPT * 3)
+    expected = list(pretrained.stream(ids, 16, pretrained.cache(1, len(ids) + 16), stop_ids=()))
+    engine = pretrained.engine(num_blocks=32, block_size=4, chunk_size=5)
+    request = engine.add_request(ids, 16)
+    with torch.inference_mode():
+        while not engine.is_finished(request):
+            engine.step()
+    assert engine.result(request).tokens == expected
+
+
 def test_fingerprint_names_the_weight_format(checkpoint):
     directory = checkpoint("llama")
     prints = {w: Pretrained.load(directory, weights=w).fingerprint() for w in (None, "bf16", "int8")}
