@@ -11,6 +11,10 @@ runs (:meth:`Pretrained.stream` on a bfloat16 ``KVCache``) after a ``--prompt``-
 ids. A step is timed from one generated token to the next; the median over ``--rounds`` rounds (the
 formats alternate within a round) is printed.
 
+``--formats`` may also name ``torchao-int8``: torchao's own int8 weight-only path
+(``Int8WeightOnlyConfig``, per-channel) in eager mode, which kvcache_ext.weight_formats does not use
+(it converts the int8 weight to bfloat16 at every call); this measures why.
+
 A batch-1 step reads every weight it multiplies once (the linear layers and the head in their stored
 form, scales and zeros included; one row of the token embedding) and every cached key and value, so
 its roofline is copy bandwidth / (weight bytes + KV bytes at the middle step's length). The copy
@@ -58,6 +62,17 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
     return sum(stored_bytes(t) for t in tensors.values())
 
 
+def load(directory: Path, weights: str) -> Pretrained:
+    model = load_checkpoint(directory, dtype=torch.bfloat16)
+    if weights == "torchao-int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
+    else:
+        model = quantize_weights(model, weights)
+    return Pretrained(directory, model, None, 0.0, weights)
+
+
 def kv_bytes(pretrained: Pretrained, length: int) -> int:
     shape = pretrained.model.kv_shape
     return 2 * shape["num_layers"] * shape["kv_heads"] * length * shape["head_dim"] * pretrained.dtype.itemsize
@@ -85,7 +100,7 @@ def main() -> None:
     directory = args.dir or Path(tempfile.gettempdir()) / f"kvcache_ext_llama_1b_{args.layers}l"
     write_llama_1b(directory, args.layers)
     formats = args.formats.split(",")
-    models = {w: Pretrained(directory, quantize_weights(load_checkpoint(directory), w), None, 0.0, w) for w in formats}
+    models = {w: load(directory, w) for w in formats}
     vocab = models[formats[0]].model.cfg.vocab_size
     ids = torch.randint(0, vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     print(
