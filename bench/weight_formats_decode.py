@@ -104,7 +104,8 @@ def main() -> None:
     vocab = models[formats[0]].model.cfg.vocab_size
     ids = torch.randint(0, vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     print(
-        f"CPU {cpu_model()}, torch {torch.__version__}, kernels {kvcache_ext.kernels_used('cpu')}; Llama-3.2-1B shape, "
+        f"CPU {cpu_model()}, torch {torch.__version__}, kernels {kvcache_ext.kernels_used('cpu')} "
+        f"({kvcache_ext.build_info().get('cpu_isa_active', 'no')} copy); Llama-3.2-1B shape, "
         f"{args.layers} layers, random weights, batch 1, {args.prompt}-token prompt + {args.new} new tokens, "
         f"median step of {args.rounds} rounds\n"
     )
