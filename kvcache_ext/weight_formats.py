@@ -7,14 +7,15 @@ format does not bound a step). Both formats run native CPU kernels that take bfl
 
 * ``int8``: symmetric, one scale per output channel (``amax / 127``), multiplied by aten's
   ``_weight_int8pack_mm``. Not torchao: its ``Int8WeightOnlyConfig`` (0.18) converts the whole int8
-  weight to bfloat16 at every call in eager mode, which measured 0.16x bfloat16's speed on a batch-1
-  step of Llama-3.2-1B-shaped layers, where this kernel measured 1.4x (docs/checkpoints.md).
+  weight to bfloat16 at every call in eager mode: a batch-1 decode step of a Llama-3.2-1B-shaped
+  model ran at 0.15x bfloat16 weights' speed with it and at 1.27x with this kernel (one AVX2 thread,
+  bench/weight_formats_decode.py, docs/checkpoints.md).
 * ``int4``: torchao's CPU layout (``Int4OpaqueTensor`` of its ``PrototypeInt4WeightOnlyConfig``:
   asymmetric, groups of ``INT4_GROUP_SIZE`` input channels, a bfloat16 scale and zero each, packed for
   aten's ``_weight_int4pack_mm_for_cpu``). torchao is optional: ``pip install kvcache_ext[weights]``.
 
-Both kernels are slow with float32 activations (no vectorised path on CPU), so a quantized model
-computes in bfloat16.
+Both kernels ran 9 to 15 times slower with float32 activations than with bfloat16 ones in a trial on
+Llama-3.2-1B's layers (one AVX2 thread), so a quantized model computes in bfloat16.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from python_ref.llama import LlamaModel
 
 from .format_names import WEIGHT_FORMATS
 
-# q4_0's block size in llama.cpp; torchao's CPU layout takes 32, 64 or 128 and measured the same speed
-# for each on Llama-3.2-1B's layers, so the most accurate one.
+# q4_0's block size in llama.cpp; torchao's CPU layout takes 32, 64 or 128, which measured the same
+# speed in a trial on Llama-3.2-1B's layers (one AVX2 thread), so the most accurate one.
 INT4_GROUP_SIZE = 32
 # Models whose every nn.Linear is called only through its forward; a latent-attention (DeepSeek)
 # model reads its W_kv_up weight directly as per-head matrices, which a packed weight is not.
