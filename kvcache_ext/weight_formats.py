@@ -39,7 +39,8 @@ QUANTIZABLE_MODELS = (GPTModel, LlamaModel)
 
 
 def check_weight_format(weights: str | None, dtype: torch.dtype | None) -> None:
-    """Refuses a weight format not in ``WEIGHT_FORMATS`` or paired with a dtype other than bfloat16."""
+    """Refuses a weight format not in ``WEIGHT_FORMATS``, paired with a dtype other than bfloat16, or
+    int4 without torchao (before a checkpoint is read)."""
     if weights is None:
         return
     if weights not in WEIGHT_FORMATS:
@@ -49,6 +50,8 @@ def check_weight_format(weights: str | None, dtype: torch.dtype | None) -> None:
             f"weights={weights!r} computes in bfloat16 (the CPU kernels of the quantized formats take bfloat16 "
             f"activations); got dtype={dtype}: pass dtype=None or torch.bfloat16"
         )
+    if weights == "int4":
+        _import_torchao_int4()
 
 
 class Int8WeightLinear(nn.Module):

@@ -184,6 +184,8 @@ def test_missing_torchao_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
     with pytest.raises(ImportError, match=r"pip install 'kvcache_ext\[weights\]'"):
         quantize_weights(build_llama("llama-tiny", seed=0), "int4")
+    with pytest.raises(ImportError, match=r"pip install 'kvcache_ext\[weights\]'"):
+        Pretrained.load("/nonexistent", weights="int4")  # before the directory is read
 
 
 def test_generate_command_refusals(checkpoint, capsys):
