@@ -14,11 +14,18 @@ stored by the cache, quantized where the cache quantizes), and greedy generation
 that fill the context from prompts of the held-out text, against the unquantized cache of the
 same dtype: bytes identical before the first divergence and in total.
 
+``weights``: the weight-only formats of ``kvcache_ext.weight_formats`` (int8, int4) against bfloat16
+weights (float32 too, for scale): perplexity of the held-out text, top-1 agreement and greedy bytes as
+``evaluate`` reports them, with the unquantized bfloat16 cache; with ``--checkpoint DIR``, also the
+logits of a Hugging Face model directory (its tokenizer's encoding of the held-out text, or random ids
+without one) in each format against bfloat16: relative error and top-1 agreement.
+
 ``key-granularity``: the perplexity with int4 keys scaled per token (the native format) against
 KIVI's per-channel key scales, through python_ref's quantizer and reference attention.
 
     taskset -c 1 python bench/quantized_accuracy.py train             # about 17 minutes on one core
     taskset -c 1 python bench/quantized_accuracy.py evaluate          # 3 to 5 minutes; a Markdown table
+    taskset -c 1 python bench/quantized_accuracy.py weights [--checkpoint DIR]  # weight formats
     taskset -c 1 python bench/quantized_accuracy.py key-granularity   # a few minutes
     taskset -c 1 python bench/quantized_accuracy.py outliers          # outlier keys: every format at s = 1..100
     taskset -c 1 python bench/quantized_accuracy.py probe             # the issue's synthetic outlier probe
@@ -50,6 +57,7 @@ from torch import nn
 
 import kvcache_ext
 from kvcache_ext import KVCache
+from kvcache_ext.weight_formats import quantize_weights
 from python_ref.attention import reference_attention
 from python_ref.llama import LlamaConfig, LlamaModel
 from python_ref.quantize import (
@@ -283,6 +291,82 @@ def evaluate(args) -> None:
         f"\nHow far the model reads (float32, unquantized): perplexity of positions {LATE_POSITIONS}-{T - 1} when "
         f"attention sees only the last W bytes, W = {'; '.join(parts)}"
     )
+
+
+def weights_model(weights: str) -> LlamaModel:
+    """The byte model with its weights in ``weights`` ("float32" or a ``WEIGHT_FORMATS`` name)."""
+    if weights == "float32":
+        return load_model(torch.float32)
+    return quantize_weights(load_model(torch.bfloat16), weights)
+
+
+def checkpoint_logits_error(directory: Path, tokens: int, formats) -> None:
+    """Logits of ``directory`` in each of ``formats`` against its bfloat16 weights, one sequence of
+    ``tokens`` ids."""
+    from kvcache_ext.pretrained import Pretrained
+    from python_ref.checkpoint import load_checkpoint, read_config
+    from python_ref.text import Tokenizer
+
+    if (directory / "tokenizer.json").is_file():
+        ids = Tokenizer.from_dir(directory).encode(HELDOUT.read_bytes().decode())[:tokens]
+        source = "its tokenizer's encoding of the held-out text"
+    else:
+        vocab = read_config(directory)["vocab_size"]
+        ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+        source = "random ids (no tokenizer.json)"
+    print(f"\n{directory}: logits of {len(ids)} tokens ({source}) against bfloat16 weights\n")
+    print("| weights | relative error of the logits (Frobenius) | top-1 agreement |")
+    print("|---|---|---|")
+    logits = {}
+    for weights in formats:
+        model = quantize_weights(load_checkpoint(directory, dtype=torch.bfloat16), weights)
+        pretrained = Pretrained(directory, model, None, 0.0, weights)
+        cache = pretrained.cache(batch_size=1, max_tokens=len(ids))
+        logits[weights] = pretrained.model(torch.tensor([ids]), cache).float()
+        del model, pretrained, cache
+        base = logits["bf16"]
+        error = ((logits[weights] - base).norm() / base.norm()).item()
+        agreement = (logits[weights].argmax(-1) == base.argmax(-1)).float().mean().item()
+        print(f"| {weights} | {error:.4f} | {100 * agreement:.2f} % |", flush=True)
+
+
+def weight_formats(args) -> None:
+    torch.set_num_threads(args.threads)
+    text = torch.frombuffer(bytearray(HELDOUT.read_bytes()), dtype=torch.uint8).long()
+    T = CONFIG.context_length
+    rows = text[: len(text) // T * T].view(-1, T)
+    prompts = rows[torch.linspace(0, len(rows) - 1, min(args.prompts, len(rows))).long(), : T - args.new]
+    rows = rows[: args.rows]
+    print(
+        f"held-out text: {rows.numel()} bytes in {rows.shape[0]} windows of {T}, teacher-forced in steps of "
+        f"{args.step}; greedy: {prompts.shape[0]} prompts of {prompts.shape[1]} bytes + {args.new} generated; "
+        f"unquantized cache in the model's dtype; {args.threads} thread(s)\n"
+    )
+    print(
+        "| weights | perplexity per byte | vs bf16 | top-1 agreement with bf16 "
+        "| greedy: identical before first divergence (mean) | greedy: identical bytes |"
+    )
+    print("|---|---|---|---|---|---|")
+    results = {}
+    with torch.inference_mode():
+        for weights in ["bf16"] + [w for w in args.formats.split(",") if w != "bf16"]:
+            model = weights_model(weights)
+            dtype = torch.float32 if weights == "float32" else torch.bfloat16
+            nll, top1 = perplexity(model, rows, None, dtype, args.step)
+            out = greedy(model, prompts, args.new, None, dtype)
+            results[weights] = (nll.mean().exp().item(), top1, out)
+            base_ppl, base_top1, base_out = results["bf16"]
+            ppl = results[weights][0]
+            same = out == base_out
+            prefix = torch.where(same.all(1), args.new, (~same).int().argmax(1)).float().mean().item()
+            print(
+                f"| {weights} | {ppl:.4f} | {100 * (ppl / base_ppl - 1):+.3f} % | "
+                f"{100 * (top1 == base_top1).float().mean():.2f} % | {prefix:.0f} / {args.new} | "
+                f"{100 * same.float().mean():.1f} % |",
+                flush=True,
+            )
+        if args.checkpoint is not None:
+            checkpoint_logits_error(args.checkpoint, args.tokens, ("bf16", "int8", "int4"))
 
 
 class Int4GranularityCache:
@@ -576,6 +660,16 @@ def main() -> None:
     e.add_argument(
         "--quick", action="store_true", help="a smoke test in seconds: 4 windows, 2 prompts, 32 bytes generated"
     )
+    w = commands.add_parser("weights", help="int8 and int4 weights against bfloat16 (kvcache_ext.weight_formats)")
+    w.add_argument("--rows", type=int, default=64, help="held-out windows of context_length bytes")
+    w.add_argument("--prompts", type=int, default=16, help="greedy prompts, spread over the held-out text")
+    w.add_argument("--new", type=int, default=256, help="greedy bytes generated per prompt")
+    w.add_argument("--step", type=int, default=16, help="bytes per teacher-forced step")
+    w.add_argument("--threads", type=int, default=1)
+    w.add_argument("--formats", default="float32,int8,int4", help="compared with bf16 (int4 needs torchao)")
+    w.add_argument("--checkpoint", type=Path, default=None, help="a model directory whose logits to compare too")
+    w.add_argument("--tokens", type=int, default=256, help="tokens of the --checkpoint's sequence")
+    w.add_argument("--quick", action="store_true", help="a smoke test: 4 windows, 2 prompts, 32 bytes generated")
     g = commands.add_parser("key-granularity", help="int4 keys scaled per token (native) vs per channel (KIVI)")
     g.add_argument("--rows", type=int, default=64, help="held-out windows of context_length bytes")
     g.add_argument("--step", type=int, default=16, help="bytes per teacher-forced step")
@@ -594,7 +688,7 @@ def main() -> None:
     pr.add_argument("--scales", type=float, nargs="+", default=[8.0, 30.0])
     pr.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    if args.command == "evaluate" and args.quick:
+    if args.command in ("evaluate", "weights") and args.quick:
         args.rows, args.prompts, args.new, args.step = 4, 2, 32, 64
     if args.command == "outliers":
         chosen = args.kv_dtypes
@@ -604,6 +698,7 @@ def main() -> None:
     commands_by_name = {
         "train": train,
         "evaluate": evaluate,
+        "weights": weight_formats,
         "key-granularity": key_granularity,
         "outliers": outliers,
         "probe": probe,

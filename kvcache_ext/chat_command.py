@@ -37,7 +37,7 @@ def run(args, lines=None) -> int:
         return 2
     try:
         pretrained = load(args)
-    except (CheckpointError, FileNotFoundError, ValueError) as error:
+    except (CheckpointError, FileNotFoundError, ValueError, ImportError) as error:
         print(f"kvcache-ext chat: {error}", file=sys.stderr)
         return 2
     tokenizer = pretrained.tokenizer

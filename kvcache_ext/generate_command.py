@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .format_names import KIVI_FORMATS, KV_FORMATS
+from .format_names import KIVI_FORMATS, KV_FORMATS, WEIGHT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -50,6 +50,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, kv_formats=KV_FORMATS +
         default=None,
         help="the KV cache's storage format (default: the weights' dtype, unquantized)",
     )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default=None,
+        help="the linear layers' weights: bf16, or int8/int4 weight-only quantized (CPU; computes in bfloat16; "
+        "int4 needs pip install 'kvcache_ext[weights]'); default: --dtype's",
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's choice)")
 
 
@@ -80,7 +87,7 @@ def sampling_error(args) -> str | None:
 
 
 def load(args):
-    """The checkpoint of ``args.model_dir`` in ``args.dtype``, with ``args.threads`` set."""
+    """The checkpoint of ``args.model_dir`` in ``args.dtype`` and ``args.weights``, with ``args.threads`` set."""
     import torch
 
     from .pretrained import Pretrained
@@ -88,7 +95,14 @@ def load(args):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    return Pretrained.load(args.model_dir, dtype=dtype)
+    return Pretrained.load(args.model_dir, dtype=dtype, weights=args.weights)
+
+
+def describe_weights(pretrained) -> str:
+    """The weights' dtype, and their format when quantized, for the statistics line."""
+    if pretrained.weights in (None, "bf16"):
+        return str(pretrained.dtype)
+    return f"{pretrained.weights} weights, {pretrained.dtype} activations"
 
 
 def sampler(args):
@@ -107,7 +121,7 @@ def run(args) -> int:
         return 2
     try:
         pretrained = load(args)
-    except (CheckpointError, FileNotFoundError, ValueError) as error:
+    except (CheckpointError, FileNotFoundError, ValueError, ImportError) as error:
         print(f"kvcache-ext generate: {error}", file=sys.stderr)
         return 2
     tokenizer = pretrained.tokenizer
@@ -138,7 +152,7 @@ def run(args) -> int:
     sys.stdout.flush()
     decode_tokens = max(generated - 1, 0)
     print(
-        f"[{pretrained.directory.name}: {pretrained.dtype}, KV {args.kv_dtype or pretrained.dtype}] "
+        f"[{pretrained.directory.name}: {describe_weights(pretrained)}, KV {args.kv_dtype or pretrained.dtype}] "
         f"load {pretrained.load_seconds:.2f} s; prompt {len(ids)} tokens, "
         f"{len(ids) / timing['prompt_seconds']:.1f} tokens/s; generated {generated} tokens, "
         f"{decode_tokens / timing['decode_seconds'] if decode_tokens else float('nan'):.1f} tokens/s; "

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from python_ref.checkpoint import load_checkpoint, read_config
+from python_ref.checkpoint import FAMILIES, load_checkpoint, read_config
 from python_ref.generate import choose_next_token
 
 from .cache import KVCache
 from .engine import Engine
 from .paged import PagedKVCache
+from .weight_formats import check_model_class, check_weight_format, quantize_weights
 
 if TYPE_CHECKING:
     from python_ref.text import Tokenizer
@@ -36,19 +37,32 @@ class Pretrained:
     model: torch.nn.Module
     tokenizer: Tokenizer | None  # None: token ids in and out only
     load_seconds: float
+    weights: str | None = None  # the linear layers' format (kvcache_ext.weight_formats); None: ``dtype``
 
     @classmethod
     def load(
-        cls, directory: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+        cls,
+        directory: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        weights: str | None = None,
     ) -> Pretrained:
-        """The model (weights in ``dtype``; None: as stored) and tokenizer of ``directory``."""
+        """The model (weights in ``dtype``; None: as stored) and tokenizer of ``directory``. ``weights``
+        ("bf16", "int8", "int4"; ``kvcache_ext.weight_formats``): the linear layers' weights in that
+        format and the model computing in bfloat16 (``dtype`` None or bfloat16); CPU only."""
         from python_ref.text import Tokenizer
 
         start = time.perf_counter()
-        read_config(directory)  # not a model directory: say so before anything else
+        check_weight_format(weights, dtype)
+        config = read_config(directory)  # not a model directory: say so before anything else
+        if weights is not None:  # before reading the weights
+            check_model_class(FAMILIES[config["model_type"]].model_class, weights)
         tokenizer = Tokenizer.from_dir(directory)
-        model = load_checkpoint(directory, dtype=dtype, device=device)
-        return cls(Path(directory), model, tokenizer, time.perf_counter() - start)
+        if weights is None:
+            model = load_checkpoint(directory, dtype=dtype, device=device)
+        else:
+            model = quantize_weights(load_checkpoint(directory, dtype=torch.bfloat16, device=device), weights)
+        return cls(Path(directory), model, tokenizer, time.perf_counter() - start, weights)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,11 +165,13 @@ class Pretrained:
 
     def fingerprint(self, kv_dtype: str | None = None) -> str:
         """What a disk tier's blocks must have been computed with to be reused: this directory's config
-        and weight files (names, sizes, modification times), the weights' dtype and the KV format."""
+        and weight files (names, sizes, modification times), the weights' dtype and format, the KV format."""
         digest = hashlib.sha256()
         digest.update((self.directory / "config.json").read_bytes())
         for weights in sorted(self.directory.glob("*.safetensors")):
             stat = weights.stat()
             digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
         digest.update(f"{self.dtype}:{kv_dtype}".encode())
+        if self.weights is not None:  # unquantized loads keep their fingerprints of before
+            digest.update(f":{self.weights}".encode())
         return digest.hexdigest()[:32]

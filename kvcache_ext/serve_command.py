@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .format_names import KV_FORMATS
-from .generate_command import add_model_arguments, load, positive_int
+from .generate_command import add_model_arguments, describe_weights, load, positive_int
 
 DEFAULT_KV_CACHE_MEMORY = 2**30
 
@@ -46,7 +46,7 @@ def run(args) -> int:
         return 2
     try:
         pretrained = load(args)
-    except (CheckpointError, FileNotFoundError, ValueError) as error:
+    except (CheckpointError, FileNotFoundError, ValueError, ImportError) as error:
         print(f"kvcache-ext serve: {error}", file=sys.stderr)
         return 2
     from .server import create_app, serve
@@ -73,7 +73,7 @@ def run(args) -> int:
         chunk_size=args.chunk_size,
     )
     print(
-        f"[{pretrained.directory.name}: {pretrained.dtype}, KV {args.kv_dtype or pretrained.dtype}, {num_blocks} blocks "
+        f"[{pretrained.directory.name}: {describe_weights(pretrained)}, KV {args.kv_dtype or pretrained.dtype}, {num_blocks} blocks "
         f"of {args.block_size} tokens ({cache.bytes_allocated() / 2**20:.0f} MiB); load {pretrained.load_seconds:.1f} s] "
         f"serving on http://{args.host}:{args.port}/v1",
         file=sys.stderr,

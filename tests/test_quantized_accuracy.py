@@ -43,6 +43,23 @@ def test_quick_evaluation_meets_the_targets():
         assert 1 < float(ppl) < 256  # better than uniform over the bytes
 
 
+def test_quick_weight_formats_meet_the_targets():
+    """int8 weights within the issue's 0.5 % of bfloat16's perplexity; int4 (when torchao is there)
+    within the int4 cache's 3 %."""
+    targets = {"int8": 0.005}
+    if importlib.util.find_spec("torchao") is not None:
+        targets["int4"] = 0.03
+    command = [sys.executable, str(SCRIPT), "weights", "--quick", "--formats", ",".join(targets)]
+    result = subprocess.run(command, cwd=SCRIPT.parent, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith(("| bf16", "| int"))]
+    assert [r[0].strip() for r in rows] == ["bf16", *targets]
+    for weights, ppl, vs_bf16, *_ in rows[1:]:
+        change = float(vs_bf16.strip().removesuffix("%")) / 100
+        assert change <= targets[weights.strip()], f"{weights}: perplexity {ppl} is {vs_bf16} off"
+        assert 1 < float(ppl) < 256
+
+
 def test_unquantized_cache_matches_the_full_sequence_forward():
     # Teacher-forced steps through the cache against one causal pass over each window (what the
     # model was trained with): the same per-byte log-likelihoods up to float32 rounding.

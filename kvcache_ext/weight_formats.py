@@ -1,0 +1,156 @@
+"""Weight-only quantization of a python_ref model's linear layers for CPU decoding:
+``quantize_weights(model, "int8" | "int4")``.
+
+Every matrix product of a decoder block and the output head keeps its weight in the format; the
+activations, norms and the token embedding stay in bfloat16 (a lookup reads one row a token, so its
+format does not bound a step). Both formats run native CPU kernels that take bfloat16 activations:
+
+* ``int8``: symmetric, one scale per output channel (``amax / 127``), multiplied by aten's
+  ``_weight_int8pack_mm``. Not torchao: its ``Int8WeightOnlyConfig`` (0.18) converts the whole int8
+  weight to bfloat16 at every call in eager mode: a batch-1 decode step of a Llama-3.2-1B-shaped
+  model ran at 0.15x bfloat16 weights' speed with it and at 1.27x with this kernel (one AVX2 thread,
+  bench/weight_formats_decode.py, docs/checkpoints.md).
+* ``int4``: torchao's CPU layout (``Int4OpaqueTensor`` of its ``PrototypeInt4WeightOnlyConfig``:
+  asymmetric, groups of ``INT4_GROUP_SIZE`` input channels, a bfloat16 scale and zero each, packed for
+  aten's ``_weight_int4pack_mm_for_cpu``). torchao is optional: ``pip install kvcache_ext[weights]``.
+
+Both kernels ran 9 to 15 times slower with float32 activations than with bfloat16 ones in a trial on
+Llama-3.2-1B's layers (one AVX2 thread), so a quantized model computes in bfloat16.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from python_ref.gpt2 import GPTModel
+from python_ref.llama import LlamaModel
+
+from .format_names import WEIGHT_FORMATS
+
+# q4_0's block size in llama.cpp; torchao's CPU layout takes 32, 64 or 128, which measured the same
+# speed in a trial on Llama-3.2-1B's layers (one AVX2 thread), so the most accurate one.
+INT4_GROUP_SIZE = 32
+# Models whose every nn.Linear is called only through its forward; a latent-attention (DeepSeek)
+# model reads its W_kv_up weight directly as per-head matrices, which a packed weight is not.
+QUANTIZABLE_MODELS = (GPTModel, LlamaModel)
+
+
+def check_weight_format(weights: str | None, dtype: torch.dtype | None) -> None:
+    """Refuses a weight format not in ``WEIGHT_FORMATS``, paired with a dtype other than bfloat16, or
+    int4 without torchao (before a checkpoint is read)."""
+    if weights is None:
+        return
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {weights!r}")
+    if dtype not in (None, torch.bfloat16):
+        raise ValueError(
+            f"weights={weights!r} computes in bfloat16 (the CPU kernels of the quantized formats take bfloat16 "
+            f"activations); got dtype={dtype}: pass dtype=None or torch.bfloat16"
+        )
+    if weights == "int4":
+        _import_torchao_int4()
+
+
+class Int8WeightLinear(nn.Module):
+    """``nn.Linear`` with an int8 weight (one scale per output channel) and bfloat16 activations."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8WeightLinear:
+        weight = linear.weight.detach().float()
+        # A zero row keeps scale 1 (any scale stores zeros exactly) instead of dividing by zero.
+        scales = weight.abs().amax(dim=1) / 127
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        return cls(quantized, scales.to(torch.bfloat16), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def check_model_class(model_class: type, weights: str) -> None:
+    """Refuses a quantized format for a model class outside ``QUANTIZABLE_MODELS``."""
+    if weights != "bf16" and not issubclass(model_class, QUANTIZABLE_MODELS):
+        raise ValueError(
+            f"weights={weights!r} quantizes {[cls.__name__ for cls in QUANTIZABLE_MODELS]} (GPT-2, Llama, Mistral, "
+            f"Qwen); got a {model_class.__name__}, whose attention reads a weight directly (only 'bf16' applies)"
+        )
+
+
+def _check_model(model: nn.Module, weights: str) -> None:
+    check_model_class(type(model), weights)
+    if getattr(model, "tp", None) is not None and model.tp.size > 1:
+        raise ValueError(f"weights={weights!r} quantizes a single-process model; got one of {model.tp.size} ranks")
+    for name, param in model.named_parameters():
+        if param.device.type != "cpu":
+            raise ValueError(f"weights={weights!r} has CPU kernels only; {name} is on {param.device}")
+    if weights == "int4":
+        for name, linear in _linear_layers(model).items():
+            if linear.in_features % INT4_GROUP_SIZE:
+                raise ValueError(
+                    f"weights='int4' quantizes groups of {INT4_GROUP_SIZE} input channels; layer {name!r} has "
+                    f"{linear.in_features} input channels, not a multiple of {INT4_GROUP_SIZE}"
+                )
+
+
+def _import_torchao_int4():
+    """torchao's int4 CPU config, or an ImportError naming the extra that installs it."""
+    # torchao's first import logs a warning for each of its CUDA libraries that a CPU machine cannot
+    # load, and torch one for each enum torchao registers the old way: none concerns a CPU user.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import quantize_
+    except ImportError as error:
+        raise ImportError(
+            f"weights='int4' needs torchao (its CPU int4 layout): pip install 'kvcache_ext[weights]' ({error})"
+        ) from None
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    return quantize_, PrototypeInt4WeightOnlyConfig
+
+
+def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
+    """``model`` (a GPT-2 or Llama-family python_ref model on the CPU) with its linear layers' weights in
+    ``weights`` (``WEIGHT_FORMATS``; "bf16": all of it in bfloat16) and everything else in bfloat16;
+    changed in place and returned. A tied output head gets its own quantized copy; the embedding keeps
+    the bfloat16 one."""
+    check_weight_format(weights, None)
+    _check_model(model, weights)
+    model.to(torch.bfloat16)
+    if weights == "bf16":
+        return model
+    if weights == "int8":
+        for name, linear in _linear_layers(model).items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, Int8WeightLinear.from_linear(linear))
+        return model
+    quantize_, config = _import_torchao_int4()
+    if model.out_head.weight is model.tok_emb.weight:
+        model.out_head.weight = nn.Parameter(model.out_head.weight.detach().clone(), requires_grad=False)
+    with torch.no_grad():
+        quantize_(model, config(group_size=INT4_GROUP_SIZE, set_inductor_config=False))
+    return model
