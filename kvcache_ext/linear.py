@@ -51,7 +51,7 @@ def check_small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
-    if weight.shape[0] > 1 and weight.shape[1] > 1 and weight.stride(1) != 1:
+    if weight.shape[0] >= 1 and weight.shape[1] > 1 and weight.stride(1) != 1:
         raise ValueError(f"weight needs a contiguous last (in_features) dimension, got strides {weight.stride()}")
     if weight.shape[0] > 1 and weight.stride(0) < weight.shape[1]:
         raise ValueError(f"weight's rows must not overlap, got strides {weight.stride()}")

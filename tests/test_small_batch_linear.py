@@ -5,10 +5,18 @@ run it (use_small_batch_linear) giving the tokens they give without it."""
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvcache_ext
 from kvcache_ext import KVCache
-from kvcache_ext.linear import MAX_ROWS, SmallBatchLinear, small_batch_linear, use_small_batch_linear
+from kvcache_ext.linear import (
+    MAX_ROWS,
+    SmallBatchLinear,
+    check_small_batch_linear,
+    small_batch_linear,
+    use_small_batch_linear,
+)
 from python_ref import build_gpt2, build_llama, generate
 
 pytestmark = pytest.mark.skipif(
@@ -138,3 +146,70 @@ def test_compiles_without_graph_breaks():
     x = torch.randn(2, 1, 32)
     with torch.inference_mode():
         torch.testing.assert_close(compiled(x), layer(x))
+
+
+# ---- fuzz: extreme sizes, dtypes and layouts, inside guard values -----------------------------------
+def guarded_matrix(rows, columns, dtype, row_stride, transposed, generator):
+    """A (rows, columns) view into a buffer of guard values (1e4): row-major with ``row_stride``
+    elements between rows, or column-major when ``transposed``; returns (buffer, view)."""
+    extent = (columns if transposed else rows) * row_stride
+    buffer = torch.full((extent + 2 * 8,), 1e4, dtype=torch.float64).to(dtype)
+    inner = buffer[8 : 8 + extent]
+    if transposed:
+        view = inner.as_strided((rows, columns), (1, row_stride))
+    else:
+        view = inner.as_strided((rows, columns), (row_stride, 1))
+    if view.numel():
+        view.copy_(torch.randn(rows, columns, generator=generator, dtype=torch.float64).to(dtype))
+    return buffer, view
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.sampled_from([0, 1, 2, 3, 5, 8, 15, 16, 17]),
+    in_features=st.sampled_from([0, 1, 7, 8, 9, 31, 33, 64]),
+    out_features=st.sampled_from([0, 1, 3, 63, 65]),
+    dtypes=st.sampled_from([(d, d) for d in DTYPES] + [(torch.float32, torch.float16), (torch.float64,) * 2]),
+    x_pad=st.integers(0, 3),
+    weight_pad=st.integers(-1, 3),
+    x_transposed=st.booleans(),
+    weight_transposed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_the_checked_and_the_raw_op_agree_and_guards_stay(
+    rows, in_features, out_features, dtypes, x_pad, weight_pad, x_transposed, weight_transposed, seed
+):
+    g = torch.Generator().manual_seed(seed)
+    x_dtype, weight_dtype = dtypes
+    x_buffer, x = guarded_matrix(
+        rows, in_features, x_dtype, (rows if x_transposed else in_features) + x_pad, x_transposed, g
+    )
+    weight_buffer, weight = guarded_matrix(
+        out_features,
+        in_features,
+        weight_dtype,
+        max((out_features if weight_transposed else in_features) + weight_pad, 1),
+        weight_transposed,
+        g,
+    )
+    before = (x_buffer.clone(), weight_buffer.clone())
+    try:
+        check_small_batch_linear(x, weight)
+        accepted = True
+    except (ValueError, TypeError):
+        accepted = False
+    try:
+        raw = torch.ops.kvcache_ext.small_batch_linear.default(x, weight)
+        raw_accepted = True
+    except RuntimeError:
+        raw_accepted = False
+    # The inputs are read only, guards included, whatever happened.
+    assert torch.equal(x_buffer.view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(weight_buffer.view(torch.uint8), before[1].view(torch.uint8))
+    assert accepted == raw_accepted, f"the check {'accepts' if accepted else 'refuses'}, the raw op does not"
+    if not accepted:
+        return
+    assert torch.equal(small_batch_linear(x, weight).view(torch.uint8), raw.view(torch.uint8))
+    if raw.numel():
+        holds, errors = error_bound_holds(raw, x.contiguous(), weight.contiguous())
+        assert holds, errors
