@@ -39,6 +39,8 @@ cpu_sources = [
     "csrc/cpu/latent_append_quantized_cpu.cpp",
     "csrc/cpu/paged_latent_append_cpu.cpp",
     "csrc/cpu/latent_attention_baseline.cpp",
+    "csrc/cpu/ops_linear_cpu.cpp",
+    "csrc/cpu/small_batch_linear_baseline.cpp",
 ]
 isas = ["baseline"]
 if x86:
@@ -55,6 +57,8 @@ if x86:
         "csrc/cpu/latent_attention_avx2.cpp",
         "csrc/cpu/latent_attention_avx512.cpp",
         "csrc/cpu/latent_attention_avx512bf16.cpp",
+        "csrc/cpu/small_batch_linear_avx2.cpp",
+        "csrc/cpu/small_batch_linear_avx512.cpp",
     ]
     isas = ["avx512_bf16", "avx512", "avx2", "baseline"]
 # No -march=native: the wheel must run on any CPU of its architecture; the AVX2/AVX-512

@@ -174,4 +174,10 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
       "paged_latent_decode_attention_quantized(Tensor q, Tensor c_data, Tensor c_scales, Tensor k_pe, "
       "Tensor? k_pe_scales, Tensor block_tables, Tensor lengths, int? window=None, float? scale=None) "
       "-> (Tensor out, Tensor lse)");
+
+  // A linear layer's product for a decode step's few rows: out [rows, out_features] = x [rows,
+  // in_features] · weight [out_features, in_features]ᵀ, accumulated in float32 and returned in x's
+  // dtype; x and weight of one dtype (float32, bfloat16, float16), 1 to 16 rows, the weight's last
+  // dimension contiguous. Reads the weight once for all rows (csrc/cpu/small_batch_linear.h).
+  m.def("small_batch_linear(Tensor x, Tensor weight) -> Tensor");
 }

@@ -1,0 +1,100 @@
+// The CPU binding of small_batch_linear (csrc/ops.cpp has its schema): checks, the rows of x
+// widened to float once, the weight's output features split between threads, the result stored
+// in x's dtype.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "../binding_common.h"
+#include "cpu_isa.h"
+#include "paged_rows.h"  // check_cpu_tensor
+#include "quantizer.h"
+#include "small_batch_linear.h"
+
+namespace kvcache_ext::cpu {
+
+#define KVCACHE_EXT_DECLARE_LINEAR_ISA(isa)               \
+  namespace isa {                                         \
+  LinearRangeFn small_batch_linear_kernel(ElemType elem); \
+  }
+KVCACHE_EXT_DECLARE_LINEAR_ISA(baseline)
+#if defined(__x86_64__)
+KVCACHE_EXT_DECLARE_LINEAR_ISA(avx2)
+KVCACHE_EXT_DECLARE_LINEAR_ISA(avx512)
+#endif
+#undef KVCACHE_EXT_DECLARE_LINEAR_ISA
+
+namespace {
+
+using torch::stable::Tensor;
+
+// Output features per work item: a few blocks of weight rows, enough to amortise the item's start.
+constexpr int64_t kFeaturesPerItem = 64;
+
+LinearRangeFn linear_kernel(ElemType elem) {
+  switch (active_isa()) {
+#if defined(__x86_64__)
+    case Isa::kAvx512Bf16:  // the AVX-512 copy: the weights are widened exactly either way
+    case Isa::kAvx512: return avx512::small_batch_linear_kernel(elem);
+    case Isa::kAvx2: return avx2::small_batch_linear_kernel(elem);
+#endif
+    default: return baseline::small_batch_linear_kernel(elem);
+  }
+}
+
+Tensor small_batch_linear(Tensor x, Tensor weight) {
+  STD_TORCH_CHECK(x.dim() == 2, "x must be (rows, in_features), got shape ", shape_of(x));
+  STD_TORCH_CHECK(weight.dim() == 2, "weight must be (out_features, in_features), got shape ", shape_of(weight));
+  check_cpu_tensor(x, "x");
+  check_cpu_tensor(weight, "weight");
+  const ElemType elem = elem_type_of(x, "x");
+  STD_TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must be ", dtype_name(x.scalar_type()),
+                  " like x, got ", dtype_name(weight.scalar_type()));
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  STD_TORCH_CHECK(M >= 1 && M <= kMaxLinearRows, "x must have 1 to ", kMaxLinearRows, " rows, got ", M);
+  STD_TORCH_CHECK(weight.size(1) == K, "weight must be (out_features, in_features=", K, ") to match x, got shape ",
+                  shape_of(weight));
+  STD_TORCH_CHECK(N == 0 || K <= 1 || weight.stride(1) == 1,
+                  "weight needs a contiguous last (in_features) dimension, got strides (", weight.stride(0), ", ",
+                  weight.stride(1), ")");
+  STD_TORCH_CHECK(N <= 1 || weight.stride(0) >= K, "weight's rows must not overlap: row stride ", weight.stride(0),
+                  " is below in_features ", K);
+
+  Tensor out = torch::stable::empty({M, N}, x.scalar_type(), std::nullopt, x.device());
+  if (N == 0) return out;
+  std::vector<float> x_float(static_cast<size_t>(M * K));  // a few KB; the weight is what is large
+  quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
+  const bool float_out = elem == ElemType::kFloat32;
+  std::vector<float> out_float(float_out ? 0 : static_cast<size_t>(M * N));
+
+  LinearProblem p{};
+  p.x = x_float.data();
+  p.rows = M, p.in_features = K, p.out_features = N;
+  p.weight = weight.const_data_ptr();
+  p.weight_stride = N == 1 ? K : weight.stride(0);
+  p.elem = elem;
+  p.out = float_out ? out.mutable_data_ptr<float>() : out_float.data();
+  const LinearRangeFn kernel = linear_kernel(elem);
+  const int64_t items = (N + kFeaturesPerItem - 1) / kFeaturesPerItem;
+  torch::stable::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    kernel(p, begin * kFeaturesPerItem, std::min(end * kFeaturesPerItem, N));
+  });
+  if (!float_out) {
+    const StoreRowFn store = store_row_kernel();
+    store(elem, out_float.data(), M * N, 1, out.mutable_data_ptr());
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace kvcache_ext::cpu
+
+STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
+  m.impl("small_batch_linear", TORCH_BOX(&kvcache_ext::cpu::small_batch_linear));
+}

@@ -1,0 +1,131 @@
+"""A decode step's weights at the memory bandwidth on the CPU: the linear layers' products with its
+few rows (one token per sequence) through ``small_batch_linear``, which reads each weight once for
+all of them.
+
+torch's CPU matrix products (MKL, oneDNN) are blocked for many rows: with one to sixteen they run
+far below the bandwidth that reading the weight allows, and from two rows on they re-read it
+(docs/checkpoints.md measures it). ``small_batch_linear`` keeps one float32 accumulator per
+(weight row, input row) in registers and widens each bfloat16 or float16 weight chunk once for
+every row, so a step with eight sequences reads its weights once, as a step with one does.
+
+:func:`use_small_batch_linear` puts it under a model's linear layers (the same parameters, no copy);
+each layer then takes it for CPU inputs of at most ``MAX_ROWS`` rows in the weight's dtype and
+``F.linear`` for everything else (prompts, CUDA, autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _native
+from .capabilities import SUPPORTED_DTYPES, capabilities
+
+MAX_ROWS = 16  # csrc/cpu/small_batch_linear.h: kMaxLinearRows
+
+_CPU_NATIVE = capabilities("cpu").native
+if _native.available:
+    _small_batch_linear_op = torch.ops.kvcache_ext.small_batch_linear.default
+
+    @torch.library.register_fake("kvcache_ext::small_batch_linear")
+    def _small_batch_linear_fake(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def check_small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Every check of :func:`small_batch_linear`'s arguments."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"x must be (rows, in_features) and weight (out_features, in_features), got shapes "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"x and weight must be one dtype of {names}, got {x.dtype} and {weight.dtype}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {x.shape[0]}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"weight must be (out_features, in_features={x.shape[1]}) to match x, got {tuple(weight.shape)}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
+    if weight.shape[0] >= 1 and weight.shape[1] > 1 and weight.stride(1) != 1:
+        raise ValueError(f"weight needs a contiguous last (in_features) dimension, got strides {weight.stride()}")
+    if weight.shape[0] > 1 and weight.stride(0) < weight.shape[1]:
+        raise ValueError(f"weight's rows must not overlap, got strides {weight.stride()}")
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` ``(rows, in_features)`` with 1 to ``MAX_ROWS`` rows and ``weight``
+    ``(out_features, in_features)`` of x's dtype (float32, bfloat16, float16; its last dimension
+    contiguous), accumulated in float32 and returned in x's dtype. The CPU kernel where the native
+    library is loaded; ``F.linear`` elsewhere."""
+    check_small_batch_linear(x, weight)
+    return run_small_batch_linear(x, weight)
+
+
+def run_small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`small_batch_linear` on arguments that passed :func:`check_small_batch_linear`."""
+    if x.is_cpu and _CPU_NATIVE:
+        return _small_batch_linear_op(x, weight)
+    return F.linear(x, weight)
+
+
+class SmallBatchLinear(nn.Module):
+    """A linear layer (its own ``weight`` and ``bias`` parameters, shared, not copied) whose
+    products with at most ``MAX_ROWS`` rows on the CPU run :func:`small_batch_linear`."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if self.in_features else 0
+        weight = self.weight
+        if (
+            1 <= rows <= MAX_ROWS
+            and x.is_cpu
+            and _CPU_NATIVE
+            and x.dtype == weight.dtype
+            and x.dtype in SUPPORTED_DTYPES
+            and weight.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):
+            out = _small_batch_linear_op(x.reshape(rows, self.in_features), weight)
+            out = out.view(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``F.linear(x, weight, bias)`` on a plain weight tensor: ``nn.Linear``
+    itself, python_ref's column-parallel linear (a rank's slice of the outputs), or its row- and
+    vocabulary-parallel ones on one process (on several they add a collective); its weight not a tensor
+    subclass (a quantized one, such as torchao's)."""
+    from python_ref.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear
+
+    kind = type(module)
+    local = kind in (nn.Linear, ColumnParallelLinear)  # a rank's column slice needs no collective
+    single_process = local or (kind in (RowParallelLinear, VocabParallelLinear) and module.tp.size == 1)
+    return single_process and type(module.weight) in (torch.Tensor, nn.Parameter)
+
+
+def use_small_batch_linear(model: nn.Module) -> int:
+    """Puts :class:`SmallBatchLinear` in place of every plain linear layer of ``model`` (``nn.Linear``
+    and python_ref's tensor-parallel linears on one process, with plain weights; a subclass with its
+    own forward, such as a mixture-of-experts router, and quantized weights stay), in place; returns
+    how many were replaced. Tied weights stay tied: the new layer holds the same parameter."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _plain_linear(child):
+                setattr(parent, name, SmallBatchLinear(child))
+                replaced += 1
+    return replaced
