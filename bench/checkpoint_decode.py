@@ -2,11 +2,12 @@
 model directory, batch 1, bfloat16, at several prompt lengths.
 
     python bench/checkpoint_decode.py [--dir DIR] [--layers 16] [--prompts 128,4096] [--new 32]
-                                      [--threads 2] [--rounds 2]
+                                      [--threads 2] [--rounds 2] [--torch-linear]
 
 The directory is bench/checkpoint_load.py's Llama-3.2-1B-shaped checkpoint (written there if
 missing). Ours: ``load_checkpoint`` and :meth:`kvcache_ext.pretrained.Pretrained.stream` on a
-``KVCache`` holding bfloat16, the loop the command runs. Transformers: ``from_pretrained`` in
+``KVCache`` holding bfloat16, the loop the command runs, its linear layers on
+``small_batch_linear`` as the command's are (``--torch-linear``: on ``F.linear``, as transformers'). Transformers: ``from_pretrained`` in
 bfloat16 and ``generate`` (greedy) with its ``DynamicCache`` and with its ``StaticCache``
 (``cache_implementation="static"``), eager attention and SDPA as it picks. A decode step is timed
 from the first generated token to the last (a streamer stamps each), so the prompt's reading is
@@ -85,20 +86,28 @@ def main():
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--torch-linear", action="store_true", help="our weights' products by F.linear, as torch's")
     args = parser.parse_args()
     import transformers
 
+    from kvcache_ext.linear import use_small_batch_linear
     from kvcache_ext.pretrained import Pretrained
     from python_ref.checkpoint import load_checkpoint
 
     torch.set_num_threads(args.threads)
     write_llama_1b(args.dir, args.layers)
     start = time.perf_counter()
-    pretrained = Pretrained(args.dir, load_checkpoint(args.dir, dtype=torch.bfloat16), None, 0.0)
+    model = load_checkpoint(args.dir, dtype=torch.bfloat16)
+    if not args.torch_linear:  # as Pretrained.load and the commands do by default
+        use_small_batch_linear(model)
+    pretrained = Pretrained(args.dir, model, None, 0.0)
     pretrained.load_seconds = time.perf_counter() - start
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
     vocab = hf.config.vocab_size
-    print(f"Llama-3.2-1B shape, {args.layers} layers, bfloat16, batch 1, {args.new} new tokens, ", end="")
+    linear = "F.linear" if args.torch_linear else "small_batch_linear"
+    print(
+        f"Llama-3.2-1B shape, {args.layers} layers, bfloat16, batch 1, {args.new} new tokens, ours {linear}, ", end=""
+    )
     print(
         f"{args.threads} threads, median of {args.rounds} rounds; torch {torch.__version__}, transformers {transformers.__version__}\n"
     )

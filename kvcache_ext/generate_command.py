@@ -58,6 +58,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, kv_formats=KV_FORMATS +
         "int4 needs pip install 'kvcache_ext[weights]'); default: --dtype's",
     )
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--torch-linear",
+        action="store_true",
+        help="multiply the weights with torch's F.linear at every step, instead of kvcache_ext's kernel for a "
+        "decode step's few rows (CPU)",
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +101,7 @@ def load(args):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    return Pretrained.load(args.model_dir, dtype=dtype, weights=args.weights)
+    return Pretrained.load(args.model_dir, dtype=dtype, weights=args.weights, small_batch_linear=not args.torch_linear)
 
 
 def describe_weights(pretrained) -> str:

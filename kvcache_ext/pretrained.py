@@ -24,6 +24,7 @@ from python_ref.generate import choose_next_token
 
 from .cache import KVCache
 from .engine import Engine
+from .linear import use_small_batch_linear
 from .paged import PagedKVCache
 from .weight_formats import check_model_class, check_weight_format, quantize_weights
 
@@ -46,10 +47,14 @@ class Pretrained:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         weights: str | None = None,
+        small_batch_linear: bool = True,
     ) -> Pretrained:
         """The model (weights in ``dtype``; None: as stored) and tokenizer of ``directory``. ``weights``
         ("bf16", "int8", "int4"; ``kvcache_ext.weight_formats``): the linear layers' weights in that
-        format and the model computing in bfloat16 (``dtype`` None or bfloat16); CPU only."""
+        format and the model computing in bfloat16 (``dtype`` None or bfloat16); CPU only.
+        ``small_batch_linear``: the unquantized linear layers multiply a decode step's few rows with
+        ``kvcache_ext.linear.small_batch_linear`` on the CPU (one read of each weight per step); False
+        leaves every product to ``F.linear``."""
         from python_ref.text import Tokenizer
 
         start = time.perf_counter()
@@ -62,6 +67,8 @@ class Pretrained:
             model = load_checkpoint(directory, dtype=dtype, device=device)
         else:
             model = quantize_weights(load_checkpoint(directory, dtype=torch.bfloat16, device=device), weights)
+        if small_batch_linear:
+            use_small_batch_linear(model)
         return cls(Path(directory), model, tokenizer, time.perf_counter() - start, weights)
 
     @property

@@ -139,3 +139,20 @@ def test_chat_turns_reuse_the_earlier_turns(checkpoint, capsys, monkeypatch):
     # prompt's full blocks of 4 tokens come from the pool.
     first_prompt = Tokenizer.from_dir(directory).apply_chat_template([{"role": "user", "content": PROMPT}])
     assert reused[0] == 0 and reused[1] >= len(first_prompt) // 4 * 4, reuse
+
+
+def test_the_weights_run_the_small_batch_kernel_unless_told_otherwise(checkpoint, capsys):
+    from kvcache_ext.linear import SmallBatchLinear
+    from kvcache_ext.pretrained import Pretrained
+
+    directory = checkpoint("llama")
+    default, plain = Pretrained.load(directory), Pretrained.load(directory, small_batch_linear=False)
+    assert any(isinstance(m, SmallBatchLinear) for m in default.model.modules())
+    assert not any(isinstance(m, SmallBatchLinear) for m in plain.model.modules())
+    texts = []
+    for extra in ([], ["--torch-linear"]):
+        options = ["--max-new-tokens", NEW_TOKENS, "--dtype", "float32", *extra]
+        status, out, err = run_cli(capsys, "generate", directory, "--prompt", PROMPT, *options)
+        assert status == 0, err
+        texts.append(out)
+    assert texts[0] == texts[1] == transformers_text(directory) + "\n"
