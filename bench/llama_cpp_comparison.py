@@ -1,18 +1,36 @@
-"""Decode tokens/s against llama.cpp's CPU backend, both running the same weights, and the attention
-share of a decode step at equal KV precision.
+"""Decode tokens/s against llama.cpp's CPU backend, both running the same weights, the attention
+share of a decode step at equal KV precision, and each step's fraction of its memory roofline.
 
     python bench/llama_cpp_comparison.py [--depths 0,4096,16384] [--steps 32] [--threads 2]
-                                         [--layers 2] [--kv f16,q8_0,q4_0] [--skip-check]
+                                         [--layers 2] [--pairs f32/f16,f32/q8_0,f32/q4_0] [--skip-check]
 
 Needs ``pip install llama-cpp-python gguf`` (llama-cpp-python builds llama.cpp from source on the
 machine; not a dependency of kvcache_ext). Nothing is downloaded: the model is python_ref's
 ``build_llama`` with seeded random weights in the Llama-3-8B attention shape (32 query heads, 8 KV
 heads, head_dim 128, hidden 4096) but ``--layers`` layers, a feed-forward width of 1024 and a
 1024-token vocabulary (``MODEL`` below), so that it fits in memory and runs quickly on two cores.
-It is written as GGUF (llama architecture) with the ``gguf`` package, so both sides run identical
-weights, in float32 on both sides: torch's bfloat16 matrix products on a CPU without bfloat16
-instructions (AVX2) are slower than float32's (1.8x in a trial here), which would bury the caches' difference under the
-weights'. Only the KV cache's precision differs between the runs.
+It is written as GGUF (llama architecture) with the ``gguf`` package, so both sides run the same
+weights. ``--pairs`` lists the runs as llama.cpp ``WEIGHTS/KV`` types, each against ours at the
+matching precision:
+
+- weights ``f32`` (GGUF F32; ours the float32 model, float32 activations), ``f16`` (GGUF F16; ours
+  ``quantize_weights(model, "bf16")``: bfloat16 weights and activations, the linear layers through
+  ``small_batch_linear`` as ``Pretrained.load`` does by default), ``q8_0`` (GGUF Q8_0: blocks of 32
+  with an f16 scale; ours ``"int8"``: one scale per output channel) and ``q4_0`` (GGUF Q4_0: blocks of
+  32 with an f16 scale; ours ``"int4"``: torchao's groups of 32 with a scale and a zero). The GGUF
+  quantizes every matrix, the token embedding and the output head included, with that type (the
+  norms stay F32); ours keeps the embedding in bfloat16 (one row per token).
+- KV ``f16`` / ``q8_0`` / ``q4_0`` (ours ``bfloat16`` / ``int8`` / ``int4``).
+
+The default runs float32 weights with each KV type: torch's bfloat16 matrix products on a CPU
+without bfloat16 instructions (AVX2) are slower than float32's (1.8x in a trial here), which would
+bury the caches' difference under the weights'. ``--pairs f16/f16,q8_0/q8_0,q4_0/q4_0`` compares
+whole steps at equal weight and KV precision.
+
+A step's roofline is the bytes it must read (every weight but the token embedding, of which it
+reads one row, in the stored format, scales included, plus the cached keys and values at the
+step's depth) over the machine's copy bandwidth (``copy_`` of 256 MiB, read plus written bytes,
+at the run's thread count): its fraction is that time over the measured median step.
 
 llama.cpp's ``llama`` architecture rotates adjacent coordinate pairs ``(2i, 2i+1)`` of a head,
 python_ref's Llama (Hugging Face's layout) the pairs ``(i, i + D/2)``: the writer reorders the rows
@@ -21,11 +39,10 @@ Hugging Face checkpoints. Queries and keys are then the same vectors in another 
 so every dot product, and the output, is unchanged. The conversion check runs both in float32 (KV
 float32 on both sides) on a short prompt and compares the logits and the greedy tokens.
 
-The timed runs, for each KV precision pair (llama.cpp ``f16`` / ``q8_0`` / ``q4_0`` with flash
-attention on; ours ``KVCache`` storing ``bfloat16`` / ``int8`` / ``int4``) and each
-context depth (the bfloat16 cache sees queries, keys and values cast to bfloat16 and returns
-its output cast back, :class:`Bfloat16Cache`; the quantized caches take the float32 model's
-tensors as they are): the cache is filled to the depth, an 8-token prompt is read, and ``--steps`` greedy
+The timed runs, for each pair (llama.cpp with flash attention on; ours a ``KVCache``; with
+float32 weights, a bfloat16 cache sees queries, keys and values cast to bfloat16 and returns its
+output cast back, :class:`Bfloat16Cache`, and the quantized caches take the float32 model's tensors
+as they are) and each context depth: the cache is filled to the depth, an 8-token prompt is read, and ``--steps`` greedy
 single-token decode steps are timed one by one (after 4 untimed ones), ours and llama.cpp's steps
 alternating, so that the load of a shared machine weighs on both alike; a step is the model call
 plus the argmax of its logits. Both run ``--threads`` threads (``torch.set_num_threads``,
@@ -53,20 +70,29 @@ Prints the configuration, llama.cpp's version and system info, then Markdown tab
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import kvcache_ext
-from kvcache_ext.benchmarks.common import cpu_model
-from python_ref import build_llama
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_roofline import copy_gbps  # noqa: E402
+from weight_formats_decode import step_weight_bytes  # noqa: E402
+
+import kvcache_ext  # noqa: E402
+from kvcache_ext.benchmarks.common import cpu_model  # noqa: E402
+from kvcache_ext.linear import use_small_batch_linear  # noqa: E402
+from kvcache_ext.weight_formats import quantize_weights  # noqa: E402
+from python_ref import build_llama  # noqa: E402
 
 # The Llama-3-8B attention shape with few layers, a small feed-forward and vocabulary; plain RoPE.
 MODEL = dict(
@@ -84,6 +110,11 @@ MODEL = dict(
 )
 # llama.cpp's KV type -> what our KVCache stores
 KV_PAIRS = {"f16": "bfloat16", "q8_0": "int8", "q4_0": "int4"}
+# llama.cpp's weight type -> ours (kvcache_ext.weight_formats; "float32": the float32 model as built)
+WEIGHT_PAIRS = {"f32": "float32", "f16": "bf16", "q8_0": "int8", "q4_0": "int4"}
+# Bytes per weight or cached value in llama.cpp's types (Q8_0: 32 int8 + an f16 scale; Q4_0: 32
+# nibbles + an f16 scale).
+GGML_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 PROMPT_TOKENS = 8
 WARMUP_STEPS = 4
 FIRST_TOKEN = 259  # ids below are the vocabulary's special and byte tokens
@@ -139,9 +170,21 @@ def gguf_tensors(model) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_gguf(model, path: str) -> None:
-    """``model`` (python_ref's Llama, plain RoPE, untied head) as a llama-architecture GGUF file of
-    float32 tensors, with a stand-in SentencePiece
+def gguf_weight(gguf, weight: torch.Tensor, weight_type: str):
+    """``(data, raw_dtype)`` for GGUFWriter.add_tensor: one-dimensional tensors (the norms) in F32,
+    as llama.cpp's converter stores them, matrices in ``weight_type``."""
+    data = weight.float().contiguous().numpy()
+    if data.ndim == 1 or weight_type == "f32":
+        return data, None
+    if weight_type == "f16":
+        return data.astype(np.float16), None
+    qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[weight_type]
+    return gguf.quants.quantize(data, qtype), qtype
+
+
+def write_gguf(model, path: str, weight_type: str = "f32") -> None:
+    """``model`` (python_ref's Llama, plain RoPE, untied head) as a llama-architecture GGUF file, its
+    matrices in ``weight_type`` (``WEIGHT_PAIRS``), with a stand-in SentencePiece
     vocabulary (special tokens, the 256 byte tokens, then placeholders): this benchmark feeds token
     ids and never tokenizes text."""
     import gguf
@@ -163,7 +206,13 @@ def write_gguf(model, path: str) -> None:
     writer.add_rope_freq_base(cfg.rope_base)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    file_types = dict(
+        f32=gguf.LlamaFileType.ALL_F32,
+        f16=gguf.LlamaFileType.MOSTLY_F16,
+        q8_0=gguf.LlamaFileType.MOSTLY_Q8_0,
+        q4_0=gguf.LlamaFileType.MOSTLY_Q4_0,
+    )
+    writer.add_file_type(file_types[weight_type])
     specials = [("<unk>", gguf.TokenType.UNKNOWN), ("<s>", gguf.TokenType.CONTROL), ("</s>", gguf.TokenType.CONTROL)]
     vocab = specials + [(f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(256)]
     vocab += [(f"\u2581t{i}", gguf.TokenType.NORMAL) for i in range(cfg.vocab_size - len(vocab))]
@@ -175,7 +224,8 @@ def write_gguf(model, path: str) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, weight in gguf_tensors(model).items():
-        writer.add_tensor(name, weight.float().contiguous().numpy())
+        data, raw_dtype = gguf_weight(gguf, weight, weight_type)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -300,13 +350,15 @@ class Bfloat16Cache:
 
 
 class OursDecoder:
-    """python_ref's float32 Llama with a ``KVCache`` of one row storing ``kv_dtype`` (None:
-    float32; "bfloat16": through :class:`Bfloat16Cache`; else KVCache's quantized formats)."""
+    """python_ref's Llama (float32, or bfloat16 with weights from :func:`our_model`) with a ``KVCache``
+    of one row storing ``kv_dtype`` ("bfloat16", or KVCache's quantized formats; a float32 model
+    with a "bfloat16" cache goes through :class:`Bfloat16Cache`; None: the model's dtype)."""
 
     def __init__(self, model, max_len: int, kv_dtype: str | None):
-        self.model = model
+        self.model, self.max_len = model, max_len
         shape = model.kv_shape
-        dtype = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32
+        model_dtype = model.final_norm.weight.dtype
+        dtype = torch.bfloat16 if kv_dtype == "bfloat16" else model_dtype
         self.cache = kvcache_ext.KVCache(
             shape["num_layers"],
             1,
@@ -314,9 +366,9 @@ class OursDecoder:
             shape["head_dim"],
             max_cache_len=max_len,
             dtype=dtype,
-            kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype,
+            kv_dtype=None if kv_dtype in (None, "bfloat16") else kv_dtype,
         )
-        self.model_cache = Bfloat16Cache(self.cache) if kv_dtype == "bfloat16" else self.cache
+        self.model_cache = Bfloat16Cache(self.cache) if dtype != model_dtype else self.cache
 
     def fill(self, depth: int, generator: torch.Generator, chunk: int = 1024) -> None:
         """The cache holds ``depth`` tokens of seeded random keys and values (see the docstring)."""
@@ -339,6 +391,38 @@ class OursDecoder:
     @torch.inference_mode()
     def step(self, token: int) -> int:
         return int(self.model(torch.tensor([[token]]), self.model_cache)[0, -1].argmax())
+
+
+def our_model(model, weight_type: str):
+    """Ours for llama.cpp's ``weight_type``: the float32 model itself, or a copy with its weights in
+    the matching format (``quantize_weights``; bfloat16 activations) and its plain linear layers
+    through ``small_batch_linear``, as ``Pretrained.load`` builds a checkpoint's model."""
+    if weight_type == "f32":
+        return model
+    ours = quantize_weights(copy.deepcopy(model), WEIGHT_PAIRS[weight_type])
+    use_small_batch_linear(ours)
+    return ours.eval()
+
+
+def their_step_bytes(model, weight_type: str, kv_type: str, tokens: int) -> float:
+    """Bytes a llama.cpp batch-1 step reads: every GGUF tensor but the token embedding (one row),
+    matrices in ``weight_type`` and norms in F32, and ``tokens`` cached positions in ``kv_type``."""
+    import gguf
+
+    embedding = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
+    weights = sum(
+        t.numel() * (4.0 if t.dim() == 1 else GGML_BYTES[weight_type])
+        for name, t in gguf_tensors(model).items()
+        if name != embedding
+    )
+    shape = model.kv_shape
+    return weights + 2 * shape["num_layers"] * shape["kv_heads"] * shape["head_dim"] * tokens * GGML_BYTES[kv_type]
+
+
+def our_step_bytes(decoder: OursDecoder, tokens: int) -> float:
+    """Bytes our batch-1 step reads: the weights as stored but the token embedding's (one row), and
+    ``tokens`` cached positions (the cache's bytes per position, scales included)."""
+    return step_weight_bytes(decoder.model) + decoder.cache.bytes_allocated() / decoder.max_len * tokens
 
 
 # -- the runs ------------------------------------------------------------------------------------
@@ -387,30 +471,51 @@ def timed_pair(ours, theirs, prompt, steps):
     return seconds, tokens
 
 
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in text.split(","):
+        weight_type, _, kv_type = item.partition("/")
+        if weight_type not in WEIGHT_PAIRS or kv_type not in KV_PAIRS:
+            raise SystemExit(
+                f"--pairs: {item!r} is not WEIGHTS/KV with WEIGHTS one of {list(WEIGHT_PAIRS)} "
+                f"and KV one of {list(KV_PAIRS)}"
+            )
+        pairs.append((weight_type, kv_type))
+    return pairs
+
+
+def label(pair: tuple[str, str]) -> str:
+    weight_type, kv_type = pair
+    return f"{weight_type}/{kv_type} vs {WEIGHT_PAIRS[weight_type]}/{KV_PAIRS[kv_type]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", default="0,4096,16384", help="context depths (0 is needed: it is the baseline)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per run (default 32)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--kv", default=",".join(KV_PAIRS), help="llama.cpp KV types to run (f16,q8_0,q4_0)")
+    parser.add_argument(
+        "--pairs",
+        default="f32/f16,f32/q8_0,f32/q4_0",
+        help="runs as llama.cpp WEIGHTS/KV types (weights f32,f16,q8_0,q4_0; KV f16,q8_0,q4_0)",
+    )
     parser.add_argument("--skip-check", action="store_true", help="skip the float32 conversion check")
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     if 0 not in depths:
         raise SystemExit("--depths must include 0: the depth-0 step is the baseline the attention share subtracts")
-    kv_types = args.kv.split(",")
-    unknown = [t for t in kv_types if t not in KV_PAIRS]
-    if unknown:
-        raise SystemExit(f"--kv: unknown llama.cpp KV types {unknown}; choose from {list(KV_PAIRS)}")
+    pairs = parse_pairs(args.pairs)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
     model = build_model(args.layers)
     import llama_cpp
 
+    bandwidth = copy_gbps()
     print(f"CPU {cpu_model()}; kvcache_ext kernels: {kvcache_ext.build_info().get('cpu_isa_active')} copy")
     print(f"torch {torch.__version__}, {args.threads} threads both sides; {llama_cpp_version(llama_cpp)}")
+    print(f"copy bandwidth {bandwidth:.1f} GB/s (read + written, {args.threads} threads)")
     print(
         f"model: python_ref build_llama('llama-3.2-1b', seed=0, n_layers={args.layers}, "
         + ", ".join(f"{k}={v}" for k, v in MODEL.items())
@@ -418,10 +523,12 @@ def main() -> None:
     )
     print(f"config: {asdict(model.cfg)}")
     with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "model-f32.gguf")
-        write_gguf(model, path)
+        paths = {}
+        for weight_type in sorted({w for w, _ in pairs} | ({"f32"} if not args.skip_check else set())):
+            paths[weight_type] = os.path.join(folder, f"model-{weight_type}.gguf")
+            write_gguf(model, paths[weight_type], weight_type)
         if not args.skip_check:
-            check = conversion_check(model, llama_cpp, path, args.threads)
+            check = conversion_check(model, llama_cpp, paths["f32"], args.threads)
             print(
                 f"conversion check (float32 weights, activations and KV both sides, 16-token prompt): "
                 f"max |logit difference| {check['max_abs_logit_diff']:.2e} (largest |logit| "
@@ -429,84 +536,102 @@ def main() -> None:
                 f"first divergence {check['first_divergence']}",
                 flush=True,
             )
-        _, lmodel = load_llama_cpp(path)
         prompt = torch.randint(
             FIRST_TOKEN, MODEL["vocab_size"], (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(2)
         )
         prompt = prompt.tolist()
         results = {}
-        for kv_type in kv_types:
-            for depth in depths:
-                length = depth + PROMPT_TOKENS + WARMUP_STEPS + args.steps + 1
-                theirs = LlamaCppDecoder(llama_cpp, lmodel, length + 256, kv_type, args.threads)
-                ours = OursDecoder(model, length, KV_PAIRS[kv_type])
-                fill_start = time.perf_counter()
-                theirs.fill(depth, torch.Generator().manual_seed(3))
-                ours.fill(depth, torch.Generator().manual_seed(3))
-                fill_seconds = time.perf_counter() - fill_start
-                seconds, tokens = timed_pair(ours, theirs, prompt, args.steps)
-                theirs.close()
-                del ours
-                results[kv_type, depth] = (seconds, tokens)
-                medians = {name: statistics.median(s) * 1e3 for name, s in seconds.items()}
-                print(
-                    f"  {kv_type} / {KV_PAIRS[kv_type]} depth {depth}: median step "
-                    f"ours {medians['ours']:.2f} ms, llama.cpp {medians['llama.cpp']:.2f} ms "
-                    f"(fill {fill_seconds:.1f} s)",
-                    flush=True,
-                )
-        llama_cpp.llama_model_free(lmodel)
-    print_tables(results, kv_types, depths, args)
+        for weight_type in dict.fromkeys(w for w, _ in pairs):
+            _, lmodel = load_llama_cpp(paths[weight_type])
+            ours_model = our_model(model, weight_type)
+            for kv_type in (k for w, k in pairs if w == weight_type):
+                for depth in depths:
+                    length = depth + PROMPT_TOKENS + WARMUP_STEPS + args.steps + 1
+                    theirs = LlamaCppDecoder(llama_cpp, lmodel, length + 256, kv_type, args.threads)
+                    ours = OursDecoder(ours_model, length, KV_PAIRS[kv_type])
+                    fill_start = time.perf_counter()
+                    theirs.fill(depth, torch.Generator().manual_seed(3))
+                    ours.fill(depth, torch.Generator().manual_seed(3))
+                    fill_seconds = time.perf_counter() - fill_start
+                    seconds, tokens = timed_pair(ours, theirs, prompt, args.steps)
+                    # The median step's depth: the prompt, the untimed steps and half the timed ones.
+                    held = depth + PROMPT_TOKENS + WARMUP_STEPS + args.steps // 2
+                    step_bytes = {
+                        "ours": our_step_bytes(ours, held),
+                        "llama.cpp": their_step_bytes(model, weight_type, kv_type, held),
+                    }
+                    theirs.close()
+                    del ours
+                    pair = (weight_type, kv_type)
+                    results[pair, depth] = (seconds, tokens, step_bytes)
+                    medians = {name: statistics.median(s) * 1e3 for name, s in seconds.items()}
+                    print(
+                        f"  {label(pair)} depth {depth}: median step "
+                        f"ours {medians['ours']:.2f} ms, llama.cpp {medians['llama.cpp']:.2f} ms "
+                        f"(fill {fill_seconds:.1f} s)",
+                        flush=True,
+                    )
+            llama_cpp.llama_model_free(lmodel)
+    print_tables(results, pairs, depths, args, bandwidth)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
 
-def print_tables(results, kv_types, depths, args) -> None:
-    def median_ms(kv_type, depth, name):
-        return statistics.median(results[kv_type, depth][0][name]) * 1e3
+def print_tables(results, pairs, depths, args, bandwidth) -> None:
+    def median_ms(pair, depth, name):
+        return statistics.median(results[pair, depth][0][name]) * 1e3
 
-    print(f"\nDecode tokens/s (1 / median step of {args.steps}), median step in ms in brackets:\n")
-    print("| KV (llama.cpp / ours) | depth | llama.cpp tokens/s | ours tokens/s | ours / llama.cpp |")
-    print("|---|---:|---:|---:|---:|")
-    for kv_type in kv_types:
+    def roofline(pair, depth, name):
+        """The step's fraction of its roofline: bytes / bandwidth over the median step."""
+        return results[pair, depth][2][name] / (bandwidth * 1e9) / (median_ms(pair, depth, name) / 1e3)
+
+    print(f"\nDecode tokens/s (1 / median step of {args.steps}), median step in ms in brackets; fraction of")
+    print(f"each step's memory roofline (its bytes over {bandwidth:.1f} GB/s):\n")
+    print(
+        "| weights/KV (llama.cpp vs ours) | depth | llama.cpp tokens/s | ours tokens/s | ours / llama.cpp "
+        "| llama.cpp roofline | ours roofline |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for pair in pairs:
         for depth in depths:
-            theirs, ours = median_ms(kv_type, depth, "llama.cpp"), median_ms(kv_type, depth, "ours")
+            theirs, ours = median_ms(pair, depth, "llama.cpp"), median_ms(pair, depth, "ours")
             print(
-                f"| {kv_type} / {KV_PAIRS[kv_type]} | {depth} | {1e3 / theirs:.1f} ({theirs:.2f}) "
-                f"| {1e3 / ours:.1f} ({ours:.2f}) | {theirs / ours:.2f}x |"
+                f"| {label(pair)} | {depth} | {1e3 / theirs:.1f} ({theirs:.2f}) "
+                f"| {1e3 / ours:.1f} ({ours:.2f}) | {theirs / ours:.2f}x "
+                f"| {roofline(pair, depth, 'llama.cpp'):.2f} | {roofline(pair, depth, 'ours'):.2f} |"
             )
     print(
         "\nAttention share of a decode step: the step at the depth minus the step at depth 0, from the "
         "median steps (from the fastest steps in brackets: on a shared machine, a step the scheduler "
         "did not interrupt):\n"
     )
-    print("| KV (llama.cpp / ours) | depth | llama.cpp ms | ours ms | ours vs llama.cpp (their ms / ours) |")
+    print("| weights/KV (llama.cpp vs ours) | depth | llama.cpp ms | ours ms | ours vs llama.cpp (their ms / ours) |")
     print("|---|---:|---:|---:|---:|")
 
     def ratio(theirs, ours):
         return f"{theirs / ours:.2f}x" if ours > 0 and theirs > 0 else "n/a"
 
-    for kv_type in kv_types:
+    for pair in pairs:
         for depth in (d for d in depths if d):
             share = {}
             for name in ("llama.cpp", "ours"):
-                at_depth, at_zero = results[kv_type, depth][0][name], results[kv_type, 0][0][name]
+                at_depth, at_zero = results[pair, depth][0][name], results[pair, 0][0][name]
                 share[name] = (
                     (statistics.median(at_depth) - statistics.median(at_zero)) * 1e3,
                     (min(at_depth) - min(at_zero)) * 1e3,
                 )
             (theirs, theirs_best), (ours, ours_best) = share["llama.cpp"], share["ours"]
             print(
-                f"| {kv_type} / {KV_PAIRS[kv_type]} | {depth} | {theirs:.2f} ({theirs_best:.2f}) | {ours:.2f} "
+                f"| {label(pair)} | {depth} | {theirs:.2f} ({theirs_best:.2f}) | {ours:.2f} "
                 f"({ours_best:.2f}) | {ratio(theirs, ours)} ({ratio(theirs_best, ours_best)}) |"
             )
-    print(f"\nGreedy tokens at depth 0 (the same {PROMPT_TOKENS}-token prompt, float32 weights both sides):\n")
-    print("| KV (llama.cpp / ours) | tokens | equal | first divergence |")
+    print(f"\nGreedy tokens at depth 0 (the same {PROMPT_TOKENS}-token prompt):\n")
+    print("| weights/KV (llama.cpp vs ours) | tokens | equal | first divergence |")
     print("|---|---:|---:|---:|")
-    for kv_type in kv_types:
-        tokens = results[kv_type, 0][1]
+    for pair in pairs:
+        tokens = results[pair, 0][1]
         same = agreement(tokens["ours"], tokens["llama.cpp"])
         first = "none" if same["first_divergence"] is None else f"token {same['first_divergence']}"
-        print(f"| {kv_type} / {KV_PAIRS[kv_type]} | {same['tokens']} | {same['same']} | {first} |")
+        print(f"| {label(pair)} | {same['tokens']} | {same['same']} | {first} |")
 
 
 if __name__ == "__main__":

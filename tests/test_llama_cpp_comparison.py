@@ -102,3 +102,65 @@ def test_filled_cache_holds_the_depth_and_decodes(kv_dtype):
     token = ours.prompt([5, 6, 7])
     assert 0 <= ours.step(token) < CFG.vocab_size
     assert ours.cache.seq_length == 44
+
+
+@pytest.mark.parametrize("weight_type", ["f16", "q8_0", "q4_0"])
+def test_gguf_weights_are_stored_in_the_type_within_its_rounding(weight_type):
+    gguf = pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 96, generator=g) * torch.logspace(-2, 1, 6)[:, None]
+    data, raw_dtype = comparison.gguf_weight(gguf, weight, weight_type)
+    assert data.nbytes == weight.numel() * comparison.GGML_BYTES[weight_type]
+    if weight_type == "f16":
+        assert raw_dtype is None
+        back = torch.from_numpy(data.astype("float32"))
+        bound = weight.abs() * 2.0**-11 + 2.0**-25  # half an f16 step, subnormals' included
+    else:
+        back = torch.from_numpy(gguf.quants.dequantize(data, raw_dtype)).reshape(weight.shape)
+        # Blocks of 32 with one f16 scale (its own relative 2^-11 on every value): q8_0 rounds to
+        # steps of amax/127 (half a step of error); q4_0's 16 levels -8..7 are steps of amax/8 with
+        # the block's largest magnitude at -8, so a value of the other sign near it clamps at 7 (a
+        # whole step).
+        blocks = weight.reshape(6, 3, 32).abs().amax(-1, keepdim=True)
+        step = blocks / 127 / 2 if weight_type == "q8_0" else blocks / 8
+        bound = (step * (1 + 2.0**-9) + blocks * 2.0**-10).expand(6, 3, 32).reshape(weight.shape)
+    assert torch.all((back - weight).abs() <= bound)
+    norm = torch.ones(96)
+    assert comparison.gguf_weight(gguf, norm, weight_type) == (pytest.approx(norm.numpy()), None)
+
+
+def tiny_model():
+    """llama-tiny with a vocabulary torchao's int4 layout takes (rows a multiple of 16)."""
+    return build_llama("llama-tiny", seed=0, rope_scaling=None, vocab_size=512)
+
+
+def test_step_bytes_count_every_weight_but_the_embedding_and_the_cached_positions():
+    pytest.importorskip("gguf")
+    model = tiny_model()
+    cfg = model.cfg
+    matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "tok_emb.weight")
+    norms = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    kv_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    got = comparison.their_step_bytes(model, "q8_0", "q4_0", 10)
+    assert got == pytest.approx(matrices * 34 / 32 + norms * 4 + kv_per_token * 10 * 18 / 32)
+    buffers = sum(b.numel() * 4 for b in model.buffers())  # RoPE's frequencies
+    ours = comparison.OursDecoder(model, 64, "bfloat16")
+    assert comparison.our_step_bytes(ours, 10) == pytest.approx(
+        (matrices + norms) * 4 + buffers + ours.cache.bytes_allocated() / 64 * 10
+    )
+
+
+@pytest.mark.parametrize("weight_type", ["f16", "q8_0", "q4_0"])
+def test_our_model_for_a_weight_type_decodes_and_leaves_the_float32_model_alone(weight_type):
+    if weight_type == "q4_0":
+        pytest.importorskip("torchao")
+    model = tiny_model()
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    ours = comparison.our_model(model, weight_type)
+    assert ours is not model
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+    decoder = comparison.OursDecoder(ours, 64, "bfloat16")
+    assert decoder.cache.dtype == torch.bfloat16 and decoder.model_cache is decoder.cache
+    token = decoder.prompt([5, 6, 7])
+    assert 0 <= decoder.step(token) < CFG.vocab_size
+    assert decoder.cache.seq_length == 4
