@@ -9,8 +9,8 @@ far below the bandwidth that reading the weight allows, and from two rows on the
 every row, so a step with eight sequences reads its weights once, as a step with one does.
 
 :func:`use_small_batch_linear` puts it under a model's linear layers (the same parameters, no copy);
-each layer then takes it for CPU inputs of at most ``MAX_ROWS`` rows in the weight's dtype and
-``F.linear`` for everything else (prompts, CUDA, autograd).
+each layer then takes it for CPU inputs of at most :func:`layer_max_rows` rows in the weight's dtype
+and ``F.linear`` for everything else (prompts, CUDA, autograd).
 """
 
 from __future__ import annotations
@@ -20,9 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _native
+from ._native import CPU_ISAS
 from .capabilities import SUPPORTED_DTYPES, capabilities
 
 MAX_ROWS = 16  # csrc/cpu/small_batch_linear.h: kMaxLinearRows
+
+# Where torch's own product overtakes the kernel before MAX_ROWS rows, by (active CPU kernel copy,
+# dtype): on CPUs with bfloat16 dot-product instructions (the avx512_bf16 copy) oneDNN's bfloat16
+# GEMM multiplies eight rows faster than the kernel (0.79-0.87x at 8 rows, 0.61-0.81x at 16, 1.1-1.7x
+# at 1-4; docs/checkpoints.md), while on AVX2 CPUs the kernel stays ahead up to 16 rows.
+_KERNEL_MAX_ROWS = {("avx512_bf16", torch.bfloat16): 4}
 
 _CPU_NATIVE = capabilities("cpu").native
 if _native.available:
@@ -73,23 +80,34 @@ def run_small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return F.linear(x, weight)
 
 
+def layer_max_rows(dtype: torch.dtype, kernel_copy: str | None) -> int:
+    """The most rows for which a :class:`SmallBatchLinear` layer of weights in ``dtype`` takes the
+    kernel with CPU kernel copy ``kernel_copy`` (``build_info()["cpu_isa_active"]``; None: no native
+    library, 0): ``MAX_ROWS``, or fewer where torch's own product measured faster from some number of
+    rows on."""
+    if kernel_copy is None:
+        return 0
+    return _KERNEL_MAX_ROWS.get((kernel_copy, dtype), MAX_ROWS)
+
+
 class SmallBatchLinear(nn.Module):
     """A linear layer (its own ``weight`` and ``bias`` parameters, shared, not copied) whose
-    products with at most ``MAX_ROWS`` rows on the CPU run :func:`small_batch_linear`."""
+    products with at most :func:`layer_max_rows` rows on the CPU run :func:`small_batch_linear`
+    (with the CPU kernel copy active when the layer was made)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.kernel_copy = CPU_ISAS[torch.ops.kvcache_ext.cpu_isa()] if _CPU_NATIVE else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
         weight = self.weight
         if (
-            1 <= rows <= MAX_ROWS
+            1 <= rows <= layer_max_rows(weight.dtype, self.kernel_copy)
             and x.is_cpu
-            and _CPU_NATIVE
             and x.dtype == weight.dtype
             and x.dtype in SUPPORTED_DTYPES
             and weight.stride(-1) == 1

@@ -14,6 +14,7 @@ from kvcache_ext.linear import (
     MAX_ROWS,
     SmallBatchLinear,
     check_small_batch_linear,
+    layer_max_rows,
     small_batch_linear,
     use_small_batch_linear,
 )
@@ -117,6 +118,25 @@ def test_a_layer_takes_the_kernel_for_few_rows_and_f_linear_otherwise():
     x = torch.randn(2, 24, requires_grad=True)
     layer(x).sum().backward()  # autograd goes through F.linear
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layer_leaves_to_f_linear_the_rows_it_multiplies_faster_on_the_copy(isa, dtype):
+    g = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(40, 24, bias=False).to(dtype)
+    layer = SmallBatchLinear(linear)
+    limit = layer_max_rows(dtype, isa)
+    assert layer.kernel_copy == isa
+    assert limit == (4 if (isa, dtype) == ("avx512_bf16", torch.bfloat16) else 16)
+    with torch.inference_mode():
+        for rows in (1, limit, limit + 1, 16):
+            x = torch.randn(rows, 40, generator=g).to(dtype)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = layer(x)
+            ran = {event.name for event in prof.events()}
+            assert ("kvcache_ext::small_batch_linear" in ran) == (rows <= limit), (rows, limit)
+            torch.testing.assert_close(out, F.linear(x, linear.weight))
+    assert layer_max_rows(dtype, None) == 0
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
