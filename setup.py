@@ -59,6 +59,7 @@ if x86:
         "csrc/cpu/latent_attention_avx512bf16.cpp",
         "csrc/cpu/small_batch_linear_avx2.cpp",
         "csrc/cpu/small_batch_linear_avx512.cpp",
+        "csrc/cpu/small_batch_linear_avx512bf16.cpp",
     ]
     isas = ["avx512_bf16", "avx512", "avx2", "baseline"]
 # No -march=native: the wheel must run on any CPU of its architecture; the AVX2/AVX-512

@@ -8,6 +8,8 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -27,6 +29,7 @@ KVCACHE_EXT_DECLARE_LINEAR_ISA(baseline)
 #if defined(__x86_64__)
 KVCACHE_EXT_DECLARE_LINEAR_ISA(avx2)
 KVCACHE_EXT_DECLARE_LINEAR_ISA(avx512)
+KVCACHE_EXT_DECLARE_LINEAR_ISA(avx512bf16)
 #endif
 #undef KVCACHE_EXT_DECLARE_LINEAR_ISA
 
@@ -40,7 +43,7 @@ constexpr int64_t kFeaturesPerItem = 64;
 LinearRangeFn linear_kernel(ElemType elem) {
   switch (active_isa()) {
 #if defined(__x86_64__)
-    case Isa::kAvx512Bf16:  // the AVX-512 copy: the weights are widened exactly either way
+    case Isa::kAvx512Bf16: return avx512bf16::small_batch_linear_kernel(elem);
     case Isa::kAvx512: return avx512::small_batch_linear_kernel(elem);
     case Isa::kAvx2: return avx2::small_batch_linear_kernel(elem);
 #endif
@@ -70,11 +73,19 @@ Tensor small_batch_linear(Tensor x, Tensor weight) {
   if (N == 0) return out;
   std::vector<float> x_float(static_cast<size_t>(M * K));  // a few KB; the weight is what is large
   quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
+  // bfloat16 x as its bits again, for the copies that multiply bfloat16 pairs (exact: widened above).
+  std::vector<uint16_t> x_bf16(elem == ElemType::kBFloat16 ? static_cast<size_t>(M * K) : 0);
+  for (size_t i = 0; i < x_bf16.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &x_float[i], sizeof bits);
+    x_bf16[i] = static_cast<uint16_t>(bits >> 16);
+  }
   const bool float_out = elem == ElemType::kFloat32;
   std::vector<float> out_float(float_out ? 0 : static_cast<size_t>(M * N));
 
   LinearProblem p{};
   p.x = x_float.data();
+  p.x_bf16 = x_bf16.empty() ? nullptr : x_bf16.data();
   p.rows = M, p.in_features = K, p.out_features = N;
   p.weight = weight.const_data_ptr();
   p.weight_stride = N == 1 ? K : weight.stride(0);

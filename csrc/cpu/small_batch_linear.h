@@ -15,6 +15,7 @@ constexpr int64_t kMaxLinearRows = 16;
 
 struct LinearProblem {
   const float* x;         // [rows, in_features], float32, contiguous
+  const uint16_t* x_bf16; // the same as bfloat16 bits where elem is bfloat16 (exact: x was bfloat16); else null
   int64_t rows;           // 1 .. kMaxLinearRows
   int64_t in_features;    // >= 1
   const void* weight;     // [out_features, in_features] of `elem`, rows weight_stride elements apart

@@ -1,5 +1,4 @@
-// The small-batch linear kernel compiled for AVX-512 (Skylake-SP and newer servers, Zen 4); the
-// AVX512-BF16 level runs it too (its weights are widened exactly, as the other copies widen them).
+// The small-batch linear kernel compiled for AVX-512 (Skylake-SP and newer servers, Zen 4).
 // System headers and the shared headers come first (see decode_attention_avx2.cpp).
 #include <algorithm>
 #include <cstdint>
