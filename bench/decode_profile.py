@@ -3,10 +3,12 @@ checkpoint, batch 1 and 8, at depth 0 and 4096, in bfloat16 and float32, on 1 an
 
     python bench/decode_profile.py [--dir DIR] [--layers 16] [--batches 1,8] [--depths 0,4096]
                                    [--dtypes bfloat16,float32] [--threads 1,2] [--steps 6]
+                                   [--torch-linear]
 
 The directory is bench/checkpoint_load.py's Llama-3.2-1B-shaped checkpoint (random weights; written
-there if missing): python_ref's Llama loaded by ``load_checkpoint``, a ``KVCache`` in the model's
-dtype. The cache is filled to the depth with seeded random keys and values through its storage (as
+there if missing): python_ref's Llama loaded by ``load_checkpoint``, its linear layers through
+``small_batch_linear`` as ``Pretrained.load`` (and so ``kvcache-ext generate``) runs them
+(``--torch-linear``: torch's ``F.linear``), a ``KVCache`` in the model's dtype. The cache is filled to the depth with seeded random keys and values through its storage (as
 bench/llama_cpp_comparison.py fills it: attention's cost does not depend on what they hold), then
 one token per row is decoded per step and the next token chosen by argmax.
 
@@ -44,6 +46,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import kvcache_ext
 from kvcache_ext.benchmarks.common import cpu_model
+from kvcache_ext.linear import use_small_batch_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from checkpoint_load import write_llama_1b  # noqa: E402
@@ -199,6 +202,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--torch-linear", action="store_true", help="the weights' products by F.linear")
     args = parser.parse_args()
     from python_ref.checkpoint import load_checkpoint
 
@@ -208,7 +212,11 @@ def main() -> None:
         f"{cpu_model()}, the {kvcache_ext.build_info().get('cpu_isa_active', 'no')} copy of the kernels, copy bandwidth {bandwidth:.1f} GB/s, ",
         end="",
     )
-    print(f"torch {torch.__version__}; Llama-3.2-1B shape, {args.layers} layers; median of {args.steps} steps\n")
+    products = "F.linear" if args.torch_linear else "small_batch_linear (F.linear past its rows)"
+    print(
+        f"torch {torch.__version__}; Llama-3.2-1B shape, {args.layers} layers; weights' products: {products}; "
+        f"median of {args.steps} steps\n"
+    )
     print("Share of the step (%) per kind of work; *roofline*: the step's memory roofline over its time.\n")
     columns = [*KINDS, "Python and dispatch"]
     print("| dtype | threads | batch | depth | step ms | " + " | ".join(columns) + " | roofline |")
@@ -216,6 +224,8 @@ def main() -> None:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         model = load_checkpoint(args.dir, dtype=dtype)
+        if not args.torch_linear:
+            use_small_batch_linear(model)
         label_modules(model)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         for threads in map(int, args.threads.split(",")):

@@ -14,14 +14,14 @@ namespace kvcache_ext::cpu {
 constexpr int64_t kMaxLinearRows = 16;
 
 struct LinearProblem {
-  const float* x;         // [rows, in_features], float32, contiguous
-  const uint16_t* x_bf16; // the same as bfloat16 bits where elem is bfloat16 (exact: x was bfloat16); else null
-  int64_t rows;           // 1 .. kMaxLinearRows
-  int64_t in_features;    // >= 1
-  const void* weight;     // [out_features, in_features] of `elem`, rows weight_stride elements apart
-  int64_t weight_stride;  // elements between consecutive weight rows (>= in_features)
-  ElemType elem;          // the weight's element type
-  float* out;             // [rows, out_features], float32, contiguous
+  const float* x;          // [rows, in_features], float32, contiguous
+  const uint16_t* x_bf16;  // the same as bfloat16 bits where elem is bfloat16 (exact: x was bfloat16); else null
+  int64_t rows;            // 1 .. kMaxLinearRows
+  int64_t in_features;     // >= 1
+  const void* weight;      // [out_features, in_features] of `elem`, rows weight_stride elements apart
+  int64_t weight_stride;   // elements between consecutive weight rows (>= in_features)
+  ElemType elem;           // the weight's element type
+  float* out;              // [rows, out_features], float32, contiguous
   int64_t out_features;
 };
 
