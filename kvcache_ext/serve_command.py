@@ -27,8 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=positive_int, default=None, help="bytes of KV blocks in the pool (default: 1 GiB)"
     )
     pool.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks in the pool")
-    parser.add_argument(
+    reuse = parser.add_mutually_exclusive_group()
+    reuse.add_argument(
         "--disk-tier", default=None, help="a directory keeping the prefix cache's blocks across restarts"
+    )
+    reuse.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (the baseline that shows what prefix caching saves)",
     )
     parser.add_argument("--disk-tier-bytes", type=positive_int, default=None, help="the disk tier's size bound")
     parser.add_argument(
@@ -71,10 +78,12 @@ def run(args) -> int:
         max_queued=args.max_queued,
         max_batch_size=args.max_running,
         chunk_size=args.chunk_size,
+        prefix_caching=args.prefix_caching,
     )
     print(
         f"[{pretrained.directory.name}: {describe_weights(pretrained)}, KV {args.kv_dtype or pretrained.dtype}, {num_blocks} blocks "
-        f"of {args.block_size} tokens ({cache.bytes_allocated() / 2**20:.0f} MiB); load {pretrained.load_seconds:.1f} s] "
+        f"of {args.block_size} tokens ({cache.bytes_allocated() / 2**20:.0f} MiB)"
+        f"{'' if args.prefix_caching else ', no prefix caching'}; load {pretrained.load_seconds:.1f} s] "
         f"serving on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )

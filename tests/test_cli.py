@@ -145,6 +145,7 @@ ANSWERED_WITHOUT_TORCH = [
     (["generate", "model", "--prompt", "x", "--kv-dtype", "int3"], 2, "argument --kv-dtype: invalid choice: 'int3'"),
     (["chat", "model", "--kv-dtype", "int4_kivi"], 2, "argument --kv-dtype: invalid choice: 'int4_kivi'"),
     (["serve", "model", "--num-blocks", "4", "--kv-cache-memory", "9"], 2, "not allowed with argument"),
+    (["serve", "model", "--disk-tier", "t", "--no-prefix-caching"], 2, "--no-prefix-caching: not allowed with"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
     (["demo", "--no-such-option"], 2, "unrecognized arguments: --no-such-option"),
     (["demo", "--kv-dtype", "int3"], 2, "argument --kv-dtype: invalid choice: 'int3'"),

@@ -104,6 +104,23 @@ def test_restart_on_a_disk_tier_reuses_a_long_prompt(checkpoint, tmp_path):
     assert second_exit["status"] == 0
 
 
+def test_no_prefix_caching_computes_a_repeated_prompt_in_full(checkpoint):
+    prompt = " ".join(f"word{i}" for i in range(28))  # many full blocks a prefix cache would keep
+    with (
+        serve(checkpoint, "--num-blocks", "256", "--block-size", "8", "--no-prefix-caching") as url,
+        client_of(url) as client,
+    ):
+        answers = [
+            client.completions.create(model=checkpoint.name, prompt=prompt, max_tokens=4, temperature=0)
+            for _ in range(2)
+        ]
+        assert [answer.usage.prompt_tokens_details.cached_tokens for answer in answers] == [0, 0]
+        assert answers[1].choices[0].text == answers[0].choices[0].text
+        values = wait_until_idle(url)
+        assert values["kvcache_ext_prompt_tokens_computed_total"] == 2 * answers[0].usage.prompt_tokens
+        assert sum(value for name, value in values.items() if name.startswith("kvcache_ext_prefix_tokens_reused")) == 0
+
+
 def test_sigterm_lets_a_running_stream_finish_refuses_new_requests_and_writes_the_tier(checkpoint, tmp_path):
     prompt = " ".join(f"word{i}" for i in range(9))  # its greedy answer runs about 80 tokens
     choices, max_tokens = 16, 120  # 16 choices of about 80 tokens: a stream of about 2 s here
