@@ -30,7 +30,7 @@ its own (so lengths vary only where a stop token is drawn). The load is closed o
 Each request is bounded by the client's timeout and each level by ``--level-seconds`` (requests not
 started by then are not sent, and count as not run). ``--soak-seconds S`` (with one arrival rate) runs
 a single open-loop level for S seconds and samples the server's resident memory every ``--rss-every``
-seconds: its first and last minute and its peak, to show whether it grows.
+seconds: the median of each minute, to show whether it grows.
 
 Per level: requests answered and failed, requests/s and output tokens/s over the level's wall time
 (``usage.completion_tokens``), the mean prompt tokens, time to first token (request sent to first
@@ -349,15 +349,18 @@ def table(rows: list[dict], load: str) -> str:
 
 
 def rss_summary(rss: list[tuple[float, int]]) -> str:
-    """The resident memory's median over the first and the last minute, and its peak, in MiB."""
+    """The resident memory's median over each minute, in MiB, and its change from the first minute
+    to the last."""
     if not rss:
         return "no RSS samples"
-    first = [kib for at, kib in rss if at <= rss[0][0] + 60]
-    last = [kib for at, kib in rss if at >= rss[-1][0] - 60]
+    minutes: dict[int, list[int]] = {}
+    for at, kib in rss:
+        minutes.setdefault(int(at // 60), []).append(kib)
+    medians = [statistics.median(values) / 1024 for _, values in sorted(minutes.items())]
     return (
-        f"server RSS over {rss[-1][0]:.0f} s ({len(rss)} samples): first minute median "
-        f"{statistics.median(first) / 1024:.1f} MiB, last minute median {statistics.median(last) / 1024:.1f} MiB "
-        f"({(statistics.median(last) - statistics.median(first)) / 1024:+.1f}), highest {max(k for _, k in rss) / 1024:.1f} MiB"
+        f"server RSS over {rss[-1][0]:.0f} s ({len(rss)} samples), the median of each minute in MiB: "
+        f"{', '.join(f'{m:.0f}' for m in medians)} (last minus first {medians[-1] - medians[0]:+.0f} MiB); "
+        f"highest {max(kib for _, kib in rss) / 1024:.0f} MiB"
     )
 
 
