@@ -108,9 +108,11 @@ def op(namespace: dict, kernels: tuple[bool, bool], reference: Callable, outputs
         buffer = 1 if next(iter(signature.parameters)) == "q" else 0
         sinks = list(signature.parameters).index("sinks") if "sinks" in signature.parameters else None
         cpu, cuda = kernels
+        count = len(signature.parameters)
 
         def run(*args, **kwargs):
-            args = complete(args, kwargs)
+            if kwargs or len(args) != count:
+                args = complete(args, kwargs)
             device_of = args[buffer]
             if (device_of.is_cpu and cpu) or (device_of.is_cuda and cuda):
                 if sinks is not None and args[sinks] is not None:  # the schemas take float32 sinks

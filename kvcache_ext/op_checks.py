@@ -82,28 +82,27 @@ def check_lengths(lengths: torch.Tensor, batch: int, device: torch.device) -> No
         raise ValueError(f"lengths must be on the cache's device {device}, got {lengths.device}")
 
 
-def _check_values(values, bad, device_message: str, row_message) -> None:
-    """Where no kernel checks them (see the contract above): on the CPU without the native library,
-    ``bad`` (a predicate of the values) refused by ``row_message(value, row)``; on CUDA, with
-    ``KVCACHE_EXT_DEBUG=1``, an asynchronous device-side assert (no host synchronisation)."""
+def _check_values(values, bad, message) -> None:
+    """Where no kernel checks them (see the contract in ops.py): on the CPU without the native library,
+    no value ``bad`` (a predicate of the values), else ``ValueError(message(", got V for row R"))``;
+    on CUDA, with ``KVCACHE_EXT_DEBUG=1``, an asynchronous device-side assert (no host synchronisation)."""
     if values.device.type == "cpu":
         if capabilities("cpu").native:
             return
         rows = bad(values).nonzero()
         if len(rows):
             row = int(rows[0, 0])
-            raise ValueError(row_message(int(values[row]), row))
+            raise ValueError(message(f", got {int(values[row])} for row {row}"))
     elif os.environ.get(DEBUG_ENV) == "1":
-        torch._assert_async((~bad(values)).all(), device_message)
+        torch._assert_async((~bad(values)).all(), "kvcache_ext: " + message(""))
 
 
 def check_length_values(lengths: torch.Tensor, lowest: int, what: str) -> None:
-    """``lowest <= lengths <= 2**62`` (see the contract above) where no kernel checks it."""
+    """``lowest <= lengths <= 2**62`` (see the contract in ops.py) where no kernel checks it."""
     _check_values(
         lengths,
         lambda v: (v < lowest) | (v > MAX_LENGTH),
-        f"kvcache_ext: lengths must count {what}: between {lowest} and 2^62",
-        lambda value, row: f"lengths must count {what}: between {lowest} and 2^62, got {value} for row {row}",
+        lambda got: f"lengths must count {what}: between {lowest} and 2^62{got}",
     )
 
 
@@ -128,8 +127,7 @@ def check_new_count_values(new_counts, num_new: int) -> None:
         _check_values(
             new_counts,
             lambda v: (v < 0) | (v > num_new),
-            f"kvcache_ext: new_counts must be between 0 and num_new={num_new}",
-            lambda value, row: f"new_counts must be between 0 and num_new={num_new}, got {value} for row {row}",
+            lambda got: f"new_counts must be between 0 and num_new={num_new}{got}",
         )
 
 
@@ -341,14 +339,14 @@ def _check_latent_widths(table, max_key_dim: int, key_dim: int, value_dim) -> No
 
 
 def check_latent_rows(rows, name: str, layout: str, q, max_key_dim: str, value_dim) -> None:
-    """A latent cache or pool ``rows`` (``layout``) of a dtype of the table, q (None: an append's) in
-    its dtype, its widths for kernels up to the table's ``max_key_dim``, a contiguous last dimension."""
+    """A latent cache or pool ``rows`` (``layout``) of a dtype of the table (a cache's queries ``q`` in
+    it), its widths for kernels up to the table's ``max_key_dim``, a contiguous last dimension."""
     if rows.dim() != 4:
         raise ValueError(f"{name} must be {layout}, got shape {tuple(rows.shape)}")
     table = capabilities(rows.device)
     if rows.dtype not in table.dtypes:
         raise TypeError(f"{name} must be one of {table.dtypes}, got {rows.dtype}")
-    if q is not None and name == "cache":
+    if name == "cache":
         check_q_dtype(q, rows.dtype)
     _check_latent_widths(table, getattr(table, max_key_dim), rows.shape[3], value_dim)
     if name == "cache":
