@@ -76,19 +76,6 @@ def _check_rows_fit(lengths, extra, S: int, what: str) -> None:
         )
 
 
-def _check_rows_fit(lengths, extra, S: int, what: str) -> None:
-    """On the CPU, that every row's tokens (``lengths + extra``) fit the ``S`` slots: no ring."""
-    if lengths.device.type != "cpu":
-        return
-    held = lengths + extra
-    over = (held > S).nonzero()
-    if len(over):
-        row = int(over[0, 0])
-        raise ValueError(
-            f"a KIVI cache holds at most {S} tokens per row (no ring): row {row} would hold {int(held[row])} {what}"
-        )
-
-
 def _append_kivi_reference(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts):
     fmt = _KIVI_FORMAT_OF_DTYPE[v_data.dtype]
     quant.append_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, fmt, new_counts)
