@@ -18,8 +18,10 @@ the decorator's data :func:`op` derives, into the declaring module:
 * ``X``: ``check_X`` then ``run_X`` (looked up in the module at each call, so that a patched ``run_X``
   is the one run), the function the package exports;
 * the fake (``torch.library.register_fake``): all tensors on one device, then ``outputs`` of the
-  arguments by name
-  (None: the op writes in place and returns nothing).
+  arguments by name (None: the op writes in place and returns nothing).
+
+An op the loaded library has no schema for (one whose kernel is still to come) runs its reference
+everywhere and has no fake; ``kernels`` claiming a device for it is an error at import.
 """
 
 from __future__ import annotations
@@ -104,7 +106,10 @@ def op(namespace: dict, kernels: tuple[bool, bool], reference: Callable, outputs
             reference_run = outputs.reference(reference, list(signature.parameters))
         else:
             reference_run = reference
-        kernel = _kernel(entry) if any(kernels) else None
+        schema = _native.available and hasattr(torch.ops.kvcache_ext, name)
+        if any(kernels) and not schema:
+            raise ImportError(f"kvcache_ext: {name} is declared with kernels {kernels} but has no schema")
+        kernel = _kernel(entry) if schema else None
         buffer = 1 if next(iter(signature.parameters)) == "q" else 0
         sinks = list(signature.parameters).index("sinks") if "sinks" in signature.parameters else None
         cpu, cuda = kernels
@@ -137,7 +142,7 @@ def op(namespace: dict, kernels: tuple[bool, bool], reference: Callable, outputs
         namespace[f"check_{name}"] = check
         check.__name__ = check.__qualname__ = f"check_{name}"
         check.__doc__ = f"Every check :func:`{name}` makes of its arguments; changes nothing."
-        if _native.available:
+        if schema:
             torch.library.register_fake(f"kvcache_ext::{name}")(_fake(signature, complete, outputs))
         return checked
 
