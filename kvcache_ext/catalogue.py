@@ -14,7 +14,8 @@ the decorator's data :func:`op` derives, into the declaring module:
 * ``check_X``: the body (raises ``ValueError``/``TypeError``, returns None, changes nothing);
 * ``run_X``: no check; the kernel ``torch.ops.kvcache_ext.X`` where ``kernels`` says one serves the
   device of the op's first buffer (the first argument, or the second after ``q``), decided once at
-  import, else ``reference`` (python_ref's implementation, called with the op's arguments);
+  import, else ``reference`` (python_ref's implementation, called with the op's arguments; an
+  attention's as :class:`Attention` says);
 * ``X``: ``check_X`` then ``run_X`` (looked up in the module at each call, so that a patched ``run_X``
   is the one run), the function the package exports;
 * the fake (``torch.library.register_fake``): all tensors on one device, then ``outputs`` of the
