@@ -540,4 +540,29 @@ inline void check_paged_quantized_queries(const torch::stable::Tensor& q, const 
   check_device(lengths, "lengths");
 }
 
+// paged_append_kv_quantized's new keys/values against a quantized pool of head_dim D in blocks of
+// 2^shift positions, its block tables, lengths and new_counts: shapes, dtypes, devices (not the
+// values: each binding reads them). Returns the number of new tokens.
+template <typename CheckDevice>
+inline int64_t check_paged_quantized_append(const torch::stable::Tensor& k_data, int64_t D, int64_t shift,
+                                            const torch::stable::Tensor& k_new, const torch::stable::Tensor& v_new,
+                                            const torch::stable::Tensor& block_tables,
+                                            const torch::stable::Tensor& lengths,
+                                            const std::optional<torch::stable::Tensor>& new_counts,
+                                            CheckDevice check_device) {
+  const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
+  check_device(k_new, "k_new");
+  check_device(v_new, "v_new");
+  const int64_t B = k_new.size(0);
+  check_block_tables(block_tables, B, shift);
+  check_device(block_tables, "block_tables");
+  check_row_counts(lengths, B, "lengths");
+  check_device(lengths, "lengths");
+  if (new_counts.has_value()) {
+    check_row_counts(*new_counts, B, "new_counts");
+    check_device(*new_counts, "new_counts");
+  }
+  return T;
+}
+
 }  // namespace kvcache_ext

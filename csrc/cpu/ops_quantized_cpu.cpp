@@ -151,14 +151,8 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
   check_rotated_head_dim(rotate_keys, D);
   const int64_t num_blocks = k_data.size(0);
-  const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
-  check_cpu_tensor(k_new, "k_new");
-  check_cpu_tensor(v_new, "v_new");
-  const int64_t B = k_new.size(0);
-  check_block_tables(block_tables, B, shift);
-  check_cpu_tensor(block_tables, "block_tables");
-  check_row_vector(lengths, B, "lengths");
-  if (new_counts.has_value()) check_row_vector(*new_counts, B, "new_counts");
+  const int64_t T =
+      check_paged_quantized_append(k_data, D, shift, k_new, v_new, block_tables, lengths, new_counts, check_cpu_tensor);
   const PagedRows written = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
   const int64_t in_block = (int64_t{1} << shift) - 1;
   quantize_into(

@@ -480,16 +480,10 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
   check_rotated_head_dim(rotate_keys, D);
   const int64_t num_blocks = k_data.size(0), H = k_data.size(1);
-  const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
+  const auto on_pool_device = [&](const Tensor& t, const char* what) { check_on_device(t, what, k_data); };
+  const int64_t T =
+      check_paged_quantized_append(k_data, D, shift, k_new, v_new, block_tables, lengths, new_counts, on_pool_device);
   const int64_t B = k_new.size(0);
-  check_block_tables(block_tables, B, shift);
-  check_row_counts(lengths, B, "lengths");
-  if (new_counts.has_value()) check_row_counts(*new_counts, B, "new_counts");
-  check_on_device(k_new, "k_new", k_data);
-  check_on_device(v_new, "v_new", k_data);
-  check_on_device(block_tables, "block_tables", k_data);
-  check_on_device(lengths, "lengths", k_data);
-  if (new_counts.has_value()) check_on_device(*new_counts, "new_counts", k_data);
 
   torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
   const PagedRows rows = checked_append_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
