@@ -475,4 +475,94 @@ inline void check_rotated_head_dim(bool rotate_keys, int64_t head_dim) {
                   head_dim);
 }
 
+// ---- the attention ops' queries, as both bindings check them ----------------------------------
+// Each takes the binding's check of a tensor's device, check_device(t, name) (the CPU binding's: a
+// CPU tensor; the CUDA one's: on the cache's GPU), and makes it where the binding made it before, so
+// that a call with one bad argument is refused with the same message on either device.
+
+// The sizes of a contiguous cache's attention: the cache's, then q's heads and new tokens.
+struct QueryProblem {
+  int64_t batch, kv_heads, slots, head_dim, q_heads, num_new;
+};
+
+// decode_attention's q against the cache pair (batch, kv_heads, slots, head_dim), and the window:
+// q's rank, device, shape and dtype, at least one new token and no more than the slots, the GQA
+// grouping. (softcap and sinks: check_softcap_and_sinks, where each binding checks them.)
+template <typename CheckDevice>
+inline QueryProblem check_decode_queries(const torch::stable::Tensor& q, const torch::stable::Tensor& k_cache,
+                                         std::optional<int64_t> window, CheckDevice check_device) {
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
+  check_device(q, "q");
+  const QueryProblem s{k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3), q.size(1), q.size(2)};
+  STD_TORCH_CHECK(q.size(0) == s.batch && q.size(3) == s.head_dim, "q must be (batch=", s.batch,
+                  ", q_heads, num_new, head_dim=", s.head_dim, ") to match the cache ", shape_of(k_cache), ", got ",
+                  shape_of(q));
+  STD_TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q must have the cache's dtype ",
+                  dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
+  STD_TORCH_CHECK(s.num_new >= 1, "q must hold at least one new token");
+  check_new_tokens_fit(s.num_new, s.slots);
+  check_query_heads(s.q_heads, s.kv_heads);
+  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  return s;
+}
+
+// decode_attention_quantized's q against a quantized cache of head_dim D (k_data: its codes), and the
+// options: q's rank, device and shape, check_quantized_queries, the new tokens fitting the slots.
+template <typename CheckDevice>
+inline void check_quantized_cache_queries(const torch::stable::Tensor& q, const torch::stable::Tensor& k_data,
+                                          int64_t D, std::optional<int64_t> window, std::optional<double> softcap,
+                                          const std::optional<torch::stable::Tensor>& sinks, CheckDevice check_device) {
+  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
+  check_device(q, "q");
+  const int64_t B = k_data.size(0);
+  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
+                  ") to match the cache, got ", shape_of(q));
+  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
+  check_new_tokens_fit(q.size(2), k_data.size(2));
+}
+
+// paged_decode_attention_quantized's q against a quantized pool of head_dim D (k_data: its codes)
+// in blocks of 2^shift positions, the options, the block tables and lengths: shapes, dtypes,
+// devices (not the values: each binding reads them).
+template <typename CheckDevice>
+inline void check_paged_quantized_queries(const torch::stable::Tensor& q, const torch::stable::Tensor& k_data,
+                                          int64_t D, int64_t shift, const torch::stable::Tensor& block_tables,
+                                          const torch::stable::Tensor& lengths, std::optional<int64_t> window,
+                                          std::optional<double> softcap,
+                                          const std::optional<torch::stable::Tensor>& sinks, CheckDevice check_device) {
+  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
+                  shape_of(q));
+  check_device(q, "q");
+  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
+  check_attention_block_tables(block_tables, q.size(0), shift, q.size(2));
+  check_device(block_tables, "block_tables");
+  check_row_counts(lengths, q.size(0), "lengths");
+  check_device(lengths, "lengths");
+}
+
+// paged_append_kv_quantized's new keys/values against a quantized pool of head_dim D in blocks of
+// 2^shift positions, its block tables, lengths and new_counts: shapes, dtypes, devices (not the
+// values: each binding reads them). Returns the number of new tokens.
+template <typename CheckDevice>
+inline int64_t check_paged_quantized_append(const torch::stable::Tensor& k_data, int64_t D, int64_t shift,
+                                            const torch::stable::Tensor& k_new, const torch::stable::Tensor& v_new,
+                                            const torch::stable::Tensor& block_tables,
+                                            const torch::stable::Tensor& lengths,
+                                            const std::optional<torch::stable::Tensor>& new_counts,
+                                            CheckDevice check_device) {
+  const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
+  check_device(k_new, "k_new");
+  check_device(v_new, "v_new");
+  const int64_t B = k_new.size(0);
+  check_block_tables(block_tables, B, shift);
+  check_device(block_tables, "block_tables");
+  check_row_counts(lengths, B, "lengths");
+  check_device(lengths, "lengths");
+  if (new_counts.has_value()) {
+    check_row_counts(*new_counts, B, "new_counts");
+    check_device(*new_counts, "new_counts");
+  }
+  return T;
+}
+
 }  // namespace kvcache_ext

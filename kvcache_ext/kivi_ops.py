@@ -3,7 +3,8 @@
 ``check_X`` (every check, changing nothing), ``run_X`` (the native op, or python_ref's KIVI reference
 where no kernel serves the device) and ``X`` (both). The buffers, in op order: ``k_codes``,
 ``k_scales``, ``k_recent``, ``v_data``, ``v_scales``; the code format follows from ``v_data``'s dtype
-(int8, float8_e4m3fn, uint8 = packed int4). No ring: a row holds at most ``slots`` tokens."""
+(int8, float8_e4m3fn, uint8 = packed int4). No ring: a row holds at most ``slots`` tokens. Each op is
+declared once, as those of ``kvcache_ext.ops`` (``kvcache_ext/catalogue.py``)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,12 @@ import torch
 
 from python_ref import quantize as quant
 
-from . import _native
-from .capabilities import SUPPORTED_DTYPES, capabilities
-from .ops import (
-    _attention_outputs_like,
-    _check_one_device,
-    check_length_values,
-    check_lengths,
-    check_new_count_values,
-    check_new_counts,
-    check_queries,
-)
+from .capabilities import capabilities
+from .catalogue import Attention, op, served
+from .op_checks import check_append_rows, check_attention, check_new_kv, check_not_expanded, check_q_dtype
 
 _KIVI_FORMAT_OF_DTYPE = {torch.int8: "int8_kivi", torch.float8_e4m3fn: "fp8_e4m3_kivi", torch.uint8: "int4_kivi"}
-_CPU_KIVI = capabilities("cpu").native and bool(capabilities("cpu").kivi_kv_formats)
-if _CPU_KIVI:
-    _append_kv_kivi_op = torch.ops.kvcache_ext.append_kv_kivi.default
-    _decode_attention_kivi_op = torch.ops.kvcache_ext.decode_attention_kivi.default
+KIVI = served(lambda table: bool(table.kivi_kv_formats))
 
 
 def check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales) -> tuple[str, int, int]:
@@ -58,8 +48,7 @@ def check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales) -> tuple[str
             )
         if t.device != v_data.device:
             raise ValueError(f"{name} must be on v_data's device {v_data.device}, got {t.device}")
-        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
-            raise ValueError(f"{name} must not be an expanded view (writes would collide)")
+        check_not_expanded(name, t)
     if k_codes.stride(4) != 1 or k_codes.stride(3) != k_codes.shape[4]:
         raise ValueError("k_codes needs each group's (head_dim, codes) block contiguous")
     if k_recent.stride(3) != 1 or v_data.stride(3) != 1:
@@ -87,120 +76,37 @@ def _check_rows_fit(lengths, extra, S: int, what: str) -> None:
         )
 
 
-def check_append_kv_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts=None):
-    """Every check of :func:`append_kv_kivi`'s arguments."""
-    _, D, S = check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales)
-    B, H = v_data.shape[:2]
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != D:
-            raise ValueError(f"{name} must be (batch={B}, kv_heads={H}, num_new, head_dim={D}), got {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES or t.dtype != k_new.dtype:
-            raise TypeError(
-                f"k_new and v_new must share one of {SUPPORTED_DTYPES}, got {k_new.dtype} and {v_new.dtype}"
-            )
-        if t.device != v_data.device:
-            raise ValueError(f"{name} must be on the cache's device {v_data.device}, got {t.device}")
-    T = k_new.shape[2]
-    if v_new.shape[2] != T:
-        raise ValueError(f"k_new and v_new must hold the same number of tokens, got {T} and {v_new.shape[2]}")
-    if T > S:
-        raise ValueError(f"cannot append {T} tokens at once to a cache of {S} slots")
-    check_lengths(lengths, B, v_data.device)
-    check_new_counts(new_counts, B, v_data.device)
-    check_length_values(lengths, 0, "the tokens already in each row")
-    check_new_count_values(new_counts, T)
-    _check_rows_fit(lengths, T if new_counts is None else new_counts, S, "tokens after the append")
+def _append_kivi_reference(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts):
+    fmt = _KIVI_FORMAT_OF_DTYPE[v_data.dtype]
+    quant.append_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, fmt, new_counts)
 
 
+@op(globals(), KIVI, _append_kivi_reference)
 def append_kv_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts=None) -> None:
     """Store token ``t < new_counts[b]`` (all without ``new_counts``) of ``k_new``/``v_new``
     ``(B, H_kv, T, D)`` at position ``lengths[b] + t``: exactly ``python_ref.quantize.append_kivi``."""
-    check_append_kv_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts)
-    run_append_kv_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts)
-
-
-def run_append_kv_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts=None):
-    """:func:`append_kv_kivi` on arguments that passed :func:`check_append_kv_kivi`."""
-    if v_data.is_cpu and _CPU_KIVI:
-        _append_kv_kivi_op(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts)
-    else:
-        fmt = _KIVI_FORMAT_OF_DTYPE[v_data.dtype]
-        quant.append_kivi(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, fmt, new_counts)
-
-
-def check_decode_attention_kivi(
-    q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
-) -> None:
-    """Every check of :func:`decode_attention_kivi`'s arguments."""
     _, D, S = check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales)
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
     B, H = v_data.shape[:2]
-    check_queries(q, B, H, S, D, v_data.device, window, scale, softcap, sinks)
-    check_lengths(lengths, B, v_data.device)
-    check_length_values(lengths, q.shape[2], "the tokens of each row, the new ones included")
-    _check_rows_fit(lengths, 0, S, "tokens")
+    T = check_new_kv(k_new, v_new, B, H, (D, D), None, v_data.device)
+    check_append_rows(lengths, new_counts, B, T, S, v_data.device)
+    _check_rows_fit(lengths, T if new_counts is None else new_counts, S, "tokens after the append")
 
 
+def _kivi_attention_reference(q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, *rest, **options):
+    # rest: window, scale; the format goes before them
+    fmt = _KIVI_FORMAT_OF_DTYPE[v_data.dtype]
+    return quant.reference_kivi_attention(
+        q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, fmt, *rest, **options
+    )
+
+
+@op(globals(), KIVI, _kivi_attention_reference, Attention("q"))
 def decode_attention_kivi(
     q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
 ):
     """``decode_attention`` over a KIVI cache: ``python_ref.quantize.reference_kivi_attention``.
     Returns ``(out, lse)`` (``out`` in q's dtype, ``lse`` float32)."""
-    check_decode_attention_kivi(
-        q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, window, scale, softcap, sinks
-    )
-    return run_decode_attention_kivi(
-        q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, window, scale, softcap, sinks
-    )
-
-
-def run_decode_attention_kivi(
-    q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
-):
-    """:func:`decode_attention_kivi` on arguments that passed :func:`check_decode_attention_kivi`."""
-    if v_data.is_cpu and _CPU_KIVI:
-        return _decode_attention_kivi_op(
-            q,
-            k_codes,
-            k_scales,
-            k_recent,
-            v_data,
-            v_scales,
-            lengths,
-            window,
-            None if scale is None else float(scale),
-            None if softcap is None else float(softcap),
-            None if sinks is None else sinks.float(),
-        )
-    out, lse = quant.reference_kivi_attention(
-        q,
-        k_codes,
-        k_scales,
-        k_recent,
-        v_data,
-        v_scales,
-        lengths,
-        _KIVI_FORMAT_OF_DTYPE[v_data.dtype],
-        window,
-        scale,
-        return_lse=True,
-        softcap=softcap,
-        sinks=sinks,
-    )
-    return out, lse.float()
-
-
-if _native.available:
-
-    @torch.library.register_fake("kvcache_ext::append_kv_kivi")
-    def _append_kv_kivi_fake(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts=None):
-        _check_one_device(k_codes, k_scales, k_recent, v_data, v_scales, k_new, v_new, lengths, new_counts)
-        return None
-
-    @torch.library.register_fake("kvcache_ext::decode_attention_kivi")
-    def _decode_attention_kivi_fake(
-        q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, window=None, scale=None, softcap=None, sinks=None
-    ):
-        _check_one_device(q, k_codes, k_scales, k_recent, v_data, v_scales, lengths, sinks)
-        return _attention_outputs_like(q)
+    _, D, S = check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales)
+    check_q_dtype(q, None)
+    check_attention(q, lengths, *v_data.shape[:2], S, D, v_data.device, window, scale, softcap, sinks)
+    _check_rows_fit(lengths, 0, S, "tokens")

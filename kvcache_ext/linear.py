@@ -22,6 +22,7 @@ from torch import nn
 from . import _native
 from ._native import CPU_ISAS
 from .capabilities import SUPPORTED_DTYPES, capabilities
+from .catalogue import op, served
 
 MAX_ROWS = 16  # csrc/cpu/small_batch_linear.h: kMaxLinearRows
 
@@ -35,13 +36,18 @@ _CPU_NATIVE = capabilities("cpu").native
 if _native.available:
     _small_batch_linear_op = torch.ops.kvcache_ext.small_batch_linear.default
 
-    @torch.library.register_fake("kvcache_ext::small_batch_linear")
-    def _small_batch_linear_fake(x, weight):
-        return x.new_empty(x.shape[0], weight.shape[0])
 
-
-def check_small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Every check of :func:`small_batch_linear`'s arguments."""
+@op(
+    globals(),
+    served(lambda table: table.device_type == "cpu"),
+    F.linear,
+    lambda arguments: arguments["x"].new_empty(arguments["x"].shape[0], arguments["weight"].shape[0]),
+)
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` ``(rows, in_features)`` with 1 to ``MAX_ROWS`` rows and ``weight``
+    ``(out_features, in_features)`` of x's dtype (float32, bfloat16, float16; its last dimension
+    contiguous), accumulated in float32 and returned in x's dtype. The CPU kernel where the native
+    library is loaded; ``F.linear`` elsewhere."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(
             f"x must be (rows, in_features) and weight (out_features, in_features), got shapes "
@@ -62,22 +68,6 @@ def check_small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight needs a contiguous last (in_features) dimension, got strides {weight.stride()}")
     if weight.shape[0] > 1 and weight.stride(0) < weight.shape[1]:
         raise ValueError(f"weight's rows must not overlap, got strides {weight.stride()}")
-
-
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` ``(rows, in_features)`` with 1 to ``MAX_ROWS`` rows and ``weight``
-    ``(out_features, in_features)`` of x's dtype (float32, bfloat16, float16; its last dimension
-    contiguous), accumulated in float32 and returned in x's dtype. The CPU kernel where the native
-    library is loaded; ``F.linear`` elsewhere."""
-    check_small_batch_linear(x, weight)
-    return run_small_batch_linear(x, weight)
-
-
-def run_small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """:func:`small_batch_linear` on arguments that passed :func:`check_small_batch_linear`."""
-    if x.is_cpu and _CPU_NATIVE:
-        return _small_batch_linear_op(x, weight)
-    return F.linear(x, weight)
 
 
 def layer_max_rows(dtype: torch.dtype, kernel_copy: str | None) -> int:

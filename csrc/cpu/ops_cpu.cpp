@@ -116,18 +116,7 @@ std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_c
                                             std::optional<int64_t> window, std::optional<double> scale,
                                             std::optional<double> softcap, std::optional<Tensor> sinks) {
   check_cache(k_cache, v_cache, lengths);
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
-  check_cpu(q, "q");
-  const int64_t B = k_cache.size(0), H_kv = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  const int64_t H_q = q.size(1), T = q.size(2);
-  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
-                  ") to match the cache ", shape_of(k_cache), ", got ", shape_of(q));
-  STD_TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q must have the cache's dtype ",
-                  dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  check_new_tokens_fit(T, S);
-  check_query_heads(H_q, H_kv);
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  const auto [B, H_kv, S, D, H_q, T] = check_decode_queries(q, k_cache, window, check_cpu);
   check_softcap_and_sinks(softcap, sinks, q);
   const std::vector<int64_t> len = row_lengths(lengths, T, "the tokens of each row, the new ones included");
 

@@ -151,14 +151,8 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
   check_rotated_head_dim(rotate_keys, D);
   const int64_t num_blocks = k_data.size(0);
-  const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
-  check_cpu_tensor(k_new, "k_new");
-  check_cpu_tensor(v_new, "v_new");
-  const int64_t B = k_new.size(0);
-  check_block_tables(block_tables, B, shift);
-  check_cpu_tensor(block_tables, "block_tables");
-  check_row_vector(lengths, B, "lengths");
-  if (new_counts.has_value()) check_row_vector(*new_counts, B, "new_counts");
+  const int64_t T =
+      check_paged_quantized_append(k_data, D, shift, k_new, v_new, block_tables, lengths, new_counts, check_cpu_tensor);
   const PagedRows written = paged_write_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
   const int64_t in_block = (int64_t{1} << shift) - 1;
   quantize_into(
@@ -243,13 +237,8 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
                                                       std::optional<Tensor> sinks, bool rotate_keys) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
   check_rotated_head_dim(rotate_keys, D);
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
-  check_cpu_tensor(q, "q");
-  const int64_t B = k_data.size(0), S = k_data.size(2);
-  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
-                  ") to match the cache, got ", shape_of(q));
-  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
-  check_new_tokens_fit(q.size(2), S);
+  check_quantized_cache_queries(q, k_data, D, window, softcap, sinks, check_cpu_tensor);
+  const int64_t S = k_data.size(2);
   const float checked = checked_scale(scale, D);
   const std::vector<int64_t> len = row_lengths(lengths, q.size(2), "the tokens of each row, the new ones included");
   return run_quantized_attention(q, format, rotate_keys, D, k_data, k_scales, v_data, v_scales, len, {S, nullptr, 0, 0},
@@ -263,14 +252,8 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
                                                             bool rotate_keys) {
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
   check_rotated_head_dim(rotate_keys, D);
-  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
-                  shape_of(q));
-  check_cpu_tensor(q, "q");
-  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
-  const int64_t B = q.size(0), T = q.size(2);
-  check_attention_block_tables(block_tables, B, shift, T);
-  check_cpu_tensor(block_tables, "block_tables");
-  check_row_vector(lengths, B, "lengths");
+  check_paged_quantized_queries(q, k_data, D, shift, block_tables, lengths, window, softcap, sinks, check_cpu_tensor);
+  const int64_t T = q.size(2);
   const float checked = checked_scale(scale, D);
   const PagedRows read = paged_read_rows(block_tables, lengths, T, window, shift, k_data.size(0));
   return run_quantized_attention(q, format, rotate_keys, D, k_data, k_scales, v_data, v_scales, read.end,

@@ -159,40 +159,41 @@ void append_kv(Tensor k_cache, Tensor v_cache, Tensor k_new, Tensor v_new, Tenso
   STD_CUDA_CHECK(launch_append_kv(p, current_stream(k_cache.get_device_index())));
 }
 
+// An attention's problem as the kernels take it, for q and the key/value buffers k and v of head_dim D
+// (a cache's or a pool's, plain or quantized: strides per row or block, head, slot), and the options;
+// the caller sets the lengths and slots (and the paged and quantized modes' fields).
+DecodeAttentionParams decode_params(const Tensor& q, const Tensor& k, const Tensor& v, int64_t D,
+                                    std::optional<int64_t> window, float scale, std::optional<double> softcap,
+                                    const std::optional<Tensor>& sinks) {
+  DecodeAttentionParams p{};
+  p.elem = elem_type_of(q, "q");
+  p.q = q.const_data_ptr();
+  p.k_cache = k.const_data_ptr();
+  p.v_cache = v.const_data_ptr();
+  p.batch = q.size(0), p.q_heads = q.size(1), p.kv_heads = k.size(1), p.num_new = q.size(2), p.head_dim = D;
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = k.stride(i), p.v_stride[i] = v.stride(i);
+  p.window = kernel_window(window.value_or(0));
+  p.scale = scale;
+  p.softcap = static_cast<float>(softcap.value_or(0.0));
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  return p;
+}
+
 std::tuple<Tensor, Tensor> decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
                                             std::optional<int64_t> window, std::optional<double> scale,
                                             std::optional<double> softcap, std::optional<Tensor> sinks) {
   check_cache(k_cache, v_cache, lengths);
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
-  check_on_device(q, "q", k_cache);
-  const int64_t B = k_cache.size(0), H_kv = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  const int64_t H_q = q.size(1), T = q.size(2);
-  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
-                  ") to match the cache ", shape_of(k_cache), ", got ", shape_of(q));
-  STD_TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q must have the cache's dtype ",
-                  dtype_name(k_cache.scalar_type()), ", got ", dtype_name(q.scalar_type()));
-  STD_TORCH_CHECK(T >= 1, "q must hold at least one new token");
-  check_new_tokens_fit(T, S);
-  check_query_heads(H_q, H_kv);
-  STD_TORCH_CHECK(!window.has_value() || *window >= 1, "window must be >= 1 or None, got ", window.value_or(0));
+  const auto on_cache_device = [&](const Tensor& t, const char* what) { check_on_device(t, what, k_cache); };
+  const int64_t D = check_decode_queries(q, k_cache, window, on_cache_device).head_dim;
   const float scale_value = checked_scale(scale, D);
   check_softcap_and_sinks(softcap, sinks, q);
 
-  DecodeAttentionParams p{};
-  p.elem = elem_type_of(q, "q");
-  p.q = q.const_data_ptr();
-  p.k_cache = k_cache.const_data_ptr();
-  p.v_cache = v_cache.const_data_ptr();
+  DecodeAttentionParams p = decode_params(q, k_cache, v_cache, D, window, scale_value, softcap, sinks);
   p.lengths = lengths.const_data_ptr<int64_t>();
   p.lengths_stride = lengths.stride(0);
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = S;
-  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
-  for (int i = 0; i < 3; ++i) p.k_stride[i] = k_cache.stride(i), p.v_stride[i] = v_cache.stride(i);
-  p.window = kernel_window(window.value_or(0));
-  p.scale = scale_value;
-  p.softcap = static_cast<float>(softcap.value_or(0.0));
-  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
-  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  p.slots = k_cache.size(2);
   choose_decode_loads(p, static_cast<int64_t>(k_cache.element_size()));
   return plan_and_launch_decode(p, q, k_cache.get_device_index());
 }
@@ -300,26 +301,12 @@ DecodeAttentionParams quantized_decode_params(const Tensor& q, KvFormat format, 
                                               const Tensor& k_scales, const Tensor& v_data, const Tensor& v_scales,
                                               std::optional<int64_t> window, float scale, std::optional<double> softcap,
                                               const std::optional<Tensor>& sinks) {
-  DecodeAttentionParams p{};
-  p.elem = elem_type_of(q, "q");
+  DecodeAttentionParams p = decode_params(q, k_data, v_data, D, window, scale, softcap, sinks);
   p.quantized = true;
   p.format = format;
-  p.q = q.const_data_ptr();
-  p.k_cache = k_data.const_data_ptr();
-  p.v_cache = v_data.const_data_ptr();
   p.k_scales = k_scales.const_data_ptr();
   p.v_scales = v_scales.const_data_ptr();
-  p.batch = q.size(0), p.q_heads = q.size(1), p.kv_heads = k_data.size(1), p.num_new = q.size(2), p.head_dim = D;
-  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
-  for (int i = 0; i < 3; ++i) {
-    p.k_stride[i] = k_data.stride(i), p.v_stride[i] = v_data.stride(i);
-    p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
-  }
-  p.window = kernel_window(window.value_or(0));
-  p.scale = scale;
-  p.softcap = static_cast<float>(softcap.value_or(0.0));
-  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
-  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  for (int i = 0; i < 3; ++i) p.k_scale_stride[i] = k_scales.stride(i), p.v_scale_stride[i] = v_scales.stride(i);
   return p;
 }
 
@@ -329,13 +316,8 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
                                                       std::optional<Tensor> sinks, bool rotate_keys) {
   const auto [format, D] = check_quantized_cache(k_data, k_scales, v_data, v_scales, lengths);
   check_rotated_head_dim(rotate_keys, D);
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
-  check_on_device(q, "q", k_data);
-  const int64_t B = k_data.size(0), S = k_data.size(2);
-  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
-                  ") to match the cache, got ", shape_of(q));
-  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
-  check_new_tokens_fit(q.size(2), S);
+  const auto on_cache_device = [&](const Tensor& t, const char* what) { check_on_device(t, what, k_data); };
+  check_quantized_cache_queries(q, k_data, D, window, softcap, sinks, on_cache_device);
   const float scale_value = checked_scale(scale, D);
 
   torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
@@ -344,7 +326,7 @@ std::tuple<Tensor, Tensor> decode_attention_quantized(Tensor q, Tensor k_data, T
                                                     scale_value, softcap, sinks);
   p.lengths = lengths.const_data_ptr<int64_t>();
   p.lengths_stride = lengths.stride(0);
-  p.slots = S;
+  p.slots = k_data.size(2);
   choose_decode_loads(p, 1);  // data strides count bytes
   return in_query_dtype(plan_and_launch_decode(p, queries, k_data.get_device_index()), q);
 }
@@ -450,9 +432,9 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
                                                   std::optional<double> scale, std::optional<double> softcap,
                                                   std::optional<Tensor> sinks) {
   const int64_t shift = check_pool_layout(k_pool, v_pool);
-  const int64_t num_blocks = k_pool.size(0), H_kv = k_pool.size(1), D = k_pool.size(3);
+  const int64_t num_blocks = k_pool.size(0), D = k_pool.size(3);
   check_paged_queries(q, k_pool, window);
-  const int64_t B = q.size(0), H_q = q.size(1), T = q.size(2);
+  const int64_t B = q.size(0), T = q.size(2);
   check_attention_block_tables(block_tables, B, shift, T);
   check_row_counts(lengths, B, "lengths");
   check_paged_devices(k_pool, v_pool, block_tables, lengths);
@@ -468,25 +450,14 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   const PagedRows rows = checked_attention_rows(block_tables, lengths, T, window, shift, num_blocks);
   const Tensor checked = device_copy_of_checked(rows, false, k_pool);
 
-  DecodeAttentionParams p{};
-  p.elem = elem_type_of(q, "q");
-  p.q = q.const_data_ptr();
-  p.k_cache = k_pool.const_data_ptr();
-  p.v_cache = v_pool.const_data_ptr();
+  DecodeAttentionParams p = decode_params(q, k_pool, v_pool, D, window, scale_value, softcap, sinks);
   p.lengths = checked.const_data_ptr<int64_t>();
   p.lengths_stride = 1;
   p.block_ids = p.lengths + B;
   p.blocks_per_row = rows.width;
   p.block_shift = static_cast<int>(shift);
   // The table's used part holds every row: the plan's span and the kernel's positions stay in it.
-  p.batch = B, p.q_heads = H_q, p.kv_heads = H_kv, p.num_new = T, p.head_dim = D, p.slots = rows.width << shift;
-  for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
-  for (int i = 0; i < 3; ++i) p.k_stride[i] = k_pool.stride(i), p.v_stride[i] = v_pool.stride(i);
-  p.window = kernel_window(window.value_or(0));
-  p.scale = scale_value;
-  p.softcap = static_cast<float>(softcap.value_or(0.0));
-  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
-  p.sinks_stride = sinks.has_value() ? sinks->stride(0) : 0;
+  p.slots = rows.width << shift;
   choose_decode_loads(p, static_cast<int64_t>(k_pool.element_size()));
   return plan_and_launch_decode(p, q, k_pool.get_device_index());
 }
@@ -509,16 +480,10 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
   check_rotated_head_dim(rotate_keys, D);
   const int64_t num_blocks = k_data.size(0), H = k_data.size(1);
-  const int64_t T = check_paged_quantized_new_tokens(k_data, D, k_new, v_new);
+  const auto on_pool_device = [&](const Tensor& t, const char* what) { check_on_device(t, what, k_data); };
+  const int64_t T =
+      check_paged_quantized_append(k_data, D, shift, k_new, v_new, block_tables, lengths, new_counts, on_pool_device);
   const int64_t B = k_new.size(0);
-  check_block_tables(block_tables, B, shift);
-  check_row_counts(lengths, B, "lengths");
-  if (new_counts.has_value()) check_row_counts(*new_counts, B, "new_counts");
-  check_on_device(k_new, "k_new", k_data);
-  check_on_device(v_new, "v_new", k_data);
-  check_on_device(block_tables, "block_tables", k_data);
-  check_on_device(lengths, "lengths", k_data);
-  if (new_counts.has_value()) check_on_device(*new_counts, "new_counts", k_data);
 
   torch::stable::accelerator::DeviceGuard guard(k_data.get_device_index());
   const PagedRows rows = checked_append_rows(block_tables, lengths, new_counts, T, shift, num_blocks);
@@ -544,15 +509,9 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
                                                             bool rotate_keys) {
   const auto [format, D, shift] = check_quantized_pool(k_data, k_scales, v_data, v_scales);
   check_rotated_head_dim(rotate_keys, D);
-  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == D, "q must be (batch, q_heads, num_new, head_dim=", D, "), got shape ",
-                  shape_of(q));
-  check_on_device(q, "q", k_data);
-  check_quantized_queries(q, k_data.size(1), window, softcap, sinks);
+  const auto on_pool_device = [&](const Tensor& t, const char* what) { check_on_device(t, what, k_data); };
+  check_paged_quantized_queries(q, k_data, D, shift, block_tables, lengths, window, softcap, sinks, on_pool_device);
   const int64_t B = q.size(0), T = q.size(2);
-  check_attention_block_tables(block_tables, B, shift, T);
-  check_row_counts(lengths, B, "lengths");
-  check_on_device(block_tables, "block_tables", k_data);
-  check_on_device(lengths, "lengths", k_data);
   const int64_t capacity = block_tables.size(1) << shift;
   STD_TORCH_CHECK(capacity <= kMaxSlotsCuda, "block_tables holds ", capacity, " positions per row (",
                   block_tables.size(1), " blocks of ", k_data.size(2), "); the CUDA kernels take at most ",
