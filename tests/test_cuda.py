@@ -656,9 +656,10 @@ def check_paged_on_cuda(q, k, v, lengths, block_size, window=None, table_dtype=t
     the CPU paged op, and within twice python_ref's same-dtype error of the float64 reference."""
     k_pool, v_pool, table, same_k, same_v = paged_copy(k, v, lengths, block_size, table_dtype)
     args = (k_pool, v_pool, table, lengths)
-    out, lse = kvcache_ext.paged_decode_attention(q.cuda(), *(t.cuda() for t in args), window=window, **options)
+    on_cuda = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in options.items()}
+    out, lse = kvcache_ext.paged_decode_attention(q.cuda(), *(t.cuda() for t in args), window=window, **on_cuda)
     same_out, same_lse = kvcache_ext.decode_attention(
-        q.cuda(), same_k.cuda(), same_v.cuda(), lengths.cuda(), window=window, **options
+        q.cuda(), same_k.cuda(), same_v.cuda(), lengths.cuda(), window=window, **on_cuda
     )
     assert torch.equal(out, same_out) and torch.equal(lse, same_lse)
     cpu_out, cpu_lse = kvcache_ext.paged_decode_attention(q, *args, window=window, **options)

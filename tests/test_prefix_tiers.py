@@ -490,8 +490,16 @@ def test_a_cuda_pools_host_tier_gives_the_same_tokens_and_hands_blocks_down(mode
     assert tiered.generate([first], 4) == expected[-1:]
     assert tiered.prompt_tokens_computed - before == 1
     stats = tiered.prefix_stats()
-    assert stats["host"]["hits"] > 0 and stats["host"]["evicted"] > 0 and stats["disk"]["blocks_written"] > 0
+    # Three prompts after it pushed the first one's blocks through the 12 slots on to the disk, and
+    # they came back from there.
+    assert stats["host"]["evicted"] > 0 and stats["disk"]["blocks_written"] > 0 and stats["disk"]["hits"] > 0, stats
     assert stats["pool"]["hits"] + stats["host"]["hits"] + stats["disk"]["hits"] == (PROMPT_LENGTH - 1) // BLOCK_SIZE
+    # One prompt after it takes only some of its blocks (4 of the pool's 16 were never used): those
+    # wait in the host tier, and come back from there.
+    two = engine(on_gpu, tmp_path / "two", device="cuda", host_tier_bytes=12 * block_bytes)
+    assert two.generate([first, others[0]], 4) == [expected[0], expected[1]]
+    assert two.generate([first], 4) == expected[-1:]
+    assert two.prefix_stats()["host"]["hits"] > 0, two.prefix_stats()
     tiered.cache.write_back()  # the pool's blocks and the host tier's, to the disk
     restarted = engine(on_gpu, tmp_path, device="cuda", host_tier_bytes=12 * block_bytes)
     assert restarted.generate([first, *others], 4) == expected[:-1]
