@@ -151,8 +151,6 @@ def check_rotated_attention(fmt, q, cache, lengths, window=None, softcap=None, s
     k64 = qref.dequantize(cache[0], cache[1], fmt, torch.float64)  # the rotated keys R k
     v64 = qref.dequantize(cache[2], cache[3], fmt, torch.float64)
     q64 = q.double() @ rotation_matrix64(D).T
-    if qref.uses_integer_query(fmt, q.dtype):  # the CPU kernels' query: R q (float32) rounded to int8 codes
-        q64 = qref.round_query(qref.rotate(q), torch.float64)
     exact = attention_float64(q64, k64, v64, lengths, window, softcap=softcap, sinks=sinks)
     plain = attention_plain(q, k64.to(q.dtype), v64.to(q.dtype), lengths, window, softcap=softcap, sinks=sinks)
     native_error = (out.double() - exact).abs().max().item()
