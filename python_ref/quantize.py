@@ -42,10 +42,10 @@ be a multiple of 32), two values per byte::
 
 ``round`` is round-half-to-even. Non-finite inputs give unspecified bytes.
 
-The integer query (``"int8"``, bfloat16 or float16 queries, the CPU kernels): the CPU kernels attend
-over an int8 cache with each query row rounded to int8 codes with one scale, as llama.cpp's int8
-activations, so that its scores are integer dot products of codes (:func:`round_query`). With ``x``
-the row widened to float32 and ``M = max|x|``::
+The integer query (``"int8"`` and ``"int4"``, bfloat16 or float16 queries, the CPU kernels): the CPU
+kernels attend over an int8 or int4 cache with each query row rounded to int8 codes with one scale,
+as llama.cpp's int8 activations, so that its scores are integer dot products of codes
+(:func:`round_query`). With ``x`` the row widened to float32 and ``M = max|x|``::
 
     c = round(float32(x / M) * 127)     (float32 arithmetic, two roundings; 0 where M == 0)
     query used   c * M / 127            (a row with a non-finite value: non-finite scores)
@@ -54,11 +54,12 @@ and ``reference_quantized_attention(..., integer_query=True)`` is the reference 
 query. Each value moves by at most ``M / 254`` (to within float32 rounding), so a score moves by at
 most ``scale * M / 254 * sum_d |k_d|``: the same bound as the one the int8 key codes themselves
 put on it, ``scale * max|k| / 254 * sum_d |q_d|``, with the roles of ``q`` and ``k`` exchanged (for
-Gaussian rows about as large: the score's error from rounding grows by about ``sqrt(2)``). float32
+Gaussian rows about as large: the score's error from rounding grows by about ``sqrt(2)``); int4's
+codes put ``scale * max|k_group| / 14 * sum_d |q_d|`` on it, over ten times the query's (Gaussian rows). float32
 queries, and the other formats, are used as they are; so is every query on the CUDA kernels. Not
-``"int8_rot"``: its keys' error is several times smaller than ``"int8"``'s on outlier channels, and
-the query's would show next to it (``bench/quantized_accuracy.py probe``: 1.38e-2 became 1.81e-2 at
-s = 8).
+the rotated formats: their keys' error is several times smaller on outlier channels, and the
+query's would show next to it (``bench/quantized_accuracy.py probe``, ``"int8_rot"``: 1.38e-2
+became 1.81e-2 at s = 8).
 
 Rotated keys: ``"int8_rot"``, ``"fp8_e4m3_rot"``, ``"int4_rot"`` store the codes of the format
 without the suffix (same dtypes, shapes and bytes), but of ``R k`` instead of the key ``k``, with
@@ -273,7 +274,7 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def uses_integer_query(fmt: str, q_dtype: torch.dtype) -> bool:
     """Whether the CPU kernels attend over a cache of format ``fmt`` with the integer query (:func:`round_query`)."""
-    return fmt == "int8" and q_dtype in (torch.bfloat16, torch.float16)
+    return fmt in ("int8", "int4") and q_dtype in (torch.bfloat16, torch.float16)
 
 
 def round_query(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
