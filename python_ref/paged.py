@@ -380,10 +380,12 @@ def paged_quantized_attention_reference(
     softcap=None,
     sinks=None,
     rotate_keys=False,
+    integer_query=False,
 ):
     """:func:`paged_attention_reference` over a quantized pool: the codes and scales of the positions
     some query sees are gathered into the contiguous quantized layout (slot ``p`` holds position
-    ``p``; the others hold zero codes and scales), then ``quantize.reference_quantized_attention``."""
+    ``p``; the others hold zero codes and scales), then ``quantize.reference_quantized_attention``
+    (with ``integer_query``: the query the CPU kernels use, see there)."""
     fmt, D = check_quantized_pool(k_data, k_scales, v_data, v_scales)
     fmt = quantize.with_rotation(fmt, rotate_keys)
     quantize.check_head_dim(fmt, D)
@@ -403,6 +405,7 @@ def paged_quantized_attention_reference(
         return_lse=return_lse,
         softcap=softcap,
         sinks=sinks,
+        integer_query=integer_query,
     )
 
 

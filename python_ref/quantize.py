@@ -42,6 +42,25 @@ be a multiple of 32), two values per byte::
 
 ``round`` is round-half-to-even. Non-finite inputs give unspecified bytes.
 
+The integer query (``"int8"`` and ``"int4"``, bfloat16 or float16 queries, the CPU kernels): the CPU
+kernels attend over an int8 or int4 cache with each query row rounded to int8 codes with one scale,
+as llama.cpp's int8 activations, so that its scores are integer dot products of codes
+(:func:`round_query`). With ``x`` the row widened to float32 and ``M = max|x|``::
+
+    c = round(float32(x / M) * 127)     (float32 arithmetic, two roundings; 0 where M == 0)
+    query used   c * M / 127            (a row with a non-finite value: non-finite scores)
+
+and ``reference_quantized_attention(..., integer_query=True)`` is the reference attention of that
+query. Each value moves by at most ``M / 254`` (to within float32 rounding), so a score moves by at
+most ``scale * M / 254 * sum_d |k_d|``: the same bound as the one the int8 key codes themselves
+put on it, ``scale * max|k| / 254 * sum_d |q_d|``, with the roles of ``q`` and ``k`` exchanged (for
+Gaussian rows about as large: the score's error from rounding grows by about ``sqrt(2)``); int4's
+codes put ``scale * max|k_group| / 14 * sum_d |q_d|`` on it, over ten times the query's (Gaussian rows). float32
+queries, and the other formats, are used as they are; so is every query on the CUDA kernels. Not
+the rotated formats: their keys' error is several times smaller on outlier channels, and the
+query's would show next to it (``bench/quantized_accuracy.py probe``, ``"int8_rot"``: 1.38e-2
+became 1.81e-2 at s = 8).
+
 Rotated keys: ``"int8_rot"``, ``"fp8_e4m3_rot"``, ``"int4_rot"`` store the codes of the format
 without the suffix (same dtypes, shapes and bytes), but of ``R k`` instead of the key ``k``, with
 ``R`` a fixed randomised Hadamard transform (QuaRot's): ``R x = H (s * x) / sqrt(D)``, ``s`` the
@@ -253,6 +272,25 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scales
 
 
+def uses_integer_query(fmt: str, q_dtype: torch.dtype) -> bool:
+    """Whether the CPU kernels attend over a cache of format ``fmt`` with the integer query (:func:`round_query`)."""
+    return fmt in ("int8", "int4") and q_dtype in (torch.bfloat16, torch.float16)
+
+
+def round_query(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The query rows ``x`` ``(..., D)`` rounded as the specification's integer query: ``c * M / 127``
+    with ``c = round(float32(x / M) * 127)`` and ``M`` the row's largest magnitude, in ``dtype``
+    (float64: exactly ``c * M`` divided by 127 once; float32: that rounded once more)."""
+    x = x.float()
+    largest = x.abs().amax(-1, keepdim=True)
+    safe = torch.where(largest > 0, largest, torch.ones_like(largest))
+    codes = torch.where(largest > 0, torch.round(x / safe * 127.0), 0.0)
+    # A non-finite value anywhere in a row makes the whole row non-finite (its scores are then).
+    finite = torch.isfinite(x).all(-1, keepdim=True)
+    codes = torch.where(finite, codes, float("nan"))
+    return (codes.double() * largest.double() / 127).to(dtype)
+
+
 def quantize_keys(k: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``(..., D)`` -> ``(data, scales)`` as a cache of format ``fmt`` stores them: the codes of
     ``R k`` for a rotated format, of ``k`` otherwise."""
@@ -455,12 +493,17 @@ def reference_quantized_attention(
     return_lse=False,
     softcap=None,
     sinks=None,
+    integer_query=False,
 ):
     """``reference_attention`` of ``q`` over the values a quantized cache stands for (float32); a
-    rotated format's with the rotated query ``R q`` (float32), the output in q's dtype."""
-    if rotates_keys(fmt):
+    rotated format's with the rotated query ``R q`` (float32), the output in q's dtype. With
+    ``integer_query``, the query the CPU kernels use where :func:`uses_integer_query` says so: the
+    (rotated) query rounded as the specification's integer query."""
+    integer = integer_query and uses_integer_query(fmt, q.dtype)
+    if rotates_keys(fmt) or integer:
+        used = rotate(q) if rotates_keys(fmt) else q.float()
         out = reference_quantized_attention(
-            rotate(q),
+            round_query(used) if integer else used,
             k_data,
             k_scales,
             v_data,

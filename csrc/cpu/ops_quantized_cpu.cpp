@@ -221,6 +221,8 @@ std::tuple<Tensor, Tensor> run_quantized_attention(const Tensor& q, KvFormat for
   p.block_shift = at.block_shift;
   p.format = format;
   p.q_float = q_float.data();
+  p.integer_query =
+      (format == KvFormat::kInt8 || format == KvFormat::kInt4) && !rotate_keys && elem != ElemType::kFloat32;
   p.k_scales = k_scales.const_data_ptr();
   p.v_scales = v_scales.const_data_ptr();
 

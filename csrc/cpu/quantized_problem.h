@@ -16,6 +16,9 @@ struct QuantizedProblem : AttentionProblem {
   const void* v_scales;
   int64_t k_scale_stride[3];  // batch, head, slot (in elements; groups are contiguous)
   int64_t v_scale_stride[3];
+  // The query is the integer query (python_ref/quantize.py: an int8 cache, not rotated, with a
+  // bfloat16/float16 query): each row rounded to int8 codes, in every copy of the kernel.
+  bool integer_query;
 };
 
 }  // namespace kvcache_ext::cpu
