@@ -251,13 +251,8 @@ std::tuple<Tensor, Tensor> decode_attention_kivi(Tensor q, Tensor k_codes, Tenso
                                                  std::optional<int64_t> window, std::optional<double> scale,
                                                  std::optional<double> softcap, std::optional<Tensor> sinks) {
   const auto [format, D, S] = check_kivi_cache(k_codes, k_scales, k_recent, v_data, v_scales, lengths);
-  STD_TORCH_CHECK(q.dim() == 4, "q must be (batch, q_heads, num_new, head_dim), got shape ", shape_of(q));
-  check_cpu_tensor(q, "q");
+  check_quantized_cache_queries(q, v_data, D, window, softcap, sinks, check_cpu_tensor);  // v_data: (B, H, S, row)
   const int64_t B = v_data.size(0);
-  STD_TORCH_CHECK(q.size(0) == B && q.size(3) == D, "q must be (batch=", B, ", q_heads, num_new, head_dim=", D,
-                  ") to match the cache, got ", shape_of(q));
-  check_quantized_queries(q, v_data.size(1), window, softcap, sinks);
-  check_new_tokens_fit(q.size(2), S);
   const float checked = checked_scale(scale, D);
   const std::vector<int64_t> len = row_lengths(lengths, q.size(2), "the tokens of each row, the new ones included");
   check_rows_fit(len, std::vector<int64_t>(len.size(), 0), S, "tokens");
