@@ -48,7 +48,6 @@ import concurrent.futures
 import json
 import math
 import os
-import platform
 import random
 import re
 import signal
@@ -64,6 +63,8 @@ from pathlib import Path
 
 import httpx
 import openai
+
+from kvcache_ext.benchmarks.common import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -322,16 +323,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def table(rows: list[dict], load: str) -> str:
     lines = [
         f"| {load} | answered | failed | not run | requests/s | output tokens/s | prompt tokens | TTFT p50 (ms) "
@@ -462,7 +453,7 @@ def main(argv=None) -> int:
     described = model_dir.name if args.model_dir or args.llama_1b_layers else "(tests/checkpoint_dirs.py llama)"
     command = "kvcache-ext serve" if args.server == "ours" else "transformers serve"
     print(f"`{command} {described}` {' '.join(args.serve_option)}, {args.threads} server threads; "
-          f"{cpu_name()}; {time.strftime('%Y-%m-%d %H:%M')}; load average before the end {os.getloadavg()[0]:.1f}\n")  # fmt: skip
+          f"{cpu_model()}; {time.strftime('%Y-%m-%d %H:%M')}; load average before the end {os.getloadavg()[0]:.1f}\n")  # fmt: skip
     print(table(rows, "requests/s arriving" if args.arrival_rates else "clients"))
     for row in rows:
         if row["rss"]:
