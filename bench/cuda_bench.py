@@ -656,6 +656,7 @@ def write_report(logs: Path, out: Path, status: str) -> dict:
         "toolkit": load_json(logs / "toolkit.json"),
         "steps": steps,
         "build_info": load_json(logs / "build_info.json"),
+        "refusals": load_json(logs / "refusals.json"),
         "kernels": load_json(logs / "kernels.json"),
         "sanitizers": sanitizers,
         "tests": junit_summary(logs / "tests.xml"),
@@ -695,6 +696,12 @@ def write_report(logs: Path, out: Path, status: str) -> dict:
     ]
     if report["build_info"]:
         lines += ["", f"build_info: `{json.dumps(report['build_info'])}`"]
+    refusals = report["refusals"]
+    if refusals:
+        lines += ["", "## Refused calls (each in its own process: must raise, not die)"]
+        for name, case in refusals.items():
+            lines += [f"- {name}: {case['outcome']}" + (f": `{case['message'][:160]}`" if "message" in case else "")]
+            lines += [f"    {frame}" for frame in case.get("native_frames", [])[:30]]
     kernels = report["kernels"]
     if kernels:
         lines += [

@@ -24,7 +24,8 @@
 # (default dist/cuda/wheelhouse) when it holds them; without pytest the self-contained checks
 # (bench/cuda_bench.py checks) replace tests/test_cuda.py.
 #
-# Steps: environment, toolkit, helpers, install, import, kernels (tools/cuda_sanitize.py plainly),
+# Steps: environment, toolkit, helpers, install, import, refusals (tools/refusal_check.py: every refused
+# call raises; a probe extension and native frames when one kills its process), kernels (tools/cuda_sanitize.py plainly),
 # sanitize_memcheck, sanitize_racecheck, sanitize_synccheck (compute-sanitizer; skipped when
 # absent), tests, bench. Without a GPU the steps that need one are reported as skipped.
 #
@@ -259,7 +260,9 @@ export KVCACHE_EXT_REQUIRE_NATIVE=1
 # From here on, from $WORK: the source tree's kvcache_ext (no libraries) must not shadow the install.
 cd "$WORK"
 
-# ---- 5. every kernel on small cases: plainly, then under compute-sanitizer ------------------------------
+# ---- 5. refused calls raise (each in its own process), then every kernel on small cases: plainly, then
+# under compute-sanitizer --------------------------------------------------------------------------------
+run_step refusals 120 240 "$PYTHON" "$REPO/tools/refusal_check.py" --json "$LOGS/refusals.json" --build-dir "$WORK/refusal_probes"
 if ((GPU)); then
   run_step kernels 60 240 "$PYTHON" "$REPO/tools/cuda_sanitize.py" --json "$LOGS/kernels.json"
   if [[ "${GPU_CHECK_SKIP_SANITIZER:-0}" == 1 ]]; then

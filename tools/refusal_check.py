@@ -1,0 +1,238 @@
+"""Every call the native bindings refuse must raise in Python and leave the process alive.
+
+A refused call throws a C++ exception inside the binding, which crosses LibTorch's stable-ABI
+boxing into the dispatcher and reaches Python as a RuntimeError. If anything on that path is
+wrong (the headers built against, the compiler, the ABI between them) the process dies instead,
+and no test that runs after it reports anything. So each case here runs in its own process:
+
+  cuda_*    the installed kvcache_ext's CUDA bindings refusing a call
+  cpu_*     its CPU bindings refusing the same call
+  probe_*   a one-op stable-ABI extension built here with torch.utils.cpp_extension (nvcc or the
+            host compiler, registered for the CUDA or the CPU key) whose op only throws: whether
+            the toolchain alone carries an exception through, apart from kvcache_ext's code
+
+A case whose process dies is run again under gdb when there is one, else with a SIGSEGV handler
+(preloaded, built here) that prints the native frames with their library and offset, resolved by
+addr2line where it exists.
+
+    python tools/refusal_check.py [--json OUT] [--build-dir DIR] [--cases NAME ...]
+
+Exit status: 0 every case raised, 1 a case died or did not raise.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+PROBE_SOURCE = """
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/Exception.h>
+
+torch::stable::Tensor refuse(torch::stable::Tensor x, int64_t n) {
+  STD_TORCH_CHECK(n < 3, "n must be below 3, got ", n);
+  return x;
+}
+STABLE_TORCH_LIBRARY(NAME, m) { m.def("refuse(Tensor x, int n) -> Tensor"); }
+STABLE_TORCH_LIBRARY_IMPL(NAME, KEY, m) { m.impl("refuse", TORCH_BOX(&refuse)); }
+"""
+
+# Prints each native frame of a crash as "library+offset symbol" (dladdr), then dies of the signal.
+SEGV_HANDLER_SOURCE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+static void on_fault(int sig) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  fprintf(stderr, "native frames at signal %d:\n", sig);
+  for (int i = 0; i < n; ++i) {
+    Dl_info info;
+    if (dladdr(frames[i], &info) && info.dli_fname) {
+      fprintf(stderr, "  frame %s+0x%lx %s\n", info.dli_fname,
+              (unsigned long)((char*)frames[i] - (char*)info.dli_fbase), info.dli_sname ? info.dli_sname : "?");
+    } else {
+      fprintf(stderr, "  frame ?+%p\n", frames[i]);
+    }
+  }
+  fflush(stderr);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+__attribute__((constructor)) static void install(void) {
+  signal(SIGSEGV, on_fault);
+  signal(SIGBUS, on_fault);
+  signal(SIGABRT, on_fault);
+}
+"""
+
+# Target version as setup.py builds kvcache_ext (MIN_TORCH 2.10).
+TARGET_FLAG = "-DTORCH_TARGET_VERSION=0x020a000000000000"
+
+PROBES = {  # name: (source suffix, dispatch key, compile flags beyond -O and -std)
+    "probe_nvcc_cuda_key": (".cu", "CUDA", [TARGET_FLAG]),
+    "probe_nvcc_cuda_key_untargeted": (".cu", "CUDA", []),  # the headers' own version
+    "probe_gxx_cuda_key": (".cpp", "CUDA", [TARGET_FLAG]),
+    "probe_nvcc_cpu_key": (".cu", "CPU", [TARGET_FLAG]),
+    "probe_gxx_cpu_key": (".cpp", "CPU", [TARGET_FLAG]),
+}
+
+CASES = [
+    "cuda_decode_attention_head_dim",
+    "cuda_append_kv_dtype",
+    "cpu_decode_attention_head_dim",
+    "cpu_append_kv_dtype",
+    *PROBES,
+]
+
+
+def cache_inputs(device: str, head_dim: int):
+    import torch
+
+    q = torch.randn(1, 2, 1, head_dim, device=device)
+    cache = torch.randn(1, 2, 16, head_dim, device=device)
+    return q, cache, cache.clone(), torch.tensor([4], device=device)
+
+
+def run_case(name: str, build_dir: Path) -> None:
+    """In the child: the call that must raise. Prints RAISED <message> or DID-NOT-RAISE."""
+    import torch
+
+    if name.startswith("probe_"):
+        suffix, key, flags = PROBES[name]
+        from torch.utils.cpp_extension import load
+
+        source = build_dir / f"{name}{suffix}"
+        source.write_text(PROBE_SOURCE.replace("NAME", name).replace("KEY", key))
+        load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=["-O2", "-std=c++17", *flags],
+            extra_cuda_cflags=["-O3", "-std=c++17", "-DUSE_CUDA", *flags],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            with_cuda=suffix == ".cu",
+        )
+        device = "cuda" if key == "CUDA" else "cpu"
+        x = torch.ones(2, device=device)
+        assert torch.equal(getattr(torch.ops, name).refuse(x, 1), x)
+        call = lambda: getattr(torch.ops, name).refuse(x, 5)  # noqa: E731
+    else:
+        import kvcache_ext  # noqa: F401  (registers the ops)
+
+        device = name.split("_")[0]
+        if "append_kv" in name:  # new keys in float16 for a float32 cache
+            q, k_cache, v_cache, lengths = cache_inputs(device, 16)
+            new = torch.randn(1, 2, 1, 16, device=device, dtype=torch.float16)
+            call = lambda: torch.ops.kvcache_ext.append_kv(k_cache, v_cache, new, new, lengths, None)  # noqa: E731
+        else:  # head_dim 12: not a multiple of 8
+            q, k_cache, v_cache, lengths = cache_inputs(device, 12)
+            call = lambda: torch.ops.kvcache_ext.decode_attention(q, k_cache, v_cache, lengths, None, None)  # noqa: E731
+    try:
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except RuntimeError as error:
+        print("RAISED", str(error).splitlines()[0][:300])
+        return
+    print("DID-NOT-RAISE")
+
+
+def child(name: str, build_dir: Path, env=None, prefix=()) -> subprocess.CompletedProcess:
+    command = [*prefix, sys.executable, __file__, "--child", name, "--build-dir", str(build_dir)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+def native_frames(name: str, build_dir: Path) -> list[str]:
+    """The crash's native frames: gdb's backtrace, else the preloaded handler's, resolved by addr2line."""
+    if shutil.which("gdb"):
+        gdb = ("gdb", "-q", "-batch", "-ex", "set print thread-events off", "-ex", "run", "-ex", "bt 40", "--args")
+        result = child(name, build_dir, prefix=gdb)
+        return [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("#")][:40]
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return ["(no gdb and no C compiler for the SIGSEGV handler)"]
+    handler = build_dir / "segv_frames.so"
+    (build_dir / "segv_frames.c").write_text(SEGV_HANDLER_SOURCE)
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O1", "-o", handler, build_dir / "segv_frames.c", "-ldl"], check=True
+    )
+    env = dict(os.environ, LD_PRELOAD=str(handler))
+    result = child(name, build_dir, env=env)
+    frames = []
+    for line in result.stderr.splitlines():
+        if not line.startswith("  frame "):
+            continue
+        where, _, symbol = line[len("  frame ") :].partition(" ")
+        library, _, offset = where.rpartition("+")
+        resolved = ""
+        if shutil.which("addr2line") and library.endswith(".so") and ("kvcache_ext" in library or "probe_" in library):
+            out = subprocess.run(["addr2line", "-f", "-C", "-i", "-e", library, offset], capture_output=True, text=True)
+            resolved = " <- ".join(out.stdout.split("\n")[0:-1:2])
+        if symbol.startswith("_Z") and shutil.which("c++filt"):
+            symbol = subprocess.run(["c++filt", symbol], capture_output=True, text=True).stdout.strip()[:200]
+        frames.append(f"{Path(library).name}+{offset} {symbol} {resolved}".rstrip())
+    return frames
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the outcome of every case here")
+    parser.add_argument(
+        "--build-dir", type=Path, help="where the probes and the handler are built (default: a temp folder)"
+    )
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    build_dir = args.build_dir or Path(tempfile.mkdtemp(prefix="refusal_check_"))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        run_case(args.child, build_dir)
+        return 0
+
+    import torch
+
+    outcomes = {}
+    for name in args.cases:
+        if (name.startswith("cuda_") or PROBES.get(name, ("", "", []))[1] == "CUDA") and not torch.cuda.is_available():
+            outcomes[name] = {"outcome": "skipped (no CUDA device)"}
+        elif name.startswith("probe_") and PROBES[name][0] == ".cu" and not torch.version.cuda:
+            outcomes[name] = {"outcome": "skipped (no CUDA torch for nvcc)"}
+        else:
+            result = child(name, build_dir)
+            last = (result.stdout.strip().splitlines() or [""])[-1]
+            if result.returncode == 0 and last.startswith("RAISED"):
+                outcomes[name] = {"outcome": "raised", "message": last[len("RAISED ") :]}
+            elif result.returncode == 0:
+                outcomes[name] = {"outcome": "did not raise", "output": last}
+            else:
+                outcomes[name] = {
+                    "outcome": f"process died (exit {result.returncode})",
+                    "stderr_tail": result.stderr.strip().splitlines()[-15:],
+                }
+                if result.returncode < 0:  # killed by a signal: where
+                    outcomes[name]["native_frames"] = native_frames(name, build_dir)
+        print(f"{name}: {outcomes[name]['outcome']}", flush=True)
+        for key in ("message", "stderr_tail", "native_frames"):
+            if key in outcomes[name]:
+                print(textwrap.indent(json.dumps(outcomes[name][key], indent=1), "    "))
+    if args.json:
+        args.json.write_text(json.dumps(outcomes, indent=2) + "\n")
+    bad = [n for n, o in outcomes.items() if not o["outcome"].startswith(("raised", "skipped"))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
