@@ -656,7 +656,7 @@ def write_report(logs: Path, out: Path, status: str) -> dict:
         "toolkit": load_json(logs / "toolkit.json"),
         "steps": steps,
         "build_info": load_json(logs / "build_info.json"),
-        "refusals": load_json(logs / "refusals.json"),
+        "refusals": {**(load_json(logs / "probes.json") or {}), **(load_json(logs / "refusals.json") or {})},
         "kernels": load_json(logs / "kernels.json"),
         "sanitizers": sanitizers,
         "tests": junit_summary(logs / "tests.xml"),
@@ -700,7 +700,14 @@ def write_report(logs: Path, out: Path, status: str) -> dict:
     if refusals:
         lines += ["", "## Refused calls (each in its own process: must raise, not die)"]
         for name, case in refusals.items():
-            lines += [f"- {name}: {case['outcome']}" + (f": `{case['message'][:160]}`" if "message" in case else "")]
+            if name == "toolchain":
+                lines += [f"- toolchain: {json.dumps({k: v for k, v in case.items() if k != 'outcome'})}"]
+                continue
+            lines += [
+                f"- {name}: {case['outcome']}"
+                + (f" ({case['libstdc++']})" if "libstdc++" in case else "")
+                + (f": `{case['message'][:160]}`" if "message" in case else "")
+            ]
             lines += [f"    {frame}" for frame in case.get("native_frames", [])[:30]]
     kernels = report["kernels"]
     if kernels:

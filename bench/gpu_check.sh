@@ -189,7 +189,8 @@ elif ((${#missing[@]})); then
   skip helpers "missing ${missing[*]} and no wheelhouse at $WHEELHOUSE"
 fi
 
-# ---- 4. install -----------------------------------------------------------------------------------------
+# ---- 4. whether this toolchain's stable-ABI extensions raise at all (before ours is built: its answer stands
+# even when the install fails or runs out of time), then the install -----------------------------------------------------------------------------------------
 # import_check: kvcache_ext from $SITE loads its CPU library, and its CUDA kernels where there is a GPU.
 cat >"$WORK/import_check.py" <<'EOF'
 import json, os, sys
@@ -252,6 +253,10 @@ install_kvcache_ext() {
      "$LOGS/build_info.json")
 }
 export -f install_kvcache_ext
+if [[ "${GPU_CHECK_SKIP_PROBES:-0}" != 1 ]]; then
+  run_step toolchain_probe 150 240 "$PYTHON" "$REPO/tools/refusal_check.py" --cases probes --json "$LOGS/probes.json" \
+    --build-dir "$WORK/refusal_probes"
+fi
 export PYTHON REPO SITE WORK LOGS GPU GPU_ARCH
 # Reserve: at least the kernels, the tests and the benchmarks (~4 min) on a GPU.
 run_step install "${GPU_CHECK_INSTALL_S:-300}" $((GPU ? 240 : 0)) bash -c install_kvcache_ext || finish "failed: kvcache_ext did not install" 1
@@ -262,7 +267,8 @@ cd "$WORK"
 
 # ---- 5. refused calls raise (each in its own process), then every kernel on small cases: plainly, then
 # under compute-sanitizer --------------------------------------------------------------------------------
-run_step refusals 120 240 "$PYTHON" "$REPO/tools/refusal_check.py" --json "$LOGS/refusals.json" --build-dir "$WORK/refusal_probes"
+run_step refusals 60 240 "$PYTHON" "$REPO/tools/refusal_check.py" --cases bindings --json "$LOGS/refusals.json" \
+  --build-dir "$WORK/refusal_probes"
 if ((GPU)); then
   run_step kernels 60 240 "$PYTHON" "$REPO/tools/cuda_sanitize.py" --json "$LOGS/kernels.json"
   if [[ "${GPU_CHECK_SKIP_SANITIZER:-0}" == 1 ]]; then

@@ -15,7 +15,7 @@ A case whose process dies is run again under gdb when there is one, else with a 
 (preloaded, built here) that prints the native frames with their library and offset, resolved by
 addr2line where it exists.
 
-    python tools/refusal_check.py [--json OUT] [--build-dir DIR] [--cases NAME ...]
+    python tools/refusal_check.py [--json OUT] [--build-dir DIR] [--cases probes | bindings | NAME ...]
 
 Exit status: 0 every case raised, 1 a case died or did not raise.
 """
@@ -35,8 +35,15 @@ PROBE_SOURCE = """
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/Exception.h>
 
+#include <stdexcept>
+#include <string>
+
 torch::stable::Tensor refuse(torch::stable::Tensor x, int64_t n) {
+#ifdef PROBE_WITHOUT_IOSTREAM  // the message made by std::to_string, no ostringstream
+  if (n >= 3) throw std::runtime_error("n must be below 3, got " + std::to_string(n));
+#else
   STD_TORCH_CHECK(n < 3, "n must be below 3, got ", n);
+#endif
   return x;
 }
 STABLE_TORCH_LIBRARY(NAME, m) { m.def("refuse(Tensor x, int n) -> Tensor"); }
@@ -81,12 +88,14 @@ __attribute__((constructor)) static void install(void) {
 # Target version as setup.py builds kvcache_ext (MIN_TORCH 2.10).
 TARGET_FLAG = "-DTORCH_TARGET_VERSION=0x020a000000000000"
 
-PROBES = {  # name: (source suffix, dispatch key, compile flags beyond -O and -std)
-    "probe_nvcc_cuda_key": (".cu", "CUDA", [TARGET_FLAG]),
-    "probe_nvcc_cuda_key_untargeted": (".cu", "CUDA", []),  # the headers' own version
-    "probe_gxx_cuda_key": (".cpp", "CUDA", [TARGET_FLAG]),
-    "probe_nvcc_cpu_key": (".cu", "CPU", [TARGET_FLAG]),
-    "probe_gxx_cpu_key": (".cpp", "CPU", [TARGET_FLAG]),
+# name: (source suffix, dispatch key, compile flags beyond -O and -std, link flags)
+DYNAMIC_LIBSTDCXX = "-l:libstdc++.so.6"  # the process's libstdc++, never a static copy
+PROBES = {
+    "probe_nvcc_cuda_key": (".cu", "CUDA", [TARGET_FLAG], []),
+    "probe_gxx_cpu_key": (".cpp", "CPU", [TARGET_FLAG], []),
+    "probe_nvcc_cuda_key_dynamic_libstdcxx": (".cu", "CUDA", [TARGET_FLAG], [DYNAMIC_LIBSTDCXX]),
+    "probe_gxx_cpu_key_dynamic_libstdcxx": (".cpp", "CPU", [TARGET_FLAG], [DYNAMIC_LIBSTDCXX]),
+    "probe_gxx_cpu_key_without_iostream": (".cpp", "CPU", [TARGET_FLAG, "-DPROBE_WITHOUT_IOSTREAM"], []),
 }
 
 CASES = [
@@ -111,7 +120,7 @@ def run_case(name: str, build_dir: Path) -> None:
     import torch
 
     if name.startswith("probe_"):
-        suffix, key, flags = PROBES[name]
+        suffix, key, flags, link_flags = PROBES[name]
         from torch.utils.cpp_extension import load
 
         source = build_dir / f"{name}{suffix}"
@@ -121,6 +130,7 @@ def run_case(name: str, build_dir: Path) -> None:
             sources=[str(source)],
             extra_cflags=["-O2", "-std=c++17", *flags],
             extra_cuda_cflags=["-O3", "-std=c++17", "-DUSE_CUDA", *flags],
+            extra_ldflags=link_flags,
             build_directory=str(build_dir),
             is_python_module=False,
             with_cuda=suffix == ".cu",
@@ -187,15 +197,59 @@ def native_frames(name: str, build_dir: Path) -> list[str]:
     return frames
 
 
+def toolchain() -> dict:
+    """The host compiler and the libstdc++ it links (a static copy in an extension, mixed with the
+    process's shared one, breaks iostreams), and how each built probe links it."""
+
+    def run(*command):
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            return (out.stdout or out.stderr).strip()
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"({error})"
+
+    compiler = os.environ.get("CXX", "c++")
+    facts = {
+        "compiler": f"{compiler}: " + run(compiler, "--version").split("\n")[0],
+        "libstdc++.so found by the compiler": run(compiler, "-print-file-name=libstdc++.so"),
+        "libstdc++.a found by the compiler": run(compiler, "-print-file-name=libstdc++.a"),
+        "libstdc++ in ldconfig": " ".join(
+            line.split("=>")[-1].strip() for line in run("ldconfig", "-p").splitlines() if "libstdc++.so" in line
+        ),
+    }
+    return facts
+
+
+def linked_libstdcxx(library: Path) -> str:
+    """'shared' when the library needs libstdc++.so, 'static copy' when it defines libstdc++'s ostream."""
+    needed = subprocess.run(["readelf", "-d", library], capture_output=True, text=True).stdout
+    symbols = subprocess.run(["nm", "-C", "--defined-only", library], capture_output=True, text=True).stdout
+    static = "std::ostream::_M_insert<long>(long)" in symbols
+    return ("needs libstdc++.so" if "libstdc++.so" in needed else "no libstdc++.so") + (
+        "; defines std::ostream::_M_insert (a static copy)" if static else ""
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the outcome of every case here")
     parser.add_argument(
         "--build-dir", type=Path, help="where the probes and the handler are built (default: a temp folder)"
     )
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=[*CASES, "probes", "bindings"],
+        default=CASES,
+        help="case names, or probes / bindings for every probe_* / every cuda_* and cpu_* case (default: all)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    groups = {
+        "probes": [c for c in CASES if c.startswith("probe_")],
+        "bindings": [c for c in CASES if not c.startswith("probe_")],
+    }
+    args.cases = [c for name in args.cases for c in groups.get(name, [name])]
     build_dir = args.build_dir or Path(tempfile.mkdtemp(prefix="refusal_check_"))
     build_dir.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -205,8 +259,13 @@ def main() -> int:
     import torch
 
     outcomes = {}
+    if any(name.startswith("probe_") for name in args.cases):
+        outcomes["toolchain"] = {"outcome": "facts", **toolchain()}
+        print("toolchain:", json.dumps(outcomes["toolchain"], indent=1), flush=True)
     for name in args.cases:
-        if (name.startswith("cuda_") or PROBES.get(name, ("", "", []))[1] == "CUDA") and not torch.cuda.is_available():
+        if (
+            name.startswith("cuda_") or PROBES.get(name, ("", "", [], []))[1] == "CUDA"
+        ) and not torch.cuda.is_available():
             outcomes[name] = {"outcome": "skipped (no CUDA device)"}
         elif name.startswith("probe_") and PROBES[name][0] == ".cu" and not torch.version.cuda:
             outcomes[name] = {"outcome": "skipped (no CUDA torch for nvcc)"}
@@ -224,13 +283,16 @@ def main() -> int:
                 }
                 if result.returncode < 0:  # killed by a signal: where
                     outcomes[name]["native_frames"] = native_frames(name, build_dir)
-        print(f"{name}: {outcomes[name]['outcome']}", flush=True)
+        built = build_dir / f"{name}.so"
+        if name.startswith("probe_") and built.exists() and shutil.which("readelf") and shutil.which("nm"):
+            outcomes[name]["libstdc++"] = linked_libstdcxx(built)
+        print(f"{name}: {outcomes[name]['outcome']} {outcomes[name].get('libstdc++', '')}", flush=True)
         for key in ("message", "stderr_tail", "native_frames"):
             if key in outcomes[name]:
                 print(textwrap.indent(json.dumps(outcomes[name][key], indent=1), "    "))
     if args.json:
         args.json.write_text(json.dumps(outcomes, indent=2) + "\n")
-    bad = [n for n, o in outcomes.items() if not o["outcome"].startswith(("raised", "skipped"))]
+    bad = [n for n, o in outcomes.items() if not o["outcome"].startswith(("raised", "skipped", "facts"))]
     return 1 if bad else 0
 
 
