@@ -10,6 +10,8 @@ import json
 import os
 import platform
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -66,8 +68,38 @@ if x86:
 # copies of the kernel are chosen at run time (csrc/cpu/cpu_isa.cpp).
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp-simd", "-fvisibility=hidden", TORCH_TARGET]
 
+
+def libstdcxx_link_flags() -> list[str]:
+    """Links the process's shared libstdc++ when the compiler has only a static one.
+
+    A compiler installed without libstdc++.so (seen on a GPU machine: a g++ 13 whose lib folder
+    holds libstdc++.a alone) links a private copy of libstdc++ into the library. That copy's
+    iostreams, mixed with the shared libstdc++ torch has loaded, crash the process the first time
+    an error message formats a number: every refused call dies instead of raising. Naming the
+    shared library first makes it satisfy every reference; the static one is never used.
+    """
+    if sys.platform != "linux":
+        return []
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    if os.path.isabs(found.strip()):  # the usual case: the compiler links the shared library itself
+        return []
+    print(f"kvcache_ext: {compiler} has no libstdc++.so; linking the shared libstdc++.so.6 by name")
+    return ["-l:libstdc++.so.6"]
+
+
+link_flags = libstdcxx_link_flags()
 ext_modules = [
-    CppExtension("kvcache_ext._C", cpu_sources, py_limited_api=True, extra_compile_args={"cxx": cxx_flags}),
+    CppExtension(
+        "kvcache_ext._C",
+        cpu_sources,
+        py_limited_api=True,
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
+    ),
 ]
 
 
@@ -108,6 +140,7 @@ if want_cuda():
                 "cxx": cxx_flags + ["-DUSE_CUDA"],
                 "nvcc": ["-O3", "-std=c++17", "-DUSE_CUDA", TORCH_TARGET],
             },
+            extra_link_args=link_flags,
         )
     )
 

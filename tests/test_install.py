@@ -2,6 +2,7 @@
 that a wheel built with pip's build isolation is abi3 and works in a fresh environment."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -29,6 +30,24 @@ def test_build_info_describes_the_build_and_the_running_torch():
 @pytest.mark.skipif(os.environ.get("KVCACHE_EXT_REQUIRE_NATIVE") != "1", reason="native code not required here")
 def test_native_code_is_what_runs():
     assert kvcache_ext.native_available(), kvcache_ext.build_info()
+
+
+@pytest.mark.skipif(
+    not (sys.platform == "linux" and shutil.which("readelf") and shutil.which("nm") and kvcache_ext.native_available()),
+    reason="needs Linux, binutils and the native library",
+)
+def test_native_libraries_use_the_shared_libstdcxx():
+    # A compiler with only a static libstdc++ links a private copy into the library, whose
+    # iostreams, mixed with the shared one torch loads, lose or crash every error message that
+    # formats a number (setup.py links the shared one by name then).
+    package_dir = os.path.dirname(kvcache_ext.__file__)
+    libraries = [os.path.join(package_dir, f) for f in os.listdir(package_dir) if f.endswith(".so")]
+    assert libraries
+    for library in libraries:
+        dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True, check=True).stdout
+        assert "[libstdc++.so.6]" in dynamic, f"{library} does not load the shared libstdc++"
+        defined = subprocess.run(["nm", "-C", "--defined-only", library], capture_output=True, text=True).stdout
+        assert "std::ostream::_M_insert<long>(long)" not in defined, f"{library} holds a copy of libstdc++'s iostreams"
 
 
 SMOKE = textwrap.dedent("""
