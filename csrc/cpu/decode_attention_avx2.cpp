@@ -1,22 +1,5 @@
-// The decode-attention kernel compiled for AVX2 + FMA (Haswell and newer, Zen).
-// System headers and the shared headers come first, so the target pragma applies only to this
-// copy's kernel: the linker keeps one copy of an inline function for all callers, and it must not
-// be one compiled for AVX2 or AVX-512.
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
+// The decode-attention kernel compiled for AVX2 + FMA + F16C (Haswell and newer, Zen).
+#define KVCACHE_EXT_COPY_AVX2 1
+#include "kernel_copy.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-#include "cpu_isa.h"
-
-#if defined(__x86_64__)
-KVCACHE_EXT_TARGET(KVCACHE_EXT_AVX2_FEATURES)
-#define KVCACHE_EXT_ISA avx2
-#define KVCACHE_EXT_X86_AVX2 1  // AVX2 + F16C intrinsics may be used
 #include "decode_attention_kernel.inc"
-#endif

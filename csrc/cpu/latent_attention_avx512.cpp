@@ -1,21 +1,5 @@
-// The latent-attention kernel compiled for AVX-512 (F, BW, VL, DQ). System headers and the shared
-// headers come first, so the target pragma applies only to this copy's kernel.
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
+// The latent-attention kernel compiled for AVX-512 (Skylake-SP and newer, Zen 4).
+#define KVCACHE_EXT_COPY_AVX512 1
+#include "kernel_copy.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-#include "cpu_isa.h"
-#include "latent_attention_problem.h"
-
-#if defined(__x86_64__)
-KVCACHE_EXT_TARGET(KVCACHE_EXT_AVX512_FEATURES)
-#define KVCACHE_EXT_ISA avx512
-#define KVCACHE_EXT_X86_AVX2 1  // AVX2 + F16C intrinsics may be used
 #include "latent_attention_kernel.inc"
-#endif

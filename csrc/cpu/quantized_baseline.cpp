@@ -1,11 +1,5 @@
-// The quantized-cache decode-attention kernel compiled for the x86-64 baseline (SSE2) or whatever
-// the compiler targets by default.
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
+// The quantized-cache decode-attention kernel compiled for the compiler's default target (SSE2 on x86-64).
+#define KVCACHE_EXT_COPY_BASELINE 1
+#include "kernel_copy.h"
 
-#define KVCACHE_EXT_ISA baseline
 #include "quantized_kernel.inc"
