@@ -37,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "../binding_common.h"
@@ -350,6 +351,25 @@ Tensor device_copy_of_checked(const PagedRows& rows, bool append, const Tensor& 
   return torch::stable::to(host, like.device());
 }
 
+// Points the kernels' parameters at the checked values device_copy_of_checked put on the device
+// (packed_for_kernels' layout: the lengths, an append's counts, then every row's used block ids).
+template <typename Params>
+void address_checked_rows(Params& p, const Tensor& checked, const PagedRows& rows, int64_t shift, int64_t batch) {
+  p.lengths = checked.const_data_ptr<int64_t>();
+  p.lengths_stride = 1;
+  if constexpr (std::is_same_v<Params, DecodeAttentionParams>) {
+    p.block_ids = p.lengths + batch;
+    // The table's used part holds every row: the plan's span and the kernel's positions stay in it.
+    p.slots = rows.width << shift;
+  } else {  // an append: the checked counts (every row has one: T where none was given), then the ids
+    p.counts = p.lengths + batch;
+    p.counts_stride = 1;
+    p.block_ids = p.lengths + 2 * batch;
+  }
+  p.blocks_per_row = rows.width;
+  p.block_shift = static_cast<int>(shift);
+}
+
 // The values of a paged append (lengths, new_counts, block ids) checked on host copies by
 // paged_blocks.h, as the CPU binding checks them; the plain and quantized bindings share it.
 PagedRows checked_append_rows(const Tensor& block_tables, const Tensor& lengths,
@@ -411,13 +431,7 @@ void paged_append_kv(Tensor k_pool, Tensor v_pool, Tensor k_new, Tensor v_new, T
   p.cache[1] = v_pool.mutable_data_ptr();
   p.source[0] = k_new.const_data_ptr();
   p.source[1] = v_new.const_data_ptr();
-  p.lengths = checked.const_data_ptr<int64_t>();
-  p.lengths_stride = 1;
-  p.counts = p.lengths + B;  // the checked counts (every row has one: T where none was given)
-  p.counts_stride = 1;
-  p.block_ids = p.lengths + 2 * B;
-  p.blocks_per_row = rows.width;
-  p.block_shift = static_cast<int>(shift);
+  address_checked_rows(p, checked, rows, shift, B);
   p.batch = B, p.kv_heads = H, p.num_new = T;
   const int64_t pool_stride[2][3] = {{k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},
                                      {v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)}};
@@ -451,13 +465,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention(Tensor q, Tensor k_pool, Tenso
   const Tensor checked = device_copy_of_checked(rows, false, k_pool);
 
   DecodeAttentionParams p = decode_params(q, k_pool, v_pool, D, window, scale_value, softcap, sinks);
-  p.lengths = checked.const_data_ptr<int64_t>();
-  p.lengths_stride = 1;
-  p.block_ids = p.lengths + B;
-  p.blocks_per_row = rows.width;
-  p.block_shift = static_cast<int>(shift);
-  // The table's used part holds every row: the plan's span and the kernel's positions stay in it.
-  p.slots = rows.width << shift;
+  address_checked_rows(p, checked, rows, shift, B);
   choose_decode_loads(p, static_cast<int64_t>(k_pool.element_size()));
   return plan_and_launch_decode(p, q, k_pool.get_device_index());
 }
@@ -492,13 +500,7 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
 
   AppendKvQuantizedParams p = quantized_append_params(k_data, k_scales, v_data, v_scales, k_new, v_new, format, D);
   p.rotate_keys = rotate_keys;
-  p.lengths = checked.const_data_ptr<int64_t>();
-  p.lengths_stride = 1;
-  p.counts = p.lengths + B;  // the checked counts (every row has one: T where none was given)
-  p.counts_stride = 1;
-  p.block_ids = p.lengths + 2 * B;
-  p.blocks_per_row = rows.width;
-  p.block_shift = static_cast<int>(shift);
+  address_checked_rows(p, checked, rows, shift, B);
   STD_CUDA_CHECK(launch_append_kv_quantized(p, current_stream(k_data.get_device_index())));
 }
 
@@ -525,13 +527,7 @@ std::tuple<Tensor, Tensor> paged_decode_attention_quantized(Tensor q, Tensor k_d
   const Tensor queries = kernel_queries(q, rotate_keys);
   DecodeAttentionParams p = quantized_decode_params(queries, format, D, k_data, k_scales, v_data, v_scales, window,
                                                     scale_value, softcap, sinks);
-  p.lengths = checked.const_data_ptr<int64_t>();
-  p.lengths_stride = 1;
-  p.block_ids = p.lengths + B;
-  p.blocks_per_row = rows.width;
-  p.block_shift = static_cast<int>(shift);
-  // The table's used part holds every row: the plan's span and the kernel's positions stay in it.
-  p.slots = rows.width << shift;
+  address_checked_rows(p, checked, rows, shift, B);
   choose_decode_loads(p, 1);  // data strides count bytes
   return in_query_dtype(plan_and_launch_decode(p, queries, k_data.get_device_index()), q);
 }
