@@ -1,5 +1,10 @@
 """Bad input raises a Python exception naming what was expected, never crashes, changes nothing."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -333,3 +338,25 @@ class TestKVCache:
             self.make(head_dim=12)
         with pytest.raises(TypeError, match="dtype must be one of .*, got torch.float64"):
             self.make(dtype=torch.float64)
+
+
+@pytest.mark.skipif(not kvcache_ext.native_available("cpu"), reason="needs the native CPU library")
+def test_refusal_check_sees_every_cpu_refusal_raise(tmp_path):
+    # tools/refusal_check.py (the GPU check's step) runs each refused call in its own process, so
+    # a build whose error path kills the process is reported instead of ending the test run.
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "refusals.json"
+    result = subprocess.run(
+        [sys.executable, str(root / "tools" / "refusal_check.py"), "--cases", "bindings", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    outcomes = json.loads(out.read_text())
+    cpu = {name: case for name, case in outcomes.items() if name.startswith("cpu_")}
+    assert cpu and all(case["outcome"] == "raised" for case in cpu.values()), outcomes
+    assert (
+        "head_dim must be a multiple of 8 between 8 and 256, got 12" in cpu["cpu_decode_attention_head_dim"]["message"]
+    )
+    assert "k_new must be Float like the cache, got Half" in cpu["cpu_append_kv_dtype"]["message"]
