@@ -10,7 +10,7 @@ from tiny_models import TINY_MODELS, TINY_VOCAB
 
 from kvcache_ext import Engine
 from kvcache_ext.engine import StepFailedError
-from python_ref.generate import choose_next_token, nucleus_mask
+from python_ref.generate import choose_next_token, nucleus_mask, sample_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,6 +24,22 @@ def test_nucleus_mask_keeps_the_most_probable_tokens_until_top_p():
     # Rows are independent; the most probable token is kept however small top_p is.
     two_rows = torch.tensor([[0.2, 0.1, 0.2, 0.5], [0.9, 0.05, 0.03, 0.02]])
     assert nucleus_mask(two_rows, 0.01).tolist() == [[False, False, False, True], [True, False, False, False]]
+
+
+def test_sample_token_draws_each_token_with_its_softmax_probability():
+    # Masked tokens first and last (the last: where a draw rounding up to the total would land).
+    logits = torch.tensor([float("-inf"), 0.0, 1.5, -2.0, 0.7, 3.0, float("-inf")])
+    draws = 60_000
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.cat([sample_token(logits.expand(1_000, -1), generator) for _ in range(draws // 1_000)])
+    frequency = torch.bincount(tokens, minlength=len(logits)).double() / draws
+    probability = torch.softmax(logits.double(), dim=-1)
+    assert frequency[0] == 0 and frequency[-1] == 0
+    # Each within five standard deviations of its binomial count.
+    assert torch.all((frequency - probability).abs() <= 5 * (probability * (1 - probability) / draws).sqrt())
+    # Rows are drawn independently, each from its own row of logits.
+    rows = torch.tensor([[0.0, float("-inf"), float("-inf")], [float("-inf"), float("-inf"), 0.0]])
+    assert sample_token(rows, generator).tolist() == [0, 2]
 
 
 def test_top_p_sampling_draws_only_from_the_nucleus():
