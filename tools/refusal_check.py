@@ -16,6 +16,7 @@ and no test that runs after it reports anything. So each case here runs in its o
 
 Each message must end as the case's does (a number the binding formats): a message that lost it
 fails the case as a crash does.
+
 A case whose process dies is run again under gdb when there is one, else with a SIGSEGV handler
 (preloaded, built here) that prints the native frames with their library and offset, resolved by
 addr2line where it exists.
