@@ -224,30 +224,7 @@ def test_config_to_hf_is_read_back_through_transformers(cfg):
     assert config_from_hf(hf.to_dict()) == cfg
 
 
-def test_config_to_hf_writes_the_published_llama_3_2_1b():
-    """Keys and values of meta-llama/Llama-3.2-1B's config.json."""
-    hf = config_to_hf(LLAMA_CONFIGS["llama-3.2-1b"])
-    assert hf == hf | dict(
-        model_type="llama",
-        vocab_size=128_256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        max_position_embeddings=131_072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
-    assert hf["rope_parameters"] == dict(
-        rope_type="llama3",
-        rope_theta=500_000.0,
-        factor=32.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=8192,
-    )
+def test_config_to_hf_refuses_features_no_model_type_has_together():
     with pytest.raises(ValueError, match="no supported Hugging Face model type"):
         config_to_hf(replace(LLAMA_CONFIGS["qwen3-tiny"], sliding_window=8))
 

@@ -11,7 +11,7 @@ import torch
 from kvcache_ext import KVCache
 from python_ref import ConcatCache, NoCache, PreallocatedCache, generate
 from python_ref.mla import MLA_CONFIGS, build_mla
-from python_ref.mla_weights import config_from_hf, load_mla
+from python_ref.mla_weights import config_from_hf, config_to_hf, load_mla
 from python_ref.moe import MoEConfig, select_experts
 from tiny_models import TINY_DEEPSEEK_EXPERTS
 
@@ -288,6 +288,12 @@ V3_JSON = dict(  # deepseek-ai/DeepSeek-V3's config.json, MoE and the keys confi
 
 def test_published_config_reads_as_the_named_config():
     assert config_from_hf(V3_JSON) == MLA_CONFIGS["deepseek-v3"]
+
+
+@pytest.mark.parametrize("name", MLA_CONFIGS)
+def test_config_to_hf_is_read_back_through_transformers(name):
+    hf = config_to_hf(MLA_CONFIGS[name])
+    assert config_from_hf(transformers.AutoConfig.for_model(**hf).to_dict()) == MLA_CONFIGS[name]
 
 
 @pytest.mark.parametrize(
