@@ -23,30 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-# meta-llama/Llama-3.2-1B's config.json as published (the parts that shape the weights).
-LLAMA_3_2_1B = dict(
-    model_type="llama",
-    vocab_size=128_256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=131_072,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    rope_parameters=dict(
-        rope_type="llama3",
-        rope_theta=500_000.0,
-        factor=32.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=8192,
-    ),
-    bos_token_id=128_000,
-    eos_token_id=128_001,
-)
+from python_ref.llama import LLAMA_CONFIGS
+from python_ref.llama_weights import config_to_hf
+
+# meta-llama/Llama-3.2-1B's config.json (the parts that shape the weights, and its bos/eos ids).
+LLAMA_3_2_1B = dict(config_to_hf(LLAMA_CONFIGS["llama-3.2-1b"]), bos_token_id=128_000, eos_token_id=128_001)
 
 
 def write_llama_1b(directory: Path, layers: int) -> None:
@@ -55,8 +36,7 @@ def write_llama_1b(directory: Path, layers: int) -> None:
 
     if (directory / "config.json").is_file():
         return
-    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA_3_2_1B.items() if k != "model_type"})
-    config.num_hidden_layers = layers
+    config = transformers.AutoConfig.for_model(**dict(LLAMA_3_2_1B, num_hidden_layers=layers))
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)

@@ -122,9 +122,9 @@ class LabelledCache:
             return self.cache.finish_step()
 
 
-def fill(cache, depth: int, chunk: int = 1024) -> None:
-    """``depth`` tokens of seeded random keys and values in every row and layer of ``cache``."""
-    generator = torch.Generator().manual_seed(3)
+def fill(cache, depth: int, generator: torch.Generator, chunk: int = 1024) -> None:
+    """``depth`` tokens of random keys and values from ``generator`` in every row and layer of ``cache``
+    (a ``KVCache``), appended through its storage ``chunk`` tokens at a time."""
     for start in range(0, depth, chunk):
         size = min(chunk, depth - start)
         shape = (cache.batch_size, cache.kv_heads, size, cache.head_dim)
@@ -164,7 +164,7 @@ def measure(model, batch: int, depth: int, steps: int) -> dict:
         max_cache_len=depth + 3 * steps + 4,
         dtype=dtype,
     )
-    fill(cache, depth)
+    fill(cache, depth, torch.Generator().manual_seed(3))
     labelled = LabelledCache(cache)
     token = torch.zeros(batch, 1, dtype=torch.long)
 

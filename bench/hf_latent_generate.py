@@ -33,43 +33,34 @@ after the prompt), both measured from the tensors.
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import transformers
 
 import kvcache_ext.hf
 from kvcache_ext.benchmarks.common import cpu_model
+from python_ref.mla import MLA_CONFIGS, YarnRopeScaling
+from python_ref.mla_weights import config_to_hf
 
 VOCAB = 1000
 
 
+# DeepSeek-V3's attention widths (a latent of 512, heads of 128 + 64 key and 128 value columns) with a
+# small vocabulary and YaRN over 4096 positions; dense feed-forwards: the MoE router is beside the point here.
+V3_ATTENTION = replace(
+    MLA_CONFIGS["deepseek-v3"],
+    vocab_size=VOCAB,
+    context_length=16384,
+    rope_scaling=YarnRopeScaling(factor=4.0, original_context_length=4096, mscale=1.0, mscale_all_dim=1.0),
+    moe=None,
+)
+
+
 def build_model(layers, heads, hidden):
-    config = transformers.DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=hidden,
-        num_hidden_layers=layers,
-        first_k_dense_replace=layers,  # dense feed-forwards: the MoE router is beside the point here
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        q_lora_rank=hidden // 2,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        max_position_embeddings=16384,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=4096,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = replace(V3_ATTENTION, n_layers=layers, n_heads=heads, emb_dim=hidden)
+    cfg = replace(cfg, hidden_dim=2 * hidden, q_lora_rank=hidden // 2)  # both follow the width
+    config = transformers.AutoConfig.for_model(**config_to_hf(cfg), bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config)
     with torch.no_grad():  # transformers' std 0.02 makes tiny random models repeat one token

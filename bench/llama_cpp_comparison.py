@@ -85,6 +85,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from decode_profile import fill  # noqa: E402
 from decode_roofline import copy_gbps  # noqa: E402
 from weight_formats_decode import step_weight_bytes  # noqa: E402
 
@@ -372,17 +373,7 @@ class OursDecoder:
 
     def fill(self, depth: int, generator: torch.Generator, chunk: int = 1024) -> None:
         """The cache holds ``depth`` tokens of seeded random keys and values (see the docstring)."""
-        cache = self.cache
-        for start in range(0, depth, chunk):
-            size = min(chunk, depth - start)
-            shape = (1, cache.kv_heads, size, cache.head_dim)
-            k = torch.randn(shape, generator=generator).to(cache.dtype)
-            v = torch.randn(shape, generator=generator).to(cache.dtype)
-            cache.start_step(size)
-            cache.storage.check_append(k, v, cache.lengths, None)
-            for layer in range(cache.num_layers):
-                cache.storage.append(layer, k, v, cache.lengths, None)
-            cache.finish_step()
+        fill(self.cache, depth, generator, chunk)
 
     @torch.inference_mode()
     def prompt(self, tokens: list[int]) -> int:

@@ -30,15 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args, lines=None) -> int:
     """The conversation; ``lines``: the user's turns (default: standard input, a line each)."""
-    from python_ref.checkpoint import CheckpointError
-
     if sampling_error(args):
         print(f"kvcache-ext chat: {sampling_error(args)}", file=sys.stderr)
         return 2
-    try:
-        pretrained = load(args)
-    except (CheckpointError, FileNotFoundError, ValueError, ImportError) as error:
-        print(f"kvcache-ext chat: {error}", file=sys.stderr)
+    pretrained = load(args, "chat")
+    if pretrained is None:
         return 2
     tokenizer = pretrained.tokenizer
     num_blocks = -(-args.kv_cache_tokens // args.block_size)

@@ -92,16 +92,25 @@ def sampling_error(args) -> str | None:
     return None
 
 
-def load(args):
-    """The checkpoint of ``args.model_dir`` in ``args.dtype`` and ``args.weights``, with ``args.threads`` set."""
+def load(args, command: str):
+    """The checkpoint of ``args.model_dir`` in ``args.dtype`` and ``args.weights``, with ``args.threads`` set;
+    None when it cannot be loaded, after saying why on stderr (``kvcache-ext {command}: ...``)."""
     import torch
+
+    from python_ref.checkpoint import CheckpointError
 
     from .pretrained import Pretrained
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    return Pretrained.load(args.model_dir, dtype=dtype, weights=args.weights, small_batch_linear=not args.torch_linear)
+    try:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        return Pretrained.load(
+            args.model_dir, dtype=dtype, weights=args.weights, small_batch_linear=not args.torch_linear
+        )
+    except (CheckpointError, FileNotFoundError, ValueError, ImportError) as error:
+        print(f"kvcache-ext {command}: {error}", file=sys.stderr)
+        return None
 
 
 def describe_weights(pretrained) -> str:
@@ -120,15 +129,11 @@ def sampler(args):
 
 
 def run(args) -> int:
-    from python_ref.checkpoint import CheckpointError
-
     if sampling_error(args):
         print(f"kvcache-ext generate: {sampling_error(args)}", file=sys.stderr)
         return 2
-    try:
-        pretrained = load(args)
-    except (CheckpointError, FileNotFoundError, ValueError, ImportError) as error:
-        print(f"kvcache-ext generate: {error}", file=sys.stderr)
+    pretrained = load(args, "generate")
+    if pretrained is None:
         return 2
     tokenizer = pretrained.tokenizer
     if args.chat:

@@ -206,10 +206,20 @@ class NativeCacheLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if self.latent is not None:
             return self._update_latent(key_states, value_states)
+        if self._accept(key_states, value_states):
+            # Attention over the prompt needs only the prompt.
+            key_states._kvcache_ext_layer = self
+            return key_states, value_states
+        return self.keys, self.values
+
+    def _accept(self, keys, values) -> bool:
+        """Takes an update's new keys and values for kvcache_ext's attention function to store (the
+        prompt's padding is known only to it, from the mask; on a ring it interleaves storing and
+        attending); True for the prompt."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(keys, values)
         self._check_attended()
-        num_new = key_states.shape[2]
+        num_new = keys.shape[2]
         if self.seen_tokens + num_new > self.max_cache_len:
             raise CacheOverflowError(
                 f"NativeCache overflow: {self.seen_tokens} tokens cached and {num_new} more offered, but "
@@ -217,17 +227,13 @@ class NativeCacheLayer(CacheLayerMixin):
                 "max_new_tokens."
             )
         is_prompt = self.seen_tokens == 0
+        if is_prompt:
+            self._prompt = (keys, values)
+        else:
+            self._new = (keys, values)
         self._awaiting_attention = True
         self.seen_tokens += num_new
-        if is_prompt:
-            # The prompt: its padding is known only to the attention function (from the mask),
-            # which stores it. Attention over the prompt needs only the prompt.
-            self._prompt = (key_states, value_states)
-            key_states._kvcache_ext_layer = self
-            return key_states, value_states
-        # Stored by the attention function, which on a ring interleaves storing and attending.
-        self._new = (key_states, value_states)
-        return self.keys, self.values
+        return is_prompt
 
     def _check_attended(self) -> None:
         """The previous update must have reached kvcache_ext's attention function, which stores it."""
@@ -262,22 +268,7 @@ class NativeCacheLayer(CacheLayerMixin):
                 f"got {tuple(latent_c.shape)} and {tuple(k_pe.shape)}"
             )
         rows = torch.cat([latent_c, k_pe], dim=-1)
-        if not self.is_initialized:
-            self.lazy_initialization(rows, rows)
-        self._check_attended()
-        num_new = rows.shape[2]
-        if self.seen_tokens + num_new > self.max_cache_len:
-            raise CacheOverflowError(
-                f"NativeCache overflow: {self.seen_tokens} tokens cached and {num_new} more offered, but "
-                f"max_cache_len is {self.max_cache_len}. Create it with max_cache_len >= prompt length + "
-                "max_new_tokens."
-            )
-        if self.seen_tokens == 0:
-            self._prompt = (rows, rows)
-        else:
-            self._new = (rows, rows)
-        self._awaiting_attention = True
-        self.seen_tokens += num_new
+        self._accept(rows, rows)
         latent_c._kvcache_ext_layer = self
         return latent_c, k_pe
 

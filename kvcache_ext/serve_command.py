@@ -46,15 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from python_ref.checkpoint import CheckpointError
-
     if (args.disk_tier is None) != (args.disk_tier_bytes is None):
         print("kvcache-ext serve: --disk-tier and --disk-tier-bytes go together", file=sys.stderr)
         return 2
-    try:
-        pretrained = load(args)
-    except (CheckpointError, FileNotFoundError, ValueError, ImportError) as error:
-        print(f"kvcache-ext serve: {error}", file=sys.stderr)
+    pretrained = load(args, "serve")
+    if pretrained is None:
         return 2
     from .server import create_app, serve
 

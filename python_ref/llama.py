@@ -299,16 +299,7 @@ class LlamaModel(nn.Module):
         slice each weight as it loads)."""
         with torch.device("meta"):
             model = cls(cfg, tp)
-        if cfg.tie_embeddings:
-            # One tensor serves both; assign=True would otherwise untie the meta parameters.
-            model.load_state_dict(state, assign=True, strict=False)
-            model.out_head.weight = model.tok_emb.weight
-            missing = {k for k in model.state_dict() if k not in state and k != "out_head.weight"}
-            if missing:
-                raise KeyError(f"weights missing for {sorted(missing)}")
-        else:
-            model.load_state_dict(state, assign=True)
-        return model.eval()
+        return load_decoder_state(model, state)
 
     def forward(self, idx: torch.Tensor, cache=None, counts=None, logits_at=None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids ``idx`` ``(B, T)``.
@@ -324,13 +315,35 @@ class LlamaModel(nn.Module):
         """
         cache = NoCache(window=self.cfg.sliding_window) if cache is None else cache
         check_window(cache, self.cfg.sliding_window)
-        positions = start_forward(cache, idx, self.cfg.context_length, counts, logits_at)
-        x = self.tok_emb(idx)
-        cos, sin = self.rope(positions, x.dtype)
-        for block in self.trf_blocks:
-            x = block(x, cos, sin, cache)
-        cache.finish_step()
-        return self.out_head(self.final_norm(positions_for_logits(x, logits_at)))
+        return decoder_forward(self, idx, cache, counts, logits_at)
+
+
+def decoder_forward(model: nn.Module, idx: torch.Tensor, cache, counts, logits_at) -> torch.Tensor:
+    """The forward pass a decoder of this file's parts takes (``LlamaModel``'s and ``mla.py``'s
+    ``MLAModel``'s): embedding, the blocks with their rotary tables and the cache, final norm and
+    output head at ``logits_at``."""
+    positions = start_forward(cache, idx, model.cfg.context_length, counts, logits_at)
+    x = model.tok_emb(idx)
+    cos, sin = model.rope(positions, x.dtype)
+    for block in model.trf_blocks:
+        x = block(x, cos, sin, cache)
+    cache.finish_step()
+    return model.out_head(model.final_norm(positions_for_logits(x, logits_at)))
+
+
+def load_decoder_state(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """``model`` (built on the meta device) holding ``state``'s weights, in eval mode; a tied output
+    head is the token embedding, which ``state`` holds once."""
+    if model.cfg.tie_embeddings:
+        # One tensor serves both; assign=True would otherwise untie the meta parameters.
+        model.load_state_dict(state, assign=True, strict=False)
+        model.out_head.weight = model.tok_emb.weight
+        missing = {k for k in model.state_dict() if k not in state and k != "out_head.weight"}
+        if missing:
+            raise KeyError(f"weights missing for {sorted(missing)}")
+    else:
+        model.load_state_dict(state, assign=True)
+    return model.eval()
 
 
 def check_window(cache, sliding_window: int | None) -> None:

@@ -77,6 +77,43 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike) -> LlamaConfig:
     )
 
 
+def config_to_hf(cfg: LlamaConfig) -> dict:
+    """The Hugging Face ``config.json`` (transformers >= 5's names) that :func:`config_from_hf` reads as
+    ``cfg``: to write a checkpoint of a named configuration (``transformers.AutoConfig.for_model(**it)``).
+    The model type follows the features: Qwen3's head norms, Qwen2's projection biases, Mistral's window."""
+    features = {"qwen3": cfg.qk_norm, "qwen2": cfg.qkv_bias, "mistral": cfg.sliding_window is not None}
+    model_types = [name for name, present in features.items() if present]
+    if len(model_types) > 1:
+        raise ValueError(f"no supported Hugging Face model type has the features of all of {model_types}")
+    rope = dict(rope_type="default", rope_theta=cfg.rope_base)
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope.update(
+            rope_type="llama3",
+            factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_context_length,
+        )
+    hf = dict(
+        model_type=model_types[0] if model_types else "llama",
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.context_length,
+        hidden_size=cfg.emb_dim,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        num_hidden_layers=cfg.n_layers,
+        intermediate_size=cfg.hidden_dim,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters=rope,
+    )
+    if cfg.sliding_window is not None:
+        hf["sliding_window"] = cfg.sliding_window
+    return hf
+
+
 def load_llama(
     source: str | os.PathLike | Mapping[str, torch.Tensor],
     config: LlamaConfig | Mapping | str | os.PathLike,

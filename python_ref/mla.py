@@ -41,8 +41,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .caches import NoCache, positions_for_logits, start_forward
-from .llama import RMSNorm, TransformerBlock, init_weights
+from .caches import NoCache
+from .llama import RMSNorm, TransformerBlock, decoder_forward, init_weights, load_decoder_state
 from .moe import MixtureOfExperts, MoEConfig
 from .tensor_parallel import SINGLE_PROCESS
 
@@ -169,37 +169,26 @@ MLA_CONFIGS = {
             routed_scaling_factor=2.5,
         ),
     ),
-    # moonshotai/Kimi-K2-Instruct (first release): DeepSeek-V3's attention with 64 heads; the 0905
-    # revision stretches RoPE further (YaRN factor 64, 262,144 positions), same attention shape
-    "kimi-k2": MLAConfig(
-        vocab_size=163_840,
-        context_length=131_072,
-        emb_dim=7168,
-        n_heads=64,
-        n_layers=61,
-        hidden_dim=18_432,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        rope_base=50_000.0,
-        rope_scaling=YarnRopeScaling(
-            factor=32.0, original_context_length=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
-        ),
-        moe=MoEConfig(
-            n_routed_experts=384,
-            experts_per_token=8,
-            expert_hidden_dim=2048,
-            n_shared_experts=1,
-            first_dense_layers=1,
-            scoring="sigmoid",
-            topk_method="noaux_tc",
-            norm_topk_prob=True,
-            routed_scaling_factor=2.827,
-        ),
-    ),
 }
+# moonshotai/Kimi-K2-Instruct (first release): DeepSeek-V3's attention with 64 heads, a larger vocabulary,
+# more experts without groups, a slower RoPE stretched less; the 0905 revision stretches RoPE further
+# (YaRN factor 64, 262,144 positions), same attention shape
+MLA_CONFIGS["kimi-k2"] = replace(
+    MLA_CONFIGS["deepseek-v3"],
+    vocab_size=163_840,
+    context_length=131_072,
+    n_heads=64,
+    rope_base=50_000.0,
+    rope_scaling=replace(MLA_CONFIGS["deepseek-v3"].rope_scaling, factor=32.0, beta_fast=1.0),
+    moe=replace(
+        MLA_CONFIGS["deepseek-v3"].moe,
+        n_routed_experts=384,
+        first_dense_layers=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+    ),
+)
 # Test sizes: GPT-2's vocabulary (the GPT-2 tokenizer's ids are valid inputs), a short original
 # context so that YaRN changes some frequencies, uneven widths so that no two are confused; dense
 # feed-forwards (the "-moe-tiny" ones add a few experts).
@@ -443,24 +432,12 @@ class MLAModel(nn.Module):
         """The model holding ``state``'s weights (our names, whole tensors)."""
         with torch.device("meta"):
             model = cls(cfg)
-        if cfg.tie_embeddings:
-            model.load_state_dict(state, assign=True, strict=False)
-            model.out_head.weight = model.tok_emb.weight
-        else:
-            model.load_state_dict(state, assign=True)
-        return model.eval()
+        return load_decoder_state(model, state)
 
     def forward(self, idx: torch.Tensor, cache=None, counts=None, logits_at=None) -> torch.Tensor:
         """Logits for token ids ``idx`` ``(B, T)``; ``cache``, ``counts`` and ``logits_at`` as for
         ``LlamaModel.forward``."""
-        cache = NoCache() if cache is None else cache
-        positions = start_forward(cache, idx, self.cfg.context_length, counts, logits_at)
-        x = self.tok_emb(idx)
-        cos, sin = self.rope(positions, x.dtype)
-        for block in self.trf_blocks:
-            x = block(x, cos, sin, cache)
-        cache.finish_step()
-        return self.out_head(self.final_norm(positions_for_logits(x, logits_at)))
+        return decoder_forward(self, idx, NoCache() if cache is None else cache, counts, logits_at)
 
 
 def build_mla(name: str = "deepseek-v3-tiny", seed: int | None = 123, **overrides) -> MLAModel:

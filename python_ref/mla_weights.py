@@ -131,6 +131,63 @@ def _moe_from_hf(c: Mapping, model_type: str) -> MoEConfig | None:
     )
 
 
+def config_to_hf(cfg: MLAConfig) -> dict:
+    """The Hugging Face ``config.json`` (transformers >= 5's names) that :func:`config_from_hf` reads as
+    ``cfg``: DeepSeek-V2's model type when its experts score by softmax, else DeepSeek-V3's (Kimi K2's
+    reads alike); a dense model is DeepSeek-V3's with every layer dense."""
+    moe = cfg.moe
+    v2 = moe is not None and moe.scoring == "softmax"
+    if v2 and not cfg.rope_interleave:
+        raise ValueError("DeepSeek-V2 always rotates adjacent pairs: rope_interleave=False has no V2 config")
+    rope = dict(rope_type="default", rope_theta=cfg.rope_base)
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope.update(
+            rope_type="yarn",
+            factor=s.factor,
+            original_max_position_embeddings=s.original_context_length,
+            beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow,
+            mscale=s.mscale,
+            mscale_all_dim=s.mscale_all_dim,
+        )
+    hf = dict(
+        model_type="deepseek_v2" if v2 else "deepseek_v3",
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.context_length,
+        hidden_size=cfg.emb_dim,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads,
+        num_hidden_layers=cfg.n_layers,
+        intermediate_size=cfg.hidden_dim,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rms_norm_eps=cfg.norm_eps,
+        rope_interleave=cfg.rope_interleave,
+        tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters=rope,
+        first_k_dense_replace=cfg.n_layers if moe is None else moe.first_dense_layers,
+    )
+    if moe is not None:
+        hf.update(
+            n_routed_experts=moe.n_routed_experts,
+            num_experts_per_tok=moe.experts_per_token,
+            moe_intermediate_size=moe.expert_hidden_dim,
+            n_shared_experts=moe.n_shared_experts,
+            moe_layer_freq=moe.layer_freq,
+            scoring_func=moe.scoring,
+            topk_method=moe.topk_method,
+            n_group=moe.n_group,
+            topk_group=moe.topk_group,
+            norm_topk_prob=moe.norm_topk_prob,
+            routed_scaling_factor=moe.routed_scaling_factor,
+        )
+    return hf
+
+
 def load_mla(
     source: str | os.PathLike | Mapping[str, torch.Tensor], config: MLAConfig | Mapping | str | os.PathLike
 ) -> MLAModel:

@@ -1,12 +1,13 @@
 """Inputs the kernel tests and the GPU harness build: random decode problems, new tokens in every
 memory layout the ops take, block tables drawn at random and tokens copied into pools through
-them, float64 values of quantized codes, environment overrides, and a decode step replayed from a
-CUDA graph against the same step run eagerly.
+them, float64 values of quantized codes, the quantized attention grid, environment overrides, and a
+decode step replayed from a CUDA graph against the same step run eagerly.
 
 torch only (no pytest, no python_ref), so that tools/cuda_sanitize.py and bench/cuda_bench.py load
 it on a GPU machine where nothing else is installed; tests import it as a module of tests/.
 """
 
+import itertools
 import os
 from contextlib import contextmanager
 
@@ -15,6 +16,17 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The storage dtype of each quantized format's codes (int4: two codes a byte).
 QUANTIZED_DATA = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}
+# Quantized attention problems (format, head_dim, query heads per KV head, new tokens, window) the CPU
+# and CUDA parity tests share: every format over the common widths, then uneven widths and groups.
+QUANTIZED_ATTENTION_GRID = [
+    *itertools.product(QUANTIZED_DATA, [64, 128], [1, 4], [1, 3], [None, 5]),
+    ("int8", 80, 2, 1, None),
+    ("fp8_e4m3", 24, 1, 2, None),
+    ("int8", 256, 3, 1, 4),
+    ("int4", 96, 1, 1, None),
+    ("int4", 256, 8, 2, None),
+    ("fp8_e4m3", 48, 5, 1, 3),
+]
 
 
 def max_error(x, reference) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tiny_models import TINY_DECODER, TINY_DEEPSEEK, TINY_DEEPSEEK_EXPERTS, TINY_GPT2
 from tokenizer_dirs import CHATML_TEMPLATE, LLAMA3_TEMPLATE, write_tokenizer
 
 # Larger than the test tokenizers' vocabularies, so their ids are valid inputs (real checkpoints pad
@@ -21,17 +22,7 @@ CHECKPOINT_VOCAB = 384
 # tokenizer_dirs' special tokens: "<|end|>" is the tokenizer's eos, "<|eot_id|>" ends a Llama 3 turn and
 # "<|im_end|>" a ChatML one.
 END, IM_END, BEGIN_OF_TEXT, EOT = 0, 3, 4, 7
-_DECODER = dict(
-    vocab_size=CHECKPOINT_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+_DECODER = dict(TINY_DECODER, vocab_size=CHECKPOINT_VOCAB, max_position_embeddings=256, tie_word_embeddings=False)
 _LLAMA3_ROPE = dict(
     rope_type="llama3",
     rope_theta=500_000.0,
@@ -40,32 +31,12 @@ _LLAMA3_ROPE = dict(
     high_freq_factor=4.0,
     original_max_position_embeddings=32,  # short, so that the scaling changes some frequencies
 )
-_MLA = dict(
-    vocab_size=CHECKPOINT_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
-# Mixture-of-experts layers after a dense first one; 4 groups of 2 experts, 2 groups kept.
-_EXPERTS = dict(
-    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2
-)
-
 # name -> (config class name, model class name, config arguments, dtype stored, save_pretrained arguments)
 CHECKPOINTS = {
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
-        dict(vocab_size=CHECKPOINT_VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=4),
+        dict(TINY_GPT2, vocab_size=CHECKPOINT_VOCAB, n_positions=256),
         torch.float32,
         {},
     ),
@@ -90,9 +61,9 @@ CHECKPOINTS = {
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
         dict(
-            _MLA,
+            TINY_DEEPSEEK_EXPERTS,
+            vocab_size=CHECKPOINT_VOCAB,
             q_lora_rank=None,
-            **_EXPERTS,
             n_shared_experts=2,
             topk_method="group_limited_greedy",
             routed_scaling_factor=1.5,
@@ -103,14 +74,26 @@ CHECKPOINTS = {
     "deepseek_v3": (  # noaux_tc routing with its score bias, query LoRA
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(_MLA, q_lora_rank=24, **_EXPERTS, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+        dict(
+            TINY_DEEPSEEK_EXPERTS,
+            vocab_size=CHECKPOINT_VOCAB,
+            q_lora_rank=24,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
         torch.float32,
         {},
     ),
     "deepseek_v3-dense": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(_MLA, q_lora_rank=24, first_k_dense_replace=2, rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+        dict(
+            TINY_DEEPSEEK,
+            vocab_size=CHECKPOINT_VOCAB,
+            q_lora_rank=24,
+            rope_parameters=dict(rope_type="default", rope_theta=1e4),
+        ),
         torch.float32,
         {},
     ),

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from case_builders import QUANTIZED_ATTENTION_GRID, eager_and_replayed_decode_steps
 
 import kvcache_ext
 from python_ref import build_gpt2, generate, reference_attention
@@ -196,49 +197,10 @@ def test_cache_of_more_than_2_to_the_31_elements():
 # ---- CUDA graphs ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_cuda_graph_replay_equals_eager(dtype):
-    B, H_q, H_kv, D, S, steps = 2, 8, 2, 64, 4096, 4
-    device = "cuda"
-    k0 = torch.randn(B, H_kv, S, D, device=device, dtype=dtype)
-    v0 = torch.randn(B, H_kv, S, D, device=device, dtype=dtype)
-    lengths0 = torch.tensor([10, 3000], device=device)
-    inputs = [
-        tuple(torch.randn(B, h, 1, D, device=device, dtype=dtype) for h in (H_q, H_kv, H_kv)) for _ in range(steps)
-    ]
-    k_cache, v_cache, lengths = k0.clone(), v0.clone(), lengths0.clone()
-    q, k_new, v_new = (t.clone() for t in inputs[0])
-
-    def decode_step():
-        kvcache_ext.append_kv(k_cache, v_cache, k_new, v_new, lengths)
-        lengths.add_(1)
-        return kvcache_ext.decode_attention(q, k_cache, v_cache, lengths)[0]
-
-    side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        decode_step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = decode_step()
-
-    def reset():
-        k_cache.copy_(k0), v_cache.copy_(v0), lengths.copy_(lengths0)
-
-    reset()
-    eager = []
-    for step_inputs in inputs:
-        for static, value in zip((q, k_new, v_new), step_inputs):
-            static.copy_(value)
-        eager.append(decode_step().clone())
-    eager_state = (k_cache.clone(), v_cache.clone(), lengths.clone())
-
-    reset()
-    for step_inputs, expected in zip(inputs, eager):
-        for static, value in zip((q, k_new, v_new), step_inputs):
-            static.copy_(value)
-        graph.replay()
-        assert torch.equal(static_out, expected)
-    assert all(torch.equal(a, b) for a, b in zip((k_cache, v_cache, lengths), eager_state))
+    (eager, eager_state), (replayed, replayed_state) = eager_and_replayed_decode_steps(kvcache_ext, dtype, steps=4)
+    assert len(replayed) == len(eager) == 4
+    assert all(torch.equal(r, e) for r, e in zip(replayed, eager))
+    assert all(torch.equal(r, e) for r, e in zip(replayed_state, eager_state))
 
 
 # ---- generation ----------------------------------------------------------------------------------
@@ -528,22 +490,8 @@ def check_quantized_parity(fmt, q, cache, lengths, window=None, softcap=None, si
     torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
 
 
-QUANTIZED_GRID = [
-    (fmt, head_dim, group, num_new, window)
-    for fmt, head_dim, group, num_new, window in itertools.product(qref.FORMATS, [64, 128], [1, 4], [1, 3], [None, 5])
-]
-QUANTIZED_GRID += [
-    ("int8", 80, 2, 1, None),
-    ("fp8_e4m3", 24, 1, 2, None),
-    ("int8", 256, 3, 1, 4),
-    ("int4", 96, 1, 1, None),
-    ("int4", 256, 8, 2, None),
-    ("fp8_e4m3", 48, 5, 1, 3),
-]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt,head_dim,group,num_new,window", QUANTIZED_GRID)
+@pytest.mark.parametrize("fmt,head_dim,group,num_new,window", QUANTIZED_ATTENTION_GRID)
 def test_quantized_attention_parity(fmt, dtype, head_dim, group, num_new, window):
     slots = 700 if window is None else window + num_new - 1  # with a window: a ring that wraps
     q, cache, lengths = quantized_problem(fmt, dtype, 3, 2, group, num_new, head_dim, slots, [num_new, 7, 700])

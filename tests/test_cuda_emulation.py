@@ -19,6 +19,7 @@ launch; and test_under_sanitizers reruns a selection with the emulation built wi
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -1426,24 +1427,42 @@ def emulated_paged_attention(
     sm_count=132,
     max_blocks=MAX_GRID_X,
 ):
-    """Returns (out, lse, plan), or the refusal's message; every buffer between guards, the inputs
-    (table and lengths included) unchanged, and nothing written by a refused call."""
+    """Returns (out, lse, plan), or the refusal's message (see emulated_paged_launch)."""
+    return emulated_paged_launch(
+        lib.emu_paged_decode_attention,
+        "paged attention",
+        {"k_pool": k_pool, "v_pool": v_pool},
+        lambda guarded: [
+            ptr(guarded["k_pool"].view),
+            ptr(guarded["v_pool"].view),
+            int64s(list(k_pool.stride()[:3]) + list(v_pool.stride()[:3])),
+        ],
+        lib, q, table, lengths, window, scale, softcap, sinks, sm_count, max_blocks,
+    )  # fmt: skip
+
+
+def emulated_paged_launch(
+    launch, what, pools, pool_arguments, lib, q, table, lengths, window, scale, softcap, sinks, sm_count, max_blocks
+):
+    """One emulated paged attention binding call, plain or quantized: ``launch`` with the query,
+    ``pool_arguments`` (the ``pools``' pointers and strides, from their guarded copies), the block
+    table, lengths, outputs and options. Every buffer between guards; returns (out, lse, plan), or the
+    refusal's message, after checking that the inputs (table and lengths included) are unchanged and
+    that a refused call wrote nothing."""
     B, H_q, T, D = q.shape
-    num_blocks, H_kv, block_size, _ = k_pool.shape
+    num_blocks, H_kv, block_size = next(iter(pools.values())).shape[:3]
     out = Guarded(torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype))
     lse = Guarded(torch.full((B, H_q, T), float("nan")))
-    inputs = {name: Guarded(t) for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("table", table))}
-    inputs["lengths"] = Guarded(lengths)
+    inputs = {"q": Guarded(q), **{name: Guarded(t) for name, t in pools.items()}}
+    inputs["table"], inputs["lengths"] = Guarded(table), Guarded(lengths)
     if sinks is not None:
         inputs["sinks"] = Guarded(sinks.float().contiguous())
     plan, slots = (ctypes.c_int64 * 4)(), ctypes.c_int64()
-    status = lib.emu_paged_decode_attention(
+    status = launch(
         ELEM[q.dtype],
         ptr(inputs["q"].view),
         int64s(q.stride()),
-        ptr(inputs["k_pool"].view),
-        ptr(inputs["v_pool"].view),
-        int64s(list(k_pool.stride()[:3]) + list(v_pool.stride()[:3])),
+        *pool_arguments(inputs),
         ptr(inputs["table"].view),
         ctypes.c_int(TABLE_LAYOUT_DTYPES[table.dtype]),
         int64s(list(table.shape) + list(table.stride())),
@@ -1463,15 +1482,14 @@ def emulated_paged_attention(
     )
     error = take_error(lib)
     for name, guarded_input in inputs.items():
-        assert guarded_input.unchanged(), f"the paged attention wrote into {name} or its guards"
+        assert guarded_input.unchanged(), f"the {what} wrote into {name} or its guards"
     if status == -3:
         assert out.unchanged() and lse.unchanged(), "a refused call wrote its outputs"
         return error
     assert status == 0, f"emulated launch failed with status {status}: {error}"
     assert not error, error
     assert out.guards_intact() and lse.guards_intact(), "the kernels wrote outside out or lse"
-    plan = {"splits": plan[2], "vector_loads": bool(plan[3]), "slots": slots.value}
-    return out.view, lse.view, plan
+    return out.view, lse.view, {"splits": plan[2], "vector_loads": bool(plan[3]), "slots": slots.value}
 
 
 def check_paged(lib, q, k, v, lengths, block_size, window=None, table_dtype=torch.int64, seed=0, **options):
@@ -1753,52 +1771,19 @@ def quantized_pools(cache, lengths, block_size, generator, table_dtype=torch.int
 def emulated_paged_quantized_attention(
     lib, fmt, q, pools, table, lengths, window=None, softcap=None, sinks=None, sm_count=132, max_blocks=MAX_GRID_X
 ):
-    """Returns (out, lse, plan), or the refusal's message; every buffer between guards (fp8 codes
-    between NaN codes), the inputs unchanged, and nothing written by a refused call."""
-    B, H_q, T, D = q.shape
-    num_blocks, H_kv, block_size = pools[0].shape[:3]
-    out = Guarded(torch.full((B, H_q, T, D), float("nan"), dtype=q.dtype))
-    lse = Guarded(torch.full((B, H_q, T), float("nan")))
-    inputs = {"q": Guarded(q), **{n: Guarded(t) for n, t in zip(QUANT_NAMES, pools)}}
-    inputs["table"], inputs["lengths"] = Guarded(table), Guarded(lengths)
-    if sinks is not None:
-        inputs["sinks"] = Guarded(sinks.float().contiguous())
-    plan, slots = (ctypes.c_int64 * 4)(), ctypes.c_int64()
-    status = lib.emu_paged_decode_attention_quantized(
-        FORMAT_CODE[fmt],
-        ELEM[q.dtype],
-        ptr(inputs["q"].view),
-        int64s(q.stride()),
-        *(ptr(inputs[n].view) for n in QUANT_NAMES),
-        int64s(list(pools[0].stride()[:3]) + list(pools[2].stride()[:3])),
-        int64s(list(pools[1].stride()[:3]) + list(pools[3].stride()[:3])),
-        ptr(inputs["table"].view),
-        ctypes.c_int(TABLE_LAYOUT_DTYPES[table.dtype]),
-        int64s(list(table.shape) + list(table.stride())),
-        ptr(inputs["lengths"].view),
-        ctypes.c_int64(lengths.stride(0)),
-        ptr(out.view),
-        ptr(lse.view),
-        int64s([B, H_q, H_kv, T, D, num_blocks, block_size]),
-        ctypes.c_int64(window or 0),
-        ctypes.c_double(1.0 / math.sqrt(D)),
-        ctypes.c_double(softcap or 0.0),
-        None if sinks is None else ptr(inputs["sinks"].view),
-        ctypes.c_int(sm_count),
-        ctypes.c_int64(max_blocks),
-        plan,
-        ctypes.byref(slots),
-    )
-    error = take_error(lib)
-    for name, guarded_input in inputs.items():
-        assert guarded_input.unchanged(), f"the paged quantized attention wrote into {name} or its guards"
-    if status == -3:
-        assert out.unchanged() and lse.unchanged(), "a refused call wrote its outputs"
-        return error
-    assert status == 0, f"emulated launch failed with status {status}: {error}"
-    assert not error, error
-    assert out.guards_intact() and lse.guards_intact(), "the kernels wrote outside out or lse"
-    return out.view, lse.view, {"splits": plan[2], "vector_loads": bool(plan[3]), "slots": slots.value}
+    """Returns (out, lse, plan), or the refusal's message (see emulated_paged_launch; fp8 codes between
+    NaN codes)."""
+    return emulated_paged_launch(
+        functools.partial(lib.emu_paged_decode_attention_quantized, FORMAT_CODE[fmt]),
+        "paged quantized attention",
+        dict(zip(QUANT_NAMES, pools)),
+        lambda guarded: [
+            *(ptr(guarded[n].view) for n in QUANT_NAMES),
+            int64s(list(pools[0].stride()[:3]) + list(pools[2].stride()[:3])),
+            int64s(list(pools[1].stride()[:3]) + list(pools[3].stride()[:3])),
+        ],
+        lib, q, table, lengths, window, None, softcap, sinks, sm_count, max_blocks,
+    )  # fmt: skip
 
 
 def check_paged_quantized(lib, fmt, q, cache, lengths, block_size, window=None, table_dtype=torch.int64, **options):

@@ -209,12 +209,14 @@ def value_head_dim(draw):
     return 8 * draw(st.integers(1, 32)) if rarely(draw, 4) else None
 
 
-@dataclass(frozen=True)
-class AppendCase:
+@dataclass(frozen=True, kw_only=True)
+class OpCase:
+    """What every fuzzed call has: the API it goes through, its dtype and sizes, the lengths (values and
+    memory layout), the caches' layouts, the fault injected (None: a valid call) and its values' seed."""
+
     api: str
     dtype: torch.dtype
     B: int
-    H: int
     S: int
     T: int
     D: int
@@ -222,11 +224,40 @@ class AppendCase:
     lengths_layout: str
     k_cache_layout: Layout
     v_cache_layout: Layout
-    k_new_layout: Layout
-    v_new_layout: Layout
     fault: str | None
     seed: int
     D_v: int | None = None  # the values' head_dim (None: D; the CPU kernels take their own)
+
+
+def common_fields(draw, dtype, B, S, T, D, least, faults) -> dict:
+    """The fields of ``OpCase`` drawn alike for every op: lengths of at least ``least`` in one of
+    their memory layouts, the caches' layouts, now and then one of ``faults``."""
+    lengths_layout = draw(st.sampled_from(["contiguous", "strided", "offset", "expanded"]))
+    values = length_values(draw, B, T, S, least=least)
+    if lengths_layout == "expanded":
+        values = values[:1] * B
+    return dict(
+        api=draw(st.sampled_from(["wrapper", "raw op"])),
+        dtype=dtype,
+        B=B,
+        S=S,
+        T=T,
+        D=D,
+        lengths=tuple(values),
+        lengths_layout=lengths_layout,
+        k_cache_layout=draw(cache_layouts()),
+        v_cache_layout=draw(cache_layouts()),
+        fault=draw(st.sampled_from(faults)) if rarely(draw, 6) else None,
+        seed=draw(st.integers(0, 2**31 - 1)),
+        D_v=value_head_dim(draw),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppendCase(OpCase):
+    H: int
+    k_new_layout: Layout
+    v_new_layout: Layout
 
 
 APPEND_FAULTS = [
@@ -248,50 +279,21 @@ APPEND_FAULTS = [
 @st.composite
 def append_cases(draw):
     B, H, S, T, D, dtype = draw(common_shapes())
-    lengths_layout = draw(st.sampled_from(["contiguous", "strided", "offset", "expanded"]))
-    values = length_values(draw, B, T, S, least=0)
-    if lengths_layout == "expanded":
-        values = values[:1] * B
     return AppendCase(
-        api=draw(st.sampled_from(["wrapper", "raw op"])),
-        dtype=dtype,
-        B=B,
+        **common_fields(draw, dtype, B, S, T, D, least=0, faults=APPEND_FAULTS),
         H=H,
-        S=S,
-        T=T,
-        D=D,
-        lengths=tuple(values),
-        lengths_layout=lengths_layout,
-        k_cache_layout=draw(cache_layouts()),
-        v_cache_layout=draw(cache_layouts()),
         k_new_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
         v_new_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
-        fault=draw(st.sampled_from(APPEND_FAULTS)) if rarely(draw, 6) else None,
-        seed=draw(st.integers(0, 2**31 - 1)),
-        D_v=value_head_dim(draw),
     )
 
 
-@dataclass(frozen=True)
-class DecodeCase:
-    api: str
-    dtype: torch.dtype
-    B: int
+@dataclass(frozen=True, kw_only=True)
+class DecodeCase(OpCase):
     H_kv: int
     group: int
-    S: int
-    T: int
-    D: int
-    lengths: tuple
-    lengths_layout: str
     window: int | None
     scale: float | None
     q_layout: Layout
-    k_cache_layout: Layout
-    v_cache_layout: Layout
-    fault: str | None
-    seed: int
-    D_v: int | None = None  # the values' head_dim (None: D; the CPU kernels take their own)
 
 
 DECODE_FAULTS = [
@@ -313,10 +315,6 @@ DECODE_FAULTS = [
 def decode_cases(draw):
     B, H_kv, S, T, D, dtype = draw(common_shapes())
     group = draw(st.integers(65, 96)) if rarely(draw, 20) else draw(st.integers(1, 8))
-    lengths_layout = draw(st.sampled_from(["contiguous", "strided", "offset", "expanded"]))
-    values = length_values(draw, B, T, S, least=T)
-    if lengths_layout == "expanded":
-        values = values[:1] * B
     window_kind, scale_kind = draw(st.integers(0, 9)), draw(st.integers(0, 9))
     if window_kind < 5:
         window = None
@@ -331,24 +329,12 @@ def decode_cases(draw):
     else:
         scale = draw(st.sampled_from([0.0, math.inf, -math.inf, math.nan]))
     return DecodeCase(
-        api=draw(st.sampled_from(["wrapper", "raw op"])),
-        dtype=dtype,
-        B=B,
+        **common_fields(draw, dtype, B, S, T, D, least=T, faults=DECODE_FAULTS),
         H_kv=H_kv,
         group=group,
-        S=S,
-        T=T,
-        D=D,
-        lengths=tuple(values),
-        lengths_layout=lengths_layout,
         window=window,
         scale=scale,
         q_layout=draw(layouts(head_dim_innermost=False, allow_squash=True)),
-        k_cache_layout=draw(cache_layouts()),
-        v_cache_layout=draw(cache_layouts()),
-        fault=draw(st.sampled_from(DECODE_FAULTS)) if rarely(draw, 6) else None,
-        seed=draw(st.integers(0, 2**31 - 1)),
-        D_v=value_head_dim(draw),
     )
 
 
@@ -357,48 +343,29 @@ def other_dtype(dtype):
 
 
 # Cases that broke the contract once, run first on every run (small: B=2, S=4, D=8 unless said).
+SMALL_CASE = dict(
+    api="wrapper",
+    dtype=torch.float32,
+    B=2,
+    S=4,
+    T=1,
+    D=8,
+    lengths_layout="contiguous",
+    k_cache_layout=Layout(),
+    v_cache_layout=Layout(),
+    fault=None,
+    seed=0,
+)
+
+
 def append_case(**changes):
-    defaults = dict(
-        api="wrapper",
-        dtype=torch.float32,
-        B=2,
-        H=1,
-        S=4,
-        T=1,
-        D=8,
-        lengths=(1, 2),
-        lengths_layout="contiguous",
-        k_cache_layout=Layout(),
-        v_cache_layout=Layout(),
-        k_new_layout=Layout(),
-        v_new_layout=Layout(),
-        fault=None,
-        seed=0,
-    )
-    return AppendCase(**{**defaults, **changes})
+    small = dict(SMALL_CASE, H=1, lengths=(1, 2), k_new_layout=Layout(), v_new_layout=Layout())
+    return AppendCase(**{**small, **changes})
 
 
 def decode_case(**changes):
-    defaults = dict(
-        api="wrapper",
-        dtype=torch.float32,
-        B=2,
-        H_kv=1,
-        group=2,
-        S=4,
-        T=1,
-        D=8,
-        lengths=(3, 2),
-        lengths_layout="contiguous",
-        window=None,
-        scale=None,
-        q_layout=Layout(),
-        k_cache_layout=Layout(),
-        v_cache_layout=Layout(),
-        fault=None,
-        seed=0,
-    )
-    return DecodeCase(**{**defaults, **changes})
+    small = dict(SMALL_CASE, H_kv=1, group=2, lengths=(3, 2), window=None, scale=None, q_layout=Layout())
+    return DecodeCase(**{**small, **changes})
 
 
 APPEND_REGRESSIONS = [

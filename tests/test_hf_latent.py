@@ -6,7 +6,7 @@ from functools import partial
 
 import pytest
 import torch
-from tiny_models import greedy, left_padded_batch
+from tiny_models import TINY_DEEPSEEK, greedy, left_padded_batch
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -16,39 +16,14 @@ from kvcache_ext import ops  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW_TOKENS, PROMPT_LEN, PAD = 10, 7, 0
 _batch = partial(left_padded_batch, prompt_len=PROMPT_LEN, pad=PAD)
-MLA = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    first_k_dense_replace=2,  # dense feed-forwards: the MoE router is beside the point here
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    qk_nope_head_dim=24,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    max_position_embeddings=64,
-    rope_parameters=dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=4.0,
-        original_max_position_embeddings=16,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def _model(kind):
     torch.manual_seed(0)
     if kind == "deepseek_v3":
-        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**MLA, q_lora_rank=48))
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY_DEEPSEEK, q_lora_rank=48))
     else:
-        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**MLA, q_lora_rank=None))
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**TINY_DEEPSEEK, q_lora_rank=None))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
@@ -75,7 +50,7 @@ def test_greedy_left_padded_batch_gives_transformers_tokens_through_the_absorbed
     assert torch.equal(out, expected)
     # One latent row per token for all heads (kv_lora_rank + qk_rope_head_dim), every decode step on it.
     assert cache.layers[0].keys.shape == (3, 1, PROMPT_LEN + NEW_TOKENS, 40)
-    assert len(calls) == MLA["num_hidden_layers"] * (NEW_TOKENS - 1)
+    assert len(calls) == TINY_DEEPSEEK["num_hidden_layers"] * (NEW_TOKENS - 1)
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
@@ -113,7 +88,7 @@ def test_sampling_left_padded_batch_gives_transformers_tokens_and_logits(kind, m
     assert torch.equal(out.sequences, expected.sequences)
     for step, (logits, reference) in enumerate(zip(out.logits, expected.logits)):
         torch.testing.assert_close(logits, reference, rtol=1e-5, atol=2e-5, msg=lambda m, s=step: f"step {s}: {m}")
-    assert len(calls) == MLA["num_hidden_layers"] * (NEW_TOKENS - 1)
+    assert len(calls) == TINY_DEEPSEEK["num_hidden_layers"] * (NEW_TOKENS - 1)
     assert all(shape[0] == 9 for shape in calls)  # every sample's row, after the cache was repeated
 
 
@@ -163,7 +138,7 @@ def test_bfloat16_decode_logits_follow_transformers_within_its_rounding(kind, mo
     assert torch.equal(out.sequences, expected.sequences)
     for step, (logits, reference) in enumerate(zip(out.logits, expected.logits)):
         torch.testing.assert_close(logits, reference, rtol=0, atol=0.1, msg=lambda m, s=step: f"step {s}: {m}")
-    assert dtypes == [torch.bfloat16] * (MLA["num_hidden_layers"] * (NEW_TOKENS - 1))
+    assert dtypes == [torch.bfloat16] * (TINY_DEEPSEEK["num_hidden_layers"] * (NEW_TOKENS - 1))
 
 
 def test_beam_search_gives_transformers_tokens():
@@ -213,7 +188,7 @@ def test_a_saved_latent_cache_is_refused_by_a_config_of_other_latent_widths(tmp_
     cache = khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + 2)
     greedy(model, ids, mask, 1, cache)
     cache.save(tmp_path / "latent.safetensors")
-    other = transformers.DeepseekV3Config(**{**MLA, "kv_lora_rank": 16}, q_lora_rank=48)
+    other = transformers.DeepseekV3Config(**{**TINY_DEEPSEEK, "kv_lora_rank": 16}, q_lora_rank=48)
     with pytest.raises(ValueError, match=r"layer 0 was saved with latent widths .* \[32, 8\]; .* has \[16, 8\]"):
         khf.NativeCache.load(tmp_path / "latent.safetensors", other)
 

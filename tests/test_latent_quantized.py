@@ -49,12 +49,22 @@ def _empty_cache(B, H, S, Dk, Dv, dtype, fmt, quantize_rope):
     return [c_data, c_scales, k_pe, k_pe_scales]
 
 
-def _bytes(buffers):
+def byte_copies(buffers):
     return [None if t is None else t.view(torch.uint8).clone() for t in buffers]
 
 
-def _same_bytes(a, b):
+def same_bytes(a, b):
     return all((x is None and y is None) or torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+def check_append_refused(append_op, args, message):
+    """``append_op(**args)`` raises saying ``message`` and writes no byte of the cache's buffers."""
+    buffers = [args[name] for name in ("c_data", "c_scales", "k_pe", "k_pe_scales")]
+    before = byte_copies(buffers)
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as refused:
+        append_op(**args)
+    assert message in str(refused.value)
+    assert same_bytes(buffers, before)
 
 
 # (B, H_kv, S, key_dim, value_dim, T, lengths, counts): rings that wrap, ragged counts, DeepSeek's widths.
@@ -77,11 +87,11 @@ def test_append_writes_the_reference_quantizers_bytes(case, dtype, fmt, quantize
     counts = None if counts is None else torch.tensor(counts)
     native = _empty_cache(B, H, S, Dk, Dv, dtype, fmt, quantize_rope)
     reference = [None if t is None else t.clone() for t in native]
-    before = _bytes(native)
+    before = byte_copies(native)
     ops.append_latent_quantized(*native, new, lengths, counts)
     append_quantized_latent_to_slots(*reference, new, lengths, counts)
-    assert _same_bytes(native, reference)
-    assert not _same_bytes(native, before)
+    assert same_bytes(native, reference)
+    assert not same_bytes(native, before)
     # The written slots hold quantize()'s codes of c (and k_pe) exactly; the others kept their bytes.
     for b in range(B):
         for t in range(T if counts is None else int(counts[b])):
@@ -236,13 +246,7 @@ APPEND_REFUSALS = [
 
 @pytest.mark.parametrize("change, message", APPEND_REFUSALS, ids=lambda x: str(x)[:40] if isinstance(x, str) else None)
 def test_bad_appends_are_refused_with_nothing_written(change, message):
-    args = _good_append() | change
-    buffers = [args[name] for name in ("c_data", "c_scales", "k_pe", "k_pe_scales")]
-    before = _bytes(buffers)
-    with pytest.raises((ValueError, TypeError, RuntimeError)) as refused:
-        ops.append_latent_quantized(**args)
-    assert message in str(refused.value)
-    assert _same_bytes(buffers, before)
+    check_append_refused(ops.append_latent_quantized, _good_append() | change, message)
 
 
 @pytest.mark.parametrize(
@@ -261,11 +265,11 @@ def test_direct_callers_of_the_append_op_get_the_bindings_refusals(change, messa
     if args["k_pe_scales"] == "c_scales":
         args["k_pe_scales"] = args["c_scales"]
     buffers = [args[name] for name in ("c_data", "c_scales", "k_pe", "k_pe_scales")]
-    before = _bytes(buffers)
+    before = byte_copies(buffers)
     with pytest.raises(RuntimeError) as refused:
         torch.ops.kvcache_ext.append_latent_quantized(**args)
     assert message in str(refused.value)
-    assert _same_bytes(buffers, before)
+    assert same_bytes(buffers, before)
 
 
 def test_bad_attention_arguments_are_refused_saying_what_was_expected():

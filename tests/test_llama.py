@@ -1,5 +1,7 @@
 """The Llama/Qwen-style model: published configs, every cache token for token, HF logit parity."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tiny_models import TINY_DECODER
@@ -7,7 +9,7 @@ from tiny_models import TINY_DECODER
 from kvcache_ext import KVCache
 from python_ref import ConcatCache, NoCache, PreallocatedCache, generate
 from python_ref.llama import LLAMA_CONFIGS, LlamaModel, build_llama, rope_inverse_frequencies
-from python_ref.llama_weights import config_from_hf, load_llama
+from python_ref.llama_weights import config_from_hf, config_to_hf, load_llama
 
 PROMPT_LEN, NEW_TOKENS, BATCH = 12, 10, 2
 
@@ -205,6 +207,26 @@ def test_logits_match_transformers(arch):
         cached = torch.cat([ours(idx[:, :150], cache), ours(idx[:, 150:], cache)], dim=1)
     torch.testing.assert_close(full, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(cached, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        *LLAMA_CONFIGS.values(),
+        replace(LLAMA_CONFIGS["llama-tiny"], qkv_bias=True),
+        replace(LLAMA_CONFIGS["llama-tiny"], sliding_window=8),
+    ],
+    ids=[*LLAMA_CONFIGS, "qwen2-like", "mistral-like"],
+)
+def test_config_to_hf_is_read_back_through_transformers(cfg):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoConfig.for_model(**config_to_hf(cfg))
+    assert config_from_hf(hf.to_dict()) == cfg
+
+
+def test_config_to_hf_refuses_features_no_model_type_has_together():
+    with pytest.raises(ValueError, match="no supported Hugging Face model type"):
+        config_to_hf(replace(LLAMA_CONFIGS["qwen3-tiny"], sliding_window=8))
 
 
 def test_loader_rejects_what_it_cannot_represent():

@@ -1,13 +1,15 @@
 """python_ref's MLA model: the absorbed form equals the expanded one, every cache holding latents
 gives the no-cache model's tokens, and HF-layout weights give transformers' logits."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kvcache_ext import KVCache
 from python_ref import ConcatCache, NoCache, PreallocatedCache, generate
 from python_ref.mla import MLA_CONFIGS, build_mla, yarn_inverse_frequencies
-from python_ref.mla_weights import load_mla
+from python_ref.mla_weights import config_to_hf, load_mla
 
 TINY = ["deepseek-v3-tiny", "deepseek-v2-lite-tiny"]
 PROMPT_LEN, NEW_TOKENS, BATCH = 11, 9, 2
@@ -68,40 +70,10 @@ def test_ragged_prompts_on_a_latent_cache_get_their_own_tokens():
 
 def _hf_model(name):
     transformers = pytest.importorskip("transformers")
-    cfg = MLA_CONFIGS[name]
-    s = cfg.rope_scaling
-    common = dict(
-        vocab_size=1000,
-        hidden_size=cfg.emb_dim,
-        intermediate_size=cfg.hidden_dim,
-        moe_intermediate_size=cfg.hidden_dim,
-        num_hidden_layers=cfg.n_layers,
-        first_k_dense_replace=cfg.n_layers,  # every layer dense
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_heads,
-        q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim,
-        max_position_embeddings=cfg.context_length,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=cfg.rope_base,
-            factor=s.factor,
-            original_max_position_embeddings=s.original_context_length,
-            beta_fast=s.beta_fast,
-            beta_slow=s.beta_slow,
-            mscale=s.mscale,
-            mscale_all_dim=s.mscale_all_dim,
-        ),
-    )
-    if name.startswith("deepseek-v3"):
-        hf_cfg = transformers.DeepseekV3Config(**common)
-        model = transformers.DeepseekV3ForCausalLM(hf_cfg)
-    else:
-        hf_cfg = transformers.DeepseekV2Config(**common)
-        model = transformers.DeepseekV2ForCausalLM(hf_cfg)
+    hf_config = config_to_hf(replace(MLA_CONFIGS[name], vocab_size=1000))  # dense: DeepSeek-V3's model type
+    if name.startswith("deepseek-v2"):
+        hf_config["model_type"] = "deepseek_v2"  # the same model in V2's classes
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config))
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

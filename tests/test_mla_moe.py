@@ -11,8 +11,9 @@ import torch
 from kvcache_ext import KVCache
 from python_ref import ConcatCache, NoCache, PreallocatedCache, generate
 from python_ref.mla import MLA_CONFIGS, build_mla
-from python_ref.mla_weights import config_from_hf, load_mla
+from python_ref.mla_weights import config_from_hf, config_to_hf, load_mla
 from python_ref.moe import MoEConfig, select_experts
+from tiny_models import TINY_DEEPSEEK_EXPERTS
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,34 +113,7 @@ def test_hand_made_scores_route_by_group_then_expert():
 
 
 def _hf_config(kind, q_lora_rank, topk_method=None):
-    common = dict(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=24,
-        num_hidden_layers=3,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=32,
-        qk_nope_head_dim=24,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        max_position_embeddings=256,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=32,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
-    )
+    common = dict(TINY_DEEPSEEK_EXPERTS, q_lora_rank=q_lora_rank)
     if kind == "deepseek_v3":
         return transformers.DeepseekV3Config(
             **common, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5
@@ -314,6 +288,12 @@ V3_JSON = dict(  # deepseek-ai/DeepSeek-V3's config.json, MoE and the keys confi
 
 def test_published_config_reads_as_the_named_config():
     assert config_from_hf(V3_JSON) == MLA_CONFIGS["deepseek-v3"]
+
+
+@pytest.mark.parametrize("name", MLA_CONFIGS)
+def test_config_to_hf_is_read_back_through_transformers(name):
+    hf = config_to_hf(MLA_CONFIGS[name])
+    assert config_from_hf(transformers.AutoConfig.for_model(**hf).to_dict()) == MLA_CONFIGS[name]
 
 
 @pytest.mark.parametrize(

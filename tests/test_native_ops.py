@@ -143,18 +143,24 @@ def test_gqa_groups_beyond_one_call_of_rows(isa, dtype, group, num_new):
     check_against_references(q, k, v, lengths, window=6)
 
 
+def check_ring_append(k, v, lengths, num_new):
+    """append_kv of ``num_new`` random tokens stores token t of row b at key slot (lengths[b] + t) % S."""
+    B, H, S, D = k.shape
+    k_new, v_new = torch.randn(B, H, num_new, D), torch.randn(B, H, num_new, D)
+    expected_k = k.clone()
+    for b, n in enumerate(lengths.tolist()):
+        for t in range(num_new):
+            expected_k[b, :, (n + t) % S] = k_new[b, :, t]
+    kvcache_ext.append_kv(k, v, k_new, v_new, lengths)
+    assert torch.equal(k, expected_k)
+
+
 def test_lengths_may_be_a_strided_view(isa):
     q, k, v, _ = make_problem(torch.float32, 3, 2, 2, 1, 64, 20, [1, 1, 1], False)
     storage = torch.tensor([5, -7, 20, -7, 13, -7])  # every other entry would be an invalid length
     lengths = storage[::2]
     check_against_references(q, k, v, lengths, window=None)
-    k_new, v_new = torch.randn(3, 2, 2, 64), torch.randn(3, 2, 2, 64)
-    expected_k = k.clone()
-    for b, n in enumerate(lengths.tolist()):
-        for t in range(2):
-            expected_k[b, :, (n + t) % 20] = k_new[b, :, t]
-    kvcache_ext.append_kv(k, v, k_new, v_new, lengths)
-    assert torch.equal(k, expected_k)
+    check_ring_append(k, v, lengths, num_new=2)
 
 
 @pytest.mark.parametrize("window", [7, 2**62, 2**63 - 1])
@@ -171,13 +177,7 @@ def test_longest_allowed_length_wraps_correctly():
     top = 2**62
     q, k, v, lengths = make_problem(torch.float32, 2, 1, 2, 3, 16 * 4, 11, [top, top - 5], False)
     check_against_references(q, k, v, lengths, window=None)
-    k_new, v_new = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 3, 64)
-    expected_k = k.clone()
-    for b, n in enumerate(lengths.tolist()):
-        for t in range(3):
-            expected_k[b, :, (n + t) % 11] = k_new[b, :, t]
-    kvcache_ext.append_kv(k, v, k_new, v_new, lengths)
-    assert torch.equal(k, expected_k)
+    check_ring_append(k, v, lengths, num_new=3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

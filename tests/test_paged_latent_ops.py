@@ -13,6 +13,7 @@ import case_builders as cases
 import paged_cases
 from kvcache_ext import capabilities, ops
 from python_ref.paged import paged_latent_append_reference, paged_latent_attention_reference
+from test_latent_ops import latent_formula
 
 pytestmark = pytest.mark.skipif(not capabilities("cpu").native, reason="needs the native CPU library")
 
@@ -20,28 +21,15 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 2e-4}  # 
 
 
 def paged_latent_formula(q, pool, table, lengths, value_dim, window=None, scale=None):
-    """The definition, in float64, one query at a time: query i of row b sits at position n - T + i
-    and sees the positions j it may (causal; window), whose key is the pool's row at block
-    table[b, j // block_size], offset j % block_size, and whose value is that key's first value_dim
-    columns."""
-    B, H_q, T, Dk = q.shape
-    H_kv, block_size = pool.shape[1], pool.shape[2]
-    scale = 1 / math.sqrt(Dk) if scale is None else scale
-    out = torch.zeros(B, H_q, T, value_dim, dtype=torch.float64)
-    lse = torch.zeros(B, H_q, T, dtype=torch.float64)
-    for b in range(B):
-        n = int(lengths[b])
-        for i in range(T):
-            p = n - T + i
-            seen = range(max(0, p - window + 1 if window else 0), p + 1)
-            blocks = torch.tensor([int(table[b, j // block_size]) for j in seen])
-            offsets = torch.tensor([j % block_size for j in seen])
-            # Each query head's keys: its group's KV head's rows, (H_q, positions, key_dim).
-            keys = pool[blocks, :, offsets].double().transpose(0, 1).repeat_interleave(H_q // H_kv, dim=0)
-            scores = torch.einsum("hd,hjd->hj", q[b, :, i].double(), keys) * scale
-            out[b, :, i] = torch.einsum("hj,hjd->hd", torch.softmax(scores, dim=-1), keys[..., :value_dim])
-            lse[b, :, i] = torch.logsumexp(scores, dim=-1)
-    return out, lse
+    """The definition read through the block table: position j of row b is the pool's row at block
+    table[b, j // block_size], offset j % block_size; each row's positions gathered in order (NaN past
+    its length, never seen) and test_latent_ops' float64 formula over them."""
+    num_heads, block_size, key_dim = pool.shape[1], pool.shape[2], pool.shape[3]
+    rows = torch.full((q.shape[0], num_heads, max(int(lengths.max()), 1), key_dim), float("nan"), dtype=pool.dtype)
+    for b, n in enumerate(lengths.tolist()):
+        positions = torch.arange(n)
+        rows[b, :, :n] = pool[table[b, positions // block_size].long(), :, positions % block_size].transpose(0, 1)
+    return latent_formula(q, rows, lengths, value_dim, window, scale)
 
 
 def sdpa_error(q, rows, lengths, value_dim, exact, window, scale):

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from test_latent_quantized import check_append_refused, same_bytes
 from test_paged_latent_ops import latent_pool, paged_latent_formula, sdpa_error
 
 import case_builders as cases
@@ -44,10 +45,6 @@ def junk_pools(num_blocks, H, block_size, Dk, Dv, dtype, fmt, quantize_rope, see
         junk((*lead, Dk - Dv), codes if quantize_rope else dtype),
         torch.full(lead, float("nan")) if quantize_rope else None,
     ]
-
-
-def same_bytes(a, b):
-    return all((x is None and y is None) or torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
 
 
 def copies(buffers):
@@ -174,13 +171,7 @@ def _good():
     ],
 )
 def test_bad_appends_are_refused_with_nothing_written(change, message):
-    args = _good() | change
-    buffers = [args[name] for name in ("c_data", "c_scales", "k_pe", "k_pe_scales")]
-    before = copies(buffers)
-    with pytest.raises((ValueError, TypeError, RuntimeError)) as refused:
-        ops.paged_append_latent_quantized(**args)
-    assert message in str(refused.value)
-    assert same_bytes(buffers, before)
+    check_append_refused(ops.paged_append_latent_quantized, _good() | change, message)
 
 
 def test_direct_callers_of_the_ops_get_the_bindings_refusals():

@@ -2,10 +2,9 @@
 against the reference bit for bit, native attention over the same bytes against the float64
 oracle, the argument checks, and KVCache(kv_dtype=...) in models, windows and torch.compile."""
 
-import itertools
-
 import pytest
 import torch
+from case_builders import QUANTIZED_ATTENTION_GRID
 
 import kvcache_ext
 from attention_oracle import attention_float64, attention_plain
@@ -317,23 +316,9 @@ def _check_parity(fmt, q, k_data, k_scales, v_data, v_scales, lengths, window=No
     torch.testing.assert_close(lse, exact_lse.float(), atol=2 * plain_lse_error + 1e-4, rtol=1e-5)
 
 
-GRID = [
-    (fmt, head_dim, group, num_new, window)
-    for fmt, head_dim, group, num_new, window in itertools.product(FORMATS, [64, 128], [1, 4], [1, 3], [None, 5])
-]
-GRID += [
-    ("int8", 80, 2, 1, None),
-    ("fp8_e4m3", 24, 1, 2, None),
-    ("int8", 256, 3, 1, 4),
-    ("int4", 96, 1, 1, None),
-    ("int4", 256, 8, 2, None),
-    ("fp8_e4m3", 48, 5, 1, 3),
-]
-
-
 @native
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt,head_dim,group,num_new,window", GRID)
+@pytest.mark.parametrize("fmt,head_dim,group,num_new,window", QUANTIZED_ATTENTION_GRID)
 def test_quantized_attention_parity(fmt, dtype, head_dim, group, num_new, window):
     slots = 700 if window is None else window + num_new - 1  # with a window: a ring that wraps
     problem = _quantized_problem(fmt, dtype, 3, 2, group, num_new, head_dim, slots, [num_new, 7, 700])

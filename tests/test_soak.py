@@ -9,6 +9,7 @@ import torch
 
 import kvcache_ext
 from python_ref import CacheOverflowError, PreallocatedCache
+from tiny_models import TINY_DRAFT
 
 pytestmark = pytest.mark.skipif(not kvcache_ext.native_available(), reason="native library not loaded")
 
@@ -78,17 +79,9 @@ def test_hf_native_cache_fill_reset_cycles_do_not_grow_memory():
     Row 1 of the prompt is left-padded by one token, so the prompt's packing path runs too."""
     transformers = pytest.importorskip("transformers", reason="the HF soak needs transformers")
     khf = pytest.importorskip("kvcache_ext.hf")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = transformers.LlamaConfig(**dict(TINY_DRAFT, num_hidden_layers=LAYERS))
     attention_modules = [layer.self_attn for layer in transformers.LlamaForCausalLM(config).eval().model.layers]
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = config.head_dim
     cache = khf.NativeCache(config, max_cache_len=HF_MAX_CACHE_LEN)
     real = torch.ones(BATCH, HF_PROMPT, dtype=torch.bool)
     real[1, 0] = False

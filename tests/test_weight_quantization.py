@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from checkpoint_dirs import write_checkpoint
 from torch import nn
 
 from kvcache_ext.cli import main
@@ -26,18 +25,6 @@ BF16_ROUNDOFF = 2.0**-8
 def needs_torchao(weights):
     if weights == "int4":
         pytest.importorskip("torchao")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    written = {}
-
-    def directory(name):
-        if name not in written:
-            written[name] = write_checkpoint(tmp_path_factory.mktemp(name), name)
-        return written[name]
-
-    return directory
 
 
 def quantization_step(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The tiny models the tests build (offline, random weights): python_ref's GPT-2 and Llama with a
-small vocabulary; transformers' configs, the weights that make their greedy text vary, and a batch
-of left-padded prompts.
+small vocabulary; transformers' configs (Llama family, DeepSeek, GPT-2), the weights that make their
+greedy text vary, and a batch of left-padded prompts.
 """
 
 import torch
@@ -35,6 +35,45 @@ TINY_DRAFT = dict(
     num_hidden_layers=1,
     num_attention_heads=2,
     num_key_value_heads=1,
+)
+# A DeepSeek-V2/V3 decoder with latent attention (DeepseekV2Config and DeepseekV3Config take these, with a
+# q_lora_rank): widths that differ so that no two are confused, YaRN over a short original context so that
+# it changes some frequencies, dense feed-forwards in both layers.
+TINY_DEEPSEEK = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_hidden_layers=2,
+    first_k_dense_replace=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=24,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=256,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=32,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# TINY_DEEPSEEK's mixture-of-experts form: a dense first layer, then 8 experts in 4 groups, 2 groups kept,
+# 3 experts chosen.
+TINY_DEEPSEEK_EXPERTS = dict(
+    TINY_DEEPSEEK,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
 )
 # GPT2Config's names for a decoder of TINY_DECODER's vocabulary and width.
 TINY_GPT2 = dict(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4)

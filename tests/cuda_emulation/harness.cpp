@@ -317,6 +317,27 @@ int64_t emu_last_partial_lse(float* out, int64_t capacity) {
   return static_cast<int64_t>(last_partial_lse.size());
 }
 
+// What the CUDA binding does for append_kv (contiguous or paged) once p holds the call's buffers and sizes:
+// cache_stride holds k's 3 then v's 3 strides (of the caches or pools), source_stride k_new's 4 then
+// v_new's 4; the word size chosen goes to word_bytes_out, each launch counts in launches_out.
+static int choose_words_and_launch(AppendKvParams& p, const int64_t* cache_stride, const int64_t* source_stride,
+                                   int64_t elem_bytes, int64_t head_dim, int64_t max_words_per_launch,
+                                   int* word_bytes_out, int* launches_out) {
+  const int64_t cs[2][3] = {{cache_stride[0], cache_stride[1], cache_stride[2]},
+                            {cache_stride[3], cache_stride[4], cache_stride[5]}};
+  const int64_t ss[2][4] = {{source_stride[0], source_stride[1], source_stride[2], source_stride[3]},
+                            {source_stride[4], source_stride[5], source_stride[6], source_stride[7]}};
+  choose_append_words(p, elem_bytes, head_dim, cs, ss);
+  *word_bytes_out = p.word_bytes;
+  return dispatch_append_kv(
+      p,
+      [&](AppendKernel kernel, dim3 grid, int threads, const AppendKvParams& chunk) {
+        ++*launches_out;
+        return emu::launch(kernel, grid, dim3(threads), chunk);
+      },
+      max_words_per_launch);
+}
+
 // sizes: batch, kv_heads, num_new, slots, head_dim. cache_stride: k's 3 then v's 3;
 // source_stride: k_new's 4 then v_new's 4 (elements). max_words_per_launch: the token chunks'
 // size limit. word_bytes_out: the path taken; launches_out: the launches made.
@@ -331,20 +352,9 @@ int emu_append_kv(void* k_cache, void* v_cache, const int64_t* cache_stride, con
   p.counts = counts;  // nullptr: every token of every row
   p.counts_stride = counts_stride;
   p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2], p.slots = sizes[3];
-  const int64_t cs[2][3] = {{cache_stride[0], cache_stride[1], cache_stride[2]},
-                            {cache_stride[3], cache_stride[4], cache_stride[5]}};
-  const int64_t ss[2][4] = {{source_stride[0], source_stride[1], source_stride[2], source_stride[3]},
-                            {source_stride[4], source_stride[5], source_stride[6], source_stride[7]}};
-  choose_append_words(p, elem_bytes, sizes[4], cs, ss);
-  *word_bytes_out = p.word_bytes;
   *launches_out = 0;
-  return dispatch_append_kv(
-      p,
-      [&](AppendKernel kernel, dim3 grid, int threads, const AppendKvParams& chunk) {
-        ++*launches_out;
-        return emu::launch(kernel, grid, dim3(threads), chunk);
-      },
-      max_words_per_launch);
+  return choose_words_and_launch(p, cache_stride, source_stride, elem_bytes, sizes[4], max_words_per_launch,
+                                 word_bytes_out, launches_out);
 }
 
 // What the CUDA binding does for append_kv_quantized after its checks. format: KvFormat; elem:
@@ -491,19 +501,8 @@ int emu_paged_append_kv(void* k_pool, void* v_pool, const int64_t* pool_stride, 
   p.counts = checked.data() + sizes[0], p.counts_stride = 1;
   p.block_ids = checked.data() + 2 * sizes[0], p.blocks_per_row = rows.width, p.block_shift = shift;
   p.batch = sizes[0], p.kv_heads = sizes[1], p.num_new = sizes[2];
-  const int64_t ps[2][3] = {{pool_stride[0], pool_stride[1], pool_stride[2]},
-                            {pool_stride[3], pool_stride[4], pool_stride[5]}};
-  const int64_t ss[2][4] = {{source_stride[0], source_stride[1], source_stride[2], source_stride[3]},
-                            {source_stride[4], source_stride[5], source_stride[6], source_stride[7]}};
-  choose_append_words(p, elem_bytes, sizes[3], ps, ss);
-  *word_bytes_out = p.word_bytes;
-  return dispatch_append_kv(
-      p,
-      [&](AppendKernel kernel, dim3 grid, int threads, const AppendKvParams& chunk) {
-        ++*launches_out;
-        return emu::launch(kernel, grid, dim3(threads), chunk);
-      },
-      max_words_per_launch);
+  return choose_words_and_launch(p, pool_stride, source_stride, elem_bytes, sizes[3], max_words_per_launch,
+                                 word_bytes_out, launches_out);
 }
 
 // emu_paged_decode_attention over a quantized pool: format (KvFormat) and elem (ElemType of q);
