@@ -9,7 +9,13 @@ import textwrap
 import pytest
 
 from kvcache_ext.cli import main
-from kvcache_ext.cpu_memory import CACHE_CAPACITY, CAPACITY_VARIABLES, bound_onednn_caches
+from kvcache_ext.cpu_memory import (
+    CACHE_CAPACITY,
+    CAPACITY_VARIABLES,
+    MMAP_THRESHOLD,
+    bound_onednn_caches,
+    fix_mmap_threshold,
+)
 
 
 @pytest.fixture
@@ -32,26 +38,77 @@ def test_a_capacity_that_is_not_a_positive_int_is_refused(clean_environment, cap
     assert not any(name in os.environ for name in CAPACITY_VARIABLES)
 
 
-def test_the_serve_command_bounds_them_before_loading(clean_environment, tmp_path, capsys):
+def test_the_serve_command_bounds_them_before_loading(clean_environment, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))  # keeps this process's malloc as it is
     assert main(["serve", str(tmp_path / "missing")]) == 2  # fails at the load, after the bounds
     assert "kvcache-ext serve" in capsys.readouterr().err
     assert all(os.environ[name] == str(CACHE_CAPACITY) for name in CAPACITY_VARIABLES)
 
 
+def test_a_threshold_set_in_the_environment_is_left_alone(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert fix_mmap_threshold() is None
+
+
+@pytest.mark.parametrize("threshold", [-1, True, 1.5])
+def test_a_threshold_that_is_not_a_non_negative_int_is_refused(threshold):
+    with pytest.raises(ValueError, match="threshold must be a non-negative int"):
+        fix_mmap_threshold(threshold)
+
+
+def mallinfo_preamble() -> str:
+    return textwrap.dedent(
+        """
+        import ctypes, sys
+        import torch
+        libc = ctypes.CDLL("libc.so.6")
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
+        libc.mallinfo2.restype = MallInfo2
+        """
+    )
+
+
+# Frees a 16 MiB tensor (which raises glibc's moving threshold to 16 MiB), then holds a 1 MiB one:
+# prints whether that one got a mapping of its own (a chunk more in mallinfo2's hblks).
+MAPPED = mallinfo_preamble() + textwrap.dedent(
+    """
+    from kvcache_ext.cpu_memory import fix_mmap_threshold
+    if "--fix" in sys.argv:
+        assert fix_mmap_threshold() == 128 * 1024
+    big = torch.ones(4 * 2**20)  # 16 MiB of float32
+    del big
+    before = libc.mallinfo2().hblks
+    held = torch.ones(2**18)  # 1 MiB
+    print(libc.mallinfo2().hblks - before)
+    """
+)
+
+
+def run_python(source: str, *flags: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in (*CAPACITY_VARIABLES, "MALLOC_MMAP_THRESHOLD_")}
+    result = subprocess.run(
+        [sys.executable, "-c", source, *flags], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_a_fixed_threshold_maps_buffers_glibc_would_take_from_its_heap():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mallopt and mallinfo2 are glibc's")
+    assert run_python(MAPPED).split() == ["0"]  # glibc's moving threshold: from the heap
+    assert run_python(MAPPED, "--fix").split() == ["1"]
+
+
 # A process that imports torch, then (with --bound) bounds the caches, then runs one bfloat16 product
 # at 200 row counts and prints how much more malloc'd memory it holds afterwards (glibc's mallinfo2).
-GROWTH = textwrap.dedent(
+GROWTH = mallinfo_preamble() + textwrap.dedent(
     """
-    import ctypes, sys
-    import torch
     from kvcache_ext.cpu_memory import bound_onednn_caches
     if "--bound" in sys.argv:
         bound_onednn_caches()
-    libc = ctypes.CDLL("libc.so.6")
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-    libc.mallinfo2.restype = MallInfo2
     def in_use():
         info = libc.mallinfo2()
         return info.uordblks + info.hblkhd
@@ -68,12 +125,7 @@ GROWTH = textwrap.dedent(
 
 
 def growth_mib(*flags: str) -> float:
-    env = {k: v for k, v in os.environ.items() if k not in CAPACITY_VARIABLES}
-    result = subprocess.run(
-        [sys.executable, "-c", GROWTH, *flags], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    return float(result.stdout)
+    return float(run_python(GROWTH, *flags))
 
 
 def test_bounded_caches_keep_the_memory_of_many_product_shapes_flat():
