@@ -19,11 +19,13 @@ takes one request at a time (the others wait for its lock: ``--interrupt_request
 its default would cut a running stream short when the next request arrives) and is started with
 ``--logits_all False`` (its default computes the vocabulary's logits for every prompt token) and
 ``--n_ctx 4096``; its stream carries no ``usage``, so its output tokens are counted as the streamed
-chunks that hold text (one per token) and its prompt tokens are not known. The directory: ``--model-dir``; or ``--llama-1b-layers N``, a Llama-3.2-1B-shaped
-directory cut to N layers (bench/checkpoint_load.py's, random bfloat16 weights) with a byte-level BPE
-trained on the spot (tests/tokenizer_dirs.py's) whose vocabulary is filled up to the model's 128,256
-ids, so that every sampled id decodes to text; or by default a small Llama-family directory written by
-transformers (tests/checkpoint_dirs.py's: 2 layers, 64 wide, 256 positions).
+chunks that hold text (one per token) and its prompt tokens are not known.
+
+The directory: ``--model-dir``; or ``--llama-1b-layers N``, a Llama-3.2-1B-shaped directory cut to N
+layers (bench/checkpoint_load.py's, random bfloat16 weights) with a byte-level BPE trained on the spot
+(tests/tokenizer_dirs.py's) whose vocabulary is filled up to the model's 128,256 ids, so that every
+sampled id decodes to text; or by default a small Llama-family directory written by transformers
+(tests/checkpoint_dirs.py's: 2 layers, 64 wide, 256 positions).
 
 The workload is seeded. Each request's prompt is ``--prompt-words`` words (one of the list, drawn
 uniformly) of a fixed vocabulary; a ``--shared-fraction`` of the requests (every k-th) begin with the
