@@ -52,11 +52,11 @@ def run(args) -> int:
 
     from .cpu_memory import bound_onednn_caches, fix_mmap_threshold
 
-    bound_onednn_caches()  # before the first product: the caches of compiled products stay small
-    fix_mmap_threshold()  # freed activations go back to the OS instead of fragmenting the heap
     if (args.disk_tier is None) != (args.disk_tier_bytes is None):
         print("kvcache-ext serve: --disk-tier and --disk-tier-bytes go together", file=sys.stderr)
         return 2
+    bound_onednn_caches()  # before the first product: the caches of compiled products stay small
+    fix_mmap_threshold()  # freed activations go back to the OS instead of fragmenting the heap
     try:
         pretrained = load(args)
     except (CheckpointError, FileNotFoundError, ValueError, ImportError) as error:
