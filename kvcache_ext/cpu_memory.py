@@ -22,7 +22,7 @@ tens of milliseconds, paid only when the step's row count was not among the rece
 at least the mmap threshold, which starts at 128 KiB and rises to the size of every larger block
 freed (up to 32 MiB): after the first steps every activation, logits row and attention buffer of a
 step comes from the heap, and the holes their varying sizes leave behind stay resident (measured:
-a soak with bounded caches still grew 50 MiB in 5 minutes, all of it free heap memory). With the
+a soak with bounded caches still grew 49 MiB in 5 minutes, 46 of them free heap memory). With the
 threshold fixed at 128 KiB those buffers get pages of their own, returned when freed; the heap
 then holds small objects only, and the same soak stayed within a few MiB.
 """
