@@ -78,7 +78,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +94,7 @@ from kvcache_ext.benchmarks.common import cpu_model  # noqa: E402
 from kvcache_ext.linear import use_small_batch_linear  # noqa: E402
 from kvcache_ext.weight_formats import quantize_weights  # noqa: E402
 from python_ref import build_llama  # noqa: E402
+from python_ref.llama import rope_inverse_frequencies  # noqa: E402
 
 # The Llama-3-8B attention shape with few layers, a small feed-forward and vocabulary; plain RoPE.
 MODEL = dict(
@@ -137,7 +138,7 @@ def rope_pairs_adjacent(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def gguf_tensors(model) -> dict[str, torch.Tensor]:
     """The model's weights by llama.cpp's tensor names (gguf's ``TENSOR_NAMES``), queries and keys
-    in llama.cpp's RoPE layout."""
+    in llama.cpp's RoPE layout (no ``output`` for a head tied to the embedding)."""
     import gguf
 
     cfg = model.cfg
@@ -147,8 +148,9 @@ def gguf_tensors(model) -> dict[str, torch.Tensor]:
     tensors = {
         names[T.TOKEN_EMBD] + ".weight": state["tok_emb.weight"],
         names[T.OUTPUT_NORM] + ".weight": state["final_norm.weight"],
-        names[T.OUTPUT] + ".weight": state["out_head.weight"],
     }
+    if not cfg.tie_embeddings:  # a tied head is the embedding: llama.cpp reads token_embd without output
+        tensors[names[T.OUTPUT] + ".weight"] = state["out_head.weight"]
     per_block = {
         T.ATTN_NORM: "norm1",
         T.ATTN_Q: "att.W_query",
@@ -173,26 +175,64 @@ def gguf_tensors(model) -> dict[str, torch.Tensor]:
 
 def gguf_weight(gguf, weight: torch.Tensor, weight_type: str):
     """``(data, raw_dtype)`` for GGUFWriter.add_tensor: one-dimensional tensors (the norms) in F32,
-    as llama.cpp's converter stores them, matrices in ``weight_type``."""
+    as llama.cpp's converter stores them, matrices in ``weight_type`` (``WEIGHT_PAIRS``' types, or
+    ``bf16``: GGUF BF16, the bits of ``weight`` rounded to bfloat16)."""
     data = weight.float().contiguous().numpy()
     if data.ndim == 1 or weight_type == "f32":
         return data, None
     if weight_type == "f16":
         return data.astype(np.float16), None
+    if weight_type == "bf16":  # exact for bfloat16 weights: their float32 values round to themselves
+        return weight.to(torch.bfloat16).contiguous().view(torch.int16).numpy(), gguf.GGMLQuantizationType.BF16
     qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[weight_type]
     return gguf.quants.quantize(data, qtype), qtype
 
 
-def write_gguf(model, path: str, weight_type: str = "f32") -> None:
-    """``model`` (python_ref's Llama, plain RoPE, untied head) as a llama-architecture GGUF file, its
-    matrices in ``weight_type`` (``WEIGHT_PAIRS``), with a stand-in SentencePiece
-    vocabulary (special tokens, the 256 byte tokens, then placeholders): this benchmark feeds token
-    ids and never tokenizes text."""
+def gguf_bpe_vocabulary(tokenizer_json: str | os.PathLike, vocab_size: int) -> dict:
+    """A Hugging Face byte-level BPE (``tokenizer.json``) as GGUF's ``gpt2`` tokenizer: ``tokens``
+    (``vocab_size`` strings by id, the model's vocabulary, then the added tokens; an id neither
+    names is ``[PAD<id>]``), their ``types`` (NORMAL; CONTROL for special added tokens,
+    USER_DEFINED for the others; UNUSED for the fill) and ``merges`` (``"a b"``, in rank order)."""
+    import json
+
+    import gguf
+
+    contents = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    model = contents["model"]
+    if model.get("type") != "BPE" or (contents.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"{tokenizer_json}: expected a byte-level BPE (a ByteLevel pre-tokenizer)")
+    tokens: list[str | None] = [None] * vocab_size
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for text, i in model["vocab"].items():
+        if i < vocab_size:
+            tokens[i], types[i] = text, gguf.TokenType.NORMAL
+    for added in contents.get("added_tokens", []):
+        if added["id"] < vocab_size:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+    tokens = [f"[PAD{i}]" if text is None else text for i, text in enumerate(tokens)]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    return dict(tokens=tokens, types=[int(t) for t in types], merges=merges)
+
+
+def rope_frequency_factors(cfg) -> torch.Tensor:
+    """llama.cpp's ``rope_freqs`` for a scaled RoPE: what each pair's plain frequency is divided by
+    (python_ref's unscaled inverse frequencies over its scaled ones)."""
+    return rope_inverse_frequencies(replace(cfg, rope_scaling=None)) / rope_inverse_frequencies(cfg)
+
+
+def write_gguf(model, path: str, weight_type: str = "f32", tokenizer: dict | None = None) -> None:
+    """``model`` (python_ref's Llama: no QK norm or QKV bias; Llama 3's RoPE scaling written as
+    ``rope_freqs``, a tied head as the embedding alone) as a llama-architecture GGUF file, its
+    matrices in ``weight_type`` (``WEIGHT_PAIRS``, or ``bf16``). ``tokenizer``: a byte-level BPE
+    (:func:`gguf_bpe_vocabulary` with ``bos``/``eos`` ids, and ``add_bos``); without it, a stand-in
+    SentencePiece vocabulary (special tokens, the 256 byte tokens, then placeholders): this
+    benchmark feeds token ids and never tokenizes text."""
     import gguf
 
     cfg = model.cfg
-    if cfg.rope_scaling is not None or cfg.tie_embeddings or cfg.qk_norm:
-        raise ValueError("write_gguf writes plain-RoPE Llama models with an untied head and no QK norm")
+    if cfg.qk_norm or cfg.qkv_bias:
+        raise ValueError("write_gguf writes Llama models without QK norm or QKV bias")
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name("python_ref seeded random Llama")
     writer.add_context_length(cfg.context_length)
@@ -210,20 +250,39 @@ def write_gguf(model, path: str, weight_type: str = "f32") -> None:
     file_types = dict(
         f32=gguf.LlamaFileType.ALL_F32,
         f16=gguf.LlamaFileType.MOSTLY_F16,
+        bf16=gguf.LlamaFileType.MOSTLY_BF16,
         q8_0=gguf.LlamaFileType.MOSTLY_Q8_0,
         q4_0=gguf.LlamaFileType.MOSTLY_Q4_0,
     )
     writer.add_file_type(file_types[weight_type])
-    specials = [("<unk>", gguf.TokenType.UNKNOWN), ("<s>", gguf.TokenType.CONTROL), ("</s>", gguf.TokenType.CONTROL)]
-    vocab = specials + [(f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(256)]
-    vocab += [(f"\u2581t{i}", gguf.TokenType.NORMAL) for i in range(cfg.vocab_size - len(vocab))]
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([text for text, _ in vocab])
-    writer.add_token_scores([0.0 if kind != gguf.TokenType.NORMAL else -float(i) for i, (_, kind) in enumerate(vocab)])
-    writer.add_token_types([int(kind) for _, kind in vocab])
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    if tokenizer is None:
+        specials = [
+            ("<unk>", gguf.TokenType.UNKNOWN),
+            ("<s>", gguf.TokenType.CONTROL),
+            ("</s>", gguf.TokenType.CONTROL),
+        ]
+        vocab = specials + [(f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(256)]
+        vocab += [(f"\u2581t{i}", gguf.TokenType.NORMAL) for i in range(cfg.vocab_size - len(vocab))]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([text for text, _ in vocab])
+        scores = [0.0 if kind != gguf.TokenType.NORMAL else -float(i) for i, (_, kind) in enumerate(vocab)]
+        writer.add_token_scores(scores)
+        writer.add_token_types([int(kind) for _, kind in vocab])
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")  # GPT-2's split, as a ByteLevel pre-tokenizer with its regex
+        writer.add_token_list(tokenizer["tokens"])
+        writer.add_token_types(tokenizer["types"])
+        writer.add_token_merges(tokenizer["merges"])
+        writer.add_bos_token_id(tokenizer["bos"])
+        writer.add_eos_token_id(tokenizer["eos"])
+        writer.add_add_bos_token(tokenizer.get("add_bos", False))
+    if cfg.rope_scaling is not None:
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                          rope_frequency_factors(cfg).numpy())  # fmt: skip
     for name, weight in gguf_tensors(model).items():
         data, raw_dtype = gguf_weight(gguf, weight, weight_type)
         writer.add_tensor(name, data, raw_dtype=raw_dtype)

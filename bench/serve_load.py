@@ -1,20 +1,31 @@
 """Load on an OpenAI-compatible server: requests/s, output tokens/s, time to first token and
-inter-token latency, through the OpenAI protocol (the ``openai`` client), against ``kvcache-ext serve``
-or ``transformers serve`` on the same model directory.
+inter-token latency, through the OpenAI protocol (the ``openai`` client), against ``kvcache-ext serve``,
+``transformers serve`` or llama.cpp's server (``llama-cpp-python[server]``) on the same model directory.
 
-    python bench/serve_load.py [--server ours|transformers] [--model-dir DIR | --llama-1b-layers N]
+    python bench/serve_load.py [--server ours|transformers|llama.cpp] [--model-dir DIR | --llama-1b-layers N]
                                [--concurrency 1,4,16,32 | --arrival-rates 0.5,1,2] [--requests 64]
                                [--prompt-words 4,12,24] [--shared-words 12] [--shared-fraction 0.5]
                                [--max-tokens 32] [--threads 2] [--level-seconds 120]
                                [--soak-seconds 600 --rss-every 10] [--serve-option=--num-blocks=1024 ...]
 
 The server runs as a user runs it (``python -m kvcache_ext.cli serve DIR``, or ``transformers serve
-DIR`` with ``OMP_NUM_THREADS`` set to ``--threads``) on 127.0.0.1 and a free port, its log in a
-temporary file. The directory: ``--model-dir``; or ``--llama-1b-layers N``, a Llama-3.2-1B-shaped
-directory cut to N layers (bench/checkpoint_load.py's, random bfloat16 weights) with a byte-level BPE
-trained on the spot (tests/tokenizer_dirs.py's) whose vocabulary is filled up to the model's 128,256
-ids, so that every sampled id decodes to text; or by default a small Llama-family directory written by
-transformers (tests/checkpoint_dirs.py's: 2 layers, 64 wide, 256 positions).
+DIR`` with ``OMP_NUM_THREADS`` set to ``--threads``, or ``python -m llama_cpp.server`` on the directory
+written as GGUF, ``--n_threads``/``--n_threads_batch`` set to ``--threads``) on 127.0.0.1 and a free
+port, its log in a temporary file. For llama.cpp the directory is converted once (cached in the
+temporary directory) by bench/llama_cpp_comparison.py's ``write_gguf``: the same weights in GGUF
+BF16 (the tensors' bits), Llama 3's RoPE scaling as ``rope_freqs``, the byte-level BPE as GGUF's
+``gpt2`` tokenizer (``gguf_bpe_vocabulary``; no BOS added, as our tokenizer adds none). Its server
+takes one request at a time (the others wait for its lock: ``--interrupt_requests False``, where
+its default would cut a running stream short when the next request arrives) and is started with
+``--logits_all False`` (its default computes the vocabulary's logits for every prompt token) and
+``--n_ctx 4096``; its stream carries no ``usage``, so its output tokens are counted as the streamed
+chunks that hold text (one per token) and its prompt tokens are not known.
+
+The directory: ``--model-dir``; or ``--llama-1b-layers N``, a Llama-3.2-1B-shaped directory cut to N
+layers (bench/checkpoint_load.py's, random bfloat16 weights) with a byte-level BPE trained on the spot
+(tests/tokenizer_dirs.py's) whose vocabulary is filled up to the model's 128,256 ids, so that every
+sampled id decodes to text; or by default a small Llama-family directory written by transformers
+(tests/checkpoint_dirs.py's: 2 layers, 64 wide, 256 positions).
 
 The workload is seeded. Each request's prompt is ``--prompt-words`` words (one of the list, drawn
 uniformly) of a fixed vocabulary; a ``--shared-fraction`` of the requests (every k-th) begin with the
@@ -45,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
 import json
 import math
 import os
@@ -72,6 +84,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 WORDS = ("river stone cloud lamp garden window engine paper orange silver music forest winter market "
          "yellow bridge candle rocket planet letter").split()  # fmt: skip
 SERVER_START_SECONDS = 300
+SERVER_NAMES = {"ours": "kvcache-ext serve", "transformers": "transformers serve", "llama.cpp": "llama_cpp.server"}
 
 
 @dataclass
@@ -81,7 +94,7 @@ class Outcome:
     sent: float
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int | None = 0  # None: the server did not say
     cached_tokens: int | None = None
     error: str | None = None
 
@@ -118,16 +131,46 @@ def llama_1b_checkpoint(directory: Path, layers: int) -> Path:
     return directory
 
 
-def server_command(server: str, model_dir: Path, port: int, threads: int, options: list[str]) -> list[str]:
+def llama_cpp_gguf(model_dir: Path) -> Path:
+    """``model_dir`` as a GGUF file for llama.cpp (bench/llama_cpp_comparison.py's ``write_gguf``):
+    its weights in BF16, its tokenizer as GGUF's byte-level BPE. Written once into the temporary
+    directory, named by the directory's path and its files' sizes and times."""
+    from llama_cpp_comparison import gguf_bpe_vocabulary, write_gguf
+
+    from python_ref.checkpoint import load_checkpoint
+
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(model_dir.iterdir()) if f.is_file()]
+    key = hashlib.sha256(repr((str(model_dir.resolve()), stamp)).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"serve_load_{model_dir.name}_{key}.bf16.gguf"
+    if not path.is_file():
+        model = load_checkpoint(model_dir)
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        eos = config.get("eos_token_id")
+        vocabulary = gguf_bpe_vocabulary(model_dir / "tokenizer.json", model.cfg.vocab_size)
+        vocabulary |= dict(bos=config.get("bos_token_id") or 0, eos=(eos[0] if isinstance(eos, list) else eos) or 0)
+        partial = path.with_suffix(".partial")
+        write_gguf(model, str(partial), "bf16", vocabulary)
+        partial.rename(path)
+    return path
+
+
+def server_command(server: str, model_dir: Path, port: int, threads: int, options: list[str],
+                   model_name: str | None = None) -> list[str]:  # fmt: skip
     if server == "ours":
         return [sys.executable, "-m", "kvcache_ext.cli", "serve", str(model_dir), "--host", "127.0.0.1",
                 "--port", str(port), "--threads", str(threads), *options]  # fmt: skip
+    if server == "llama.cpp":
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(llama_cpp_gguf(model_dir)),
+                "--model_alias", model_name or model_dir.name, "--host", "127.0.0.1", "--port", str(port),
+                "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
+                "--logits_all", "False", "--interrupt_requests", "False", "--verbose", "False",
+                *options]  # fmt: skip
     launcher = Path(sys.executable).with_name("transformers")
     return [str(launcher), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
             "--device", "cpu", "--log-level", "warning", *options]  # fmt: skip
 
 
-def start_server(command: list[str], port: int, threads: int, log) -> subprocess.Popen:
+def start_server(command: list[str], port: int, threads: int, log, ready_path: str = "/health") -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env["OMP_NUM_THREADS"] = str(threads)  # transformers serve's torch threads (ours sets its own)
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -136,13 +179,13 @@ def start_server(command: list[str], port: int, threads: int, log) -> subprocess
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode}; its log: {log.name}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=1).status_code == 200:
                 return process
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     process.kill()
-    raise RuntimeError(f"the server did not answer /health within {SERVER_START_SECONDS} s; its log: {log.name}")
+    raise RuntimeError(f"the server did not answer {ready_path} within {SERVER_START_SECONDS} s; its log: {log.name}")
 
 
 def stop_server(process: subprocess.Popen) -> int:
@@ -210,7 +253,9 @@ def arrival_times(count: int, rate: float, seed: int, level: int) -> list[float]
     return times
 
 
-def send(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, seed: int) -> Outcome:
+def send(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, seed: int, usage: bool = True) -> Outcome:
+    """One streamed completion. ``usage``: the server ends its stream with the usage (else each chunk
+    holding text counts as one token, and the prompt tokens are not known)."""
     outcome = Outcome(sent=time.perf_counter())
     try:
         stream = client.completions.create(
@@ -220,7 +265,7 @@ def send(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, seed: 
             temperature=0.8,
             seed=seed,
             stream=True,
-            stream_options={"include_usage": True},
+            **({"stream_options": {"include_usage": True}} if usage else {}),
         )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
@@ -230,7 +275,9 @@ def send(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, seed: 
                 outcome.prompt_tokens = chunk.usage.prompt_tokens
                 details = chunk.usage.prompt_tokens_details
                 outcome.cached_tokens = None if details is None else details.cached_tokens
-        if outcome.completion_tokens == 0:
+        if not usage:
+            outcome.completion_tokens, outcome.prompt_tokens = len(outcome.chunk_times), None
+        elif outcome.completion_tokens == 0:
             outcome.error = "no usage at the end of the stream"
     except (openai.OpenAIError, httpx.HTTPError) as error:
         outcome.error = f"{type(error).__name__}: {error}"
@@ -238,7 +285,7 @@ def send(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, seed: 
 
 
 def run_level(url: str, model: str, requests: list, *, clients: int | None = None, arrivals: list[float] | None = None,
-              level_seconds: float, server_pid: int, rss_every: float | None = None) -> dict:  # fmt: skip
+              level_seconds: float, server_pid: int, rss_every: float | None = None, usage: bool = True) -> dict:  # fmt: skip
     """``requests`` sent by ``clients`` threads, each taking the next unsent one (closed loop), or each
     at its arrival time (open loop), until none is left or ``level_seconds`` have passed. With
     ``rss_every``, the server's resident memory is sampled that often."""
@@ -257,7 +304,7 @@ def run_level(url: str, model: str, requests: list, *, clients: int | None = Non
     with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=level_seconds) as client:
 
         def one(request):
-            outcome = send(client, model, *request)
+            outcome = send(client, model, *request, usage=usage)
             with lock:
                 outcomes.append(outcome)
 
@@ -292,7 +339,8 @@ def run_level(url: str, model: str, requests: list, *, clients: int | None = Non
     answered = [o for o in outcomes if o.error is None]
     first_token = [1000 * (o.chunk_times[0] - o.sent) for o in answered if o.chunk_times]
     between = [1000 * (b - a) for o in answered for a, b in zip(o.chunk_times, o.chunk_times[1:])]
-    prompt_tokens = sum(o.prompt_tokens for o in answered)
+    known = [o.prompt_tokens for o in answered if o.prompt_tokens is not None]
+    prompt_tokens = sum(known)
     cached = [o.cached_tokens for o in answered]
     return {
         "answered": len(answered),
@@ -300,7 +348,7 @@ def run_level(url: str, model: str, requests: list, *, clients: int | None = Non
         "not_run": len(requests) - len(outcomes),
         "requests_per_s": len(answered) / wall,
         "tokens_per_s": sum(o.completion_tokens for o in answered) / wall,
-        "prompt_tokens": prompt_tokens / len(answered) if answered else math.nan,
+        "prompt_tokens": prompt_tokens / len(known) if known else math.nan,
         "ttft_p50": percentile(first_token, 50),
         "ttft_p99": percentile(first_token, 99),
         "itl_p50": percentile(between, 50),
@@ -331,9 +379,10 @@ def table(rows: list[dict], load: str) -> str:
     ]
     for r in rows:
         cached = "n/a" if math.isnan(r["cached"]) else f"{r['cached']:.0%}"
+        prompt = "n/a" if math.isnan(r["prompt_tokens"]) else f"{r['prompt_tokens']:.0f}"
         lines.append(
             f"| {r['level']:g} | {r['answered']} | {r['failed']} | {r['not_run']} | {r['requests_per_s']:.2f} "
-            f"| {r['tokens_per_s']:.1f} | {r['prompt_tokens']:.0f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} "
+            f"| {r['tokens_per_s']:.1f} | {prompt} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} "
             f"| {r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {cached} | {r['peak_rss_gib']:.2f} |"
         )
     return "\n".join(lines)
@@ -374,7 +423,7 @@ def rate_list(text: str) -> list[float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--server", choices=("ours", "transformers"), default="ours", help="which server to load")
+    parser.add_argument("--server", choices=tuple(SERVER_NAMES), default="ours", help="which server to load")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-dir", type=Path, default=None, help="default: a small Llama written on the spot")
     source.add_argument("--llama-1b-layers", type=int, default=None, help="a Llama-3.2-1B-shaped directory, N layers")
@@ -416,16 +465,20 @@ def main(argv=None) -> int:
         if args.server == "ours":
             model = args.model_name or model_dir.name
             options += ["--model-name", args.model_name] if args.model_name else []
+        elif args.server == "llama.cpp":
+            model = args.model_name or model_dir.name
         else:
             model = str(model_dir)  # transformers serve names a model by the path it was given
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         with open(scratch / "server.log", "w+") as log:
-            process = start_server(server_command(args.server, model_dir, port, args.threads, options), port,
-                                   args.threads, log)  # fmt: skip
+            command = server_command(args.server, model_dir, port, args.threads, options, args.model_name)
+            ready_path = "/v1/models" if args.server == "llama.cpp" else "/health"  # llama.cpp's has no /health
+            process = start_server(command, port, args.threads, log, ready_path)
+            usage = args.server != "llama.cpp"  # its stream carries no usage
             try:
                 with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300) as client:
-                    warm = send(client, model, "warm up", 4, 0)
+                    warm = send(client, model, "warm up", 4, 0, usage=usage)
                 if warm.error:
                     raise RuntimeError(f"the warm-up request failed: {warm.error}")
                 rows = []
@@ -438,7 +491,8 @@ def main(argv=None) -> int:
                     arrivals = arrival_times(count, level, args.seed, level) if args.arrival_rates else None
                     clients = None if args.arrival_rates else int(level)
                     row = run_level(url, model, requests, clients=clients, arrivals=arrivals, level_seconds=level_seconds,
-                                    server_pid=process.pid, rss_every=args.rss_every if args.soak_seconds else None)  # fmt: skip
+                                    server_pid=process.pid, rss_every=args.rss_every if args.soak_seconds else None,
+                                    usage=usage)  # fmt: skip
                     if args.soak_seconds:
                         row["not_run"] = 0  # a soak sends what arrives in its time; the spare ones are not owed
                     rows.append(row | {"level": level})
@@ -447,11 +501,11 @@ def main(argv=None) -> int:
                     )
             finally:
                 status = stop_server(process)
-            if status != 0 and not (args.server == "transformers" and status == -signal.SIGTERM):
+            if status != 0 and not (args.server != "ours" and status == -signal.SIGTERM):
                 log.seek(0)
                 print(f"the server exited with {status}:\n{log.read()[-4000:]}", file=sys.stderr)
     described = model_dir.name if args.model_dir or args.llama_1b_layers else "(tests/checkpoint_dirs.py llama)"
-    command = "kvcache-ext serve" if args.server == "ours" else "transformers serve"
+    command = SERVER_NAMES[args.server]
     print(f"`{command} {described}` {' '.join(args.serve_option)}, {args.threads} server threads; "
           f"{cpu_model()}; {time.strftime('%Y-%m-%d %H:%M')}; load average before the end {os.getloadavg()[0]:.1f}\n")  # fmt: skip
     print(table(rows, "requests/s arriving" if args.arrival_rates else "clients"))
@@ -460,8 +514,8 @@ def main(argv=None) -> int:
             print("\n" + rss_summary(row["rss"]))
         for error in row["errors"]:
             print(f"level {row['level']:g}, a failure: {error}", file=sys.stderr)
-    # transformers serve ends by the signal itself (-15) rather than by exiting.
-    stopped = status == 0 or (args.server == "transformers" and status == -signal.SIGTERM)
+    # transformers serve (and llama.cpp's, if so) ends by the signal itself (-15) rather than by exiting.
+    stopped = status == 0 or (args.server != "ours" and status == -signal.SIGTERM)
     return 0 if stopped and all(row["failed"] == 0 for row in rows) else 1
 
 

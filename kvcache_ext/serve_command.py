@@ -2,7 +2,9 @@
 
 The model directory is loaded as ``generate`` loads it; its requests are served by one ``Engine`` on a
 ``PagedKVCache`` (``kvcache_ext.server``), on loopback unless ``--host`` says otherwise. The pool is
-``--num-blocks`` blocks, or as many as ``--kv-cache-memory`` bytes hold (default: 1 GiB).
+``--num-blocks`` blocks, or as many as ``--kv-cache-memory`` bytes hold (default: 1 GiB). oneDNN's
+caches of compiled products are bounded and glibc's mmap threshold fixed (``cpu_memory.py``) unless the
+environment sets them.
 """
 
 from __future__ import annotations
@@ -46,9 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from .cpu_memory import bound_onednn_caches, fix_mmap_threshold
+
     if (args.disk_tier is None) != (args.disk_tier_bytes is None):
         print("kvcache-ext serve: --disk-tier and --disk-tier-bytes go together", file=sys.stderr)
         return 2
+    bound_onednn_caches()  # before the first product: the caches of compiled products stay small
+    fix_mmap_threshold()  # freed activations go back to the OS instead of fragmenting the heap
     pretrained = load(args, "serve")
     if pretrained is None:
         return 2

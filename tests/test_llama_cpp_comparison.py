@@ -164,3 +164,88 @@ def test_our_model_for_a_weight_type_decodes_and_leaves_the_float32_model_alone(
     token = decoder.prompt([5, 6, 7])
     assert 0 <= decoder.step(token) < CFG.vocab_size
     assert decoder.cache.seq_length == 4
+
+
+def test_a_tied_head_is_left_to_the_embedding():
+    pytest.importorskip("gguf")
+    model = build_llama("llama-tiny", seed=0, tie_embeddings=True)
+    tensors = comparison.gguf_tensors(model)
+    assert "output.weight" not in tensors and "token_embd.weight" in tensors
+
+
+def test_rope_frequency_factors_divide_the_plain_frequencies_into_llama3s():
+    cfg = LLAMA_CONFIGS["llama-tiny"]  # Llama 3's scaling: factor 8 over an original context of 64
+    s = cfg.rope_scaling
+    factors = comparison.rope_frequency_factors(cfg).double()
+    D = cfg.head_dim
+    plain = cfg.rope_base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    wavelength = 2 * torch.pi / plain
+    # Llama 3's definition, written out: long wavelengths slowed by the factor, short ones kept,
+    # the band between interpolated in 1/frequency.
+    short = wavelength < s.original_context_length / s.high_freq_factor
+    long = wavelength > s.original_context_length / s.low_freq_factor
+    smooth = (s.original_context_length / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    expected = torch.where(short, 1.0, torch.where(long, s.factor, 1 / ((1 - smooth) / s.factor + smooth)))
+    assert short.any() and long.any() and (~short & ~long).any()  # every branch is checked
+    torch.testing.assert_close(factors, expected, rtol=1e-6, atol=0)
+
+
+def test_gguf_bpe_vocabulary_orders_tokens_by_id_with_added_ones_typed(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import json
+
+    from tokenizer_dirs import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    contents = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+    vocabulary = comparison.gguf_bpe_vocabulary(tmp_path / "tokenizer.json", 400)
+    tokens, types = vocabulary["tokens"], vocabulary["types"]
+    assert len(tokens) == len(types) == 400
+    added = {a["id"]: a for a in contents["added_tokens"]}
+    for text, i in contents["model"]["vocab"].items():
+        assert tokens[i] == text
+        assert types[i] == gguf.TokenType.NORMAL or i in added  # the special ones are in the vocab too
+    assert any(a["special"] for a in added.values()) and not all(a["special"] for a in added.values())
+    for i, a in added.items():
+        assert tokens[i] == a["content"]
+        assert types[i] == (gguf.TokenType.CONTROL if a["special"] else gguf.TokenType.USER_DEFINED)
+    last = max(added) + 1
+    assert tokens[last:] == [f"[PAD{i}]" for i in range(last, 400)]
+    assert set(types[last:]) == {gguf.TokenType.UNUSED}
+    merges = contents["model"]["merges"]
+    assert vocabulary["merges"] == [" ".join(m) if isinstance(m, list) else m for m in merges] and merges
+
+
+def test_bf16_weights_are_stored_bit_for_bit():
+    gguf = pytest.importorskip("gguf")
+    weight = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    data, raw_dtype = comparison.gguf_weight(gguf, weight, "bf16")
+    assert raw_dtype == gguf.GGMLQuantizationType.BF16
+    assert torch.equal(torch.from_numpy(data).view(torch.bfloat16), weight)
+
+
+def test_llama_cpp_reads_a_scaled_tied_model_with_its_bpe_as_we_do(tmp_path):
+    """The written GGUF through llama.cpp itself: the same token ids for a text, and the same logits
+    (float32 both) for a prompt past the original context, where Llama 3's scaling matters."""
+    pytest.importorskip("gguf")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tokenizer_dirs import write_tokenizer
+
+    from python_ref.text import Tokenizer
+
+    write_tokenizer(tmp_path)
+    model = build_llama("llama-tiny", seed=0, tie_embeddings=True, vocab_size=512).eval()
+    vocabulary = comparison.gguf_bpe_vocabulary(tmp_path / "tokenizer.json", 512) | dict(bos=1, eos=0)
+    path = str(tmp_path / "model.gguf")
+    comparison.write_gguf(model, path, "f32", vocabulary)
+    llm = llama_cpp.Llama(path, n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    text = "The quick brown fox, 42 times: it's done!\n  twice"
+    ours = Tokenizer.from_dir(tmp_path).encode(text, add_special_tokens=True)
+    assert list(llm.tokenize(text.encode(), add_bos=False, special=False)) == ours
+    prompt = (ours * 8)[:100]  # past the original context of 64 positions
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt]))[0, -1].numpy()
+    llm.eval(prompt)
+    got = llm.scores[len(prompt) - 1]
+    scale = float(abs(expected).max())
+    assert abs(got - expected).max() <= 1e-3 * scale
