@@ -2,12 +2,12 @@
 resident memory from growing with every new row count of its bfloat16 products."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from child_python import run_python
 from kvcache_ext.cli import main
 from kvcache_ext.cpu_memory import (
     CACHE_CAPACITY,
@@ -86,11 +86,12 @@ MAPPED = mallinfo_preamble() + textwrap.dedent(
 )
 
 
-def run_python(source: str, *flags: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in (*CAPACITY_VARIABLES, "MALLOC_MMAP_THRESHOLD_")}
-    result = subprocess.run(
-        [sys.executable, "-c", source, *flags], env=env, capture_output=True, text=True, timeout=120
-    )
+def run_source(source: str, *flags: str) -> str:
+    """Runs ``source`` in a child Python with neither bound set in its environment (outside the checkout)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in (*CAPACITY_VARIABLES, "MALLOC_MMAP_THRESHOLD_"):
+            patch.delenv(name, raising=False)
+        result = run_python("-c", source, *flags)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -98,8 +99,8 @@ def run_python(source: str, *flags: str) -> str:
 def test_a_fixed_threshold_maps_buffers_glibc_would_take_from_its_heap():
     if not sys.platform.startswith("linux"):
         pytest.skip("mallopt and mallinfo2 are glibc's")
-    assert run_python(MAPPED).split() == ["0"]  # glibc's moving threshold: from the heap
-    assert run_python(MAPPED, "--fix").split() == ["1"]
+    assert run_source(MAPPED).split() == ["0"]  # glibc's moving threshold: from the heap
+    assert run_source(MAPPED, "--fix").split() == ["1"]
 
 
 # A process that imports torch, then (with --bound) bounds the caches, then runs one bfloat16 product
@@ -125,7 +126,7 @@ GROWTH = mallinfo_preamble() + textwrap.dedent(
 
 
 def growth_mib(*flags: str) -> float:
-    return float(run_python(GROWTH, *flags))
+    return float(run_source(GROWTH, *flags))
 
 
 def test_bounded_caches_keep_the_memory_of_many_product_shapes_flat():
