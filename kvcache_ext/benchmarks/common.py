@@ -1,6 +1,6 @@
 """What the benchmarks share (the suites here and the scripts in the repository's bench/): run
-settings, head shapes, dtypes, the article's prompt, the CPU's name, parametrisation by mode, and
-medians of alternating rounds."""
+settings, head shapes, dtypes, the article's prompt, the CPU's name, parametrisation by mode, the
+times of calls in a row, and medians of alternating rounds."""
 
 from __future__ import annotations
 
@@ -126,6 +126,16 @@ def cpu_model() -> str:
         return "unknown (lscpu failed)"
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
+
+
+def call_seconds(call, calls: int, clock=time.perf_counter) -> list[float]:
+    """``clock`` seconds of each of ``calls`` calls of ``call`` in a row (any warm-up is the caller's)."""
+    seconds = []
+    for _ in range(calls):
+        start = clock()
+        call()
+        seconds.append(clock() - start)
+    return seconds
 
 
 def alternating_medians(calls: dict, rounds: int, clock=time.perf_counter) -> dict:
