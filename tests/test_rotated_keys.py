@@ -119,24 +119,34 @@ def test_native_rotated_append_matches_the_reference_bit_for_bit(fmt, dtype, D):
     assert same_bits(unrotated[2], native_cache[2]) and not same_bits(unrotated[0], native_cache[0])
 
 
+# Two rows in a pool of 6 blocks of 4: row 0 in blocks 4 then 1, row 1 in blocks 0 then 5.
+POOL_TABLES = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+
+
+def rotated_pool_and_cache(fmt, k_new, v_new, lengths):
+    """``k_new``, ``v_new`` appended natively at ``lengths`` with rotated keys both to a pool of 6 blocks
+    of 4 (POOL_TABLES) and to a contiguous cache of 8 slots a row: (pool, cache)."""
+    B, H, _, D = k_new.shape
+    pool, cache = empty_cache(fmt, 6, H, 4, D), empty_cache(fmt, B, H, 8, D)
+    kvcache_ext.paged_append_kv_quantized(*pool, k_new, v_new, POOL_TABLES, lengths, rotate_keys=True)
+    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, lengths, rotate_keys=True)
+    return pool, cache
+
+
 @native
 @pytest.mark.parametrize("fmt", ROTATED)
 def test_native_rotated_paged_append_matches_the_contiguous_one(fmt):
-    B, H, D, T, block = 2, 2, 64, 5, 4
+    B, H, D, T = 2, 2, 64, 5
     g = torch.Generator().manual_seed(1)
     k_new, v_new = new_tokens(B, H, T, D, torch.float32, g)
-    pool = empty_cache(fmt, 6, H, block, D)
-    tables = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
     lengths = torch.tensor([2, 0])
-    kvcache_ext.paged_append_kv_quantized(*pool, k_new, v_new, tables, lengths, rotate_keys=True)
-    reference = empty_cache(fmt, 6, H, block, D)
+    pool, cache = rotated_pool_and_cache(fmt, k_new, v_new, lengths)
+    reference = empty_cache(fmt, 6, H, 4, D)
     from python_ref import paged_append_quantized_reference
 
-    paged_append_quantized_reference(*reference, k_new, v_new, tables, lengths, rotate_keys=True)
+    paged_append_quantized_reference(*reference, k_new, v_new, POOL_TABLES, lengths, rotate_keys=True)
     for got, want in zip(pool, reference):
         assert same_bits(got, want)
-    cache = empty_cache(fmt, B, H, 8, D)
-    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, lengths, rotate_keys=True)
     # row 0, position 2 (block 4, offset 2) holds the contiguous cache's slot 2
     assert same_bits(pool[0][4, :, 2], cache[0][0, :, 2]) and same_bits(pool[1][0, :, 3], cache[1][1, :, 3])
 
@@ -193,17 +203,13 @@ def test_native_rotated_attention_softcap_and_sinks(fmt):
 @native
 @pytest.mark.parametrize("fmt", ROTATED)
 def test_rotated_paged_attention_equals_the_contiguous_one(fmt):
-    B, H, D, T, block = 2, 2, 64, 7, 4
+    B, H, D, T = 2, 2, 64, 7
     g = torch.Generator().manual_seed(2)
     k_new, v_new = new_tokens(B, H, T, D, torch.float32, g)
-    pool, cache = empty_cache(fmt, 6, H, block, D), empty_cache(fmt, B, H, 8, D)
-    tables = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
-    zeros = torch.zeros(B, dtype=torch.long)
-    kvcache_ext.paged_append_kv_quantized(*pool, k_new, v_new, tables, zeros, rotate_keys=True)
-    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, zeros, rotate_keys=True)
+    pool, cache = rotated_pool_and_cache(fmt, k_new, v_new, torch.zeros(B, dtype=torch.long))
     q = torch.randn(B, 4, 1, D, generator=g)
     lengths = torch.tensor([T, T - 2])
-    out, lse = kvcache_ext.paged_decode_attention_quantized(q, *pool, tables, lengths, rotate_keys=True)
+    out, lse = kvcache_ext.paged_decode_attention_quantized(q, *pool, POOL_TABLES, lengths, rotate_keys=True)
     want, want_lse = kvcache_ext.decode_attention_quantized(q, *cache, lengths, rotate_keys=True)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-5)
