@@ -229,19 +229,14 @@ def test_caches_refuse_a_head_dim_not_a_power_of_two_at_construction(fmt):
 
 
 @native
-@pytest.mark.parametrize("through", ["wrapper", "op"])
 def test_ops_refuse_rotation_of_a_head_dim_not_a_power_of_two_with_nothing_written(through):
     cache = empty_cache("int8", 1, 1, 4, 96)
     new = torch.randn(1, 1, 1, 96)
-    append = kvcache_ext.append_kv_quantized if through == "wrapper" else torch.ops.kvcache_ext.append_kv_quantized
+    append = through("append_kv_quantized")
     with pytest.raises((ValueError, RuntimeError), match="power of two"):
         append(*cache, new, new, torch.tensor([0]), None, True)
     assert not any(t.view(torch.uint8).any() for t in cache)
-    attend = (
-        kvcache_ext.decode_attention_quantized
-        if through == "wrapper"
-        else torch.ops.kvcache_ext.decode_attention_quantized
-    )
+    attend = through("decode_attention_quantized")
     with pytest.raises((ValueError, RuntimeError), match="power of two"):
         attend(new, *cache, torch.tensor([1]), None, None, None, None, True)
 
