@@ -29,14 +29,15 @@ def appended_slots(table, lengths, counts, block_size):
             yield b, t, int(table[b, position // block_size]), position % block_size
 
 
-def append_rows(block_size, with_counts, T=5):
+def append_rows(block_size, with_counts, T=5, generator=None):
     """Three rows of 0, 7 and 13 tokens that get 5, 0 and 3 of ``T`` new tokens (all ``T`` without
-    counts), and a table of blocks in random order among 2 spare ones: (lengths, counts, table, num_blocks)."""
+    counts), and a table of blocks in random order (drawn from ``generator``) among 2 spare ones:
+    (lengths, counts, table, num_blocks)."""
     lengths = torch.tensor([0, 7, 13])
     counts = torch.tensor([5, 0, 3]) if with_counts else torch.full((3,), T)
     max_blocks = -(-(13 + T) // block_size)
     num_blocks = 3 * max_blocks + 2
-    table = torch.randperm(num_blocks)[: 3 * max_blocks].view(3, max_blocks).to(torch.int32)
+    table = torch.randperm(num_blocks, generator=generator)[: 3 * max_blocks].view(3, max_blocks).to(torch.int32)
     return lengths, counts, table, num_blocks
 
 

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import paged_cases
 from case_builders import QUANTIZED_ATTENTION_GRID, eager_and_replayed_decode_steps
 
 import kvcache_ext
@@ -635,18 +636,6 @@ def test_paged_attention_long_rows_split_kv(dtype):
     check_paged_on_cuda(q, k, v, lengths, 16, softcap=20.0, sinks=sinks)
 
 
-def append_rows(T, block_size, with_counts, g):
-    """Three rows holding 0, 7 and 13 tokens, each to get ``T`` more (or, ``with_counts``, 5, 0 and 3 of
-    them): their lengths, counts (None or the tensor), a block table with room for the new tokens in
-    shuffled block ids (int32), and the number of blocks of a pool with two spare."""
-    lengths = torch.tensor([0, 7, 13])
-    counts = torch.tensor([5, 0, 3]) if with_counts else None
-    max_blocks = -(-(13 + T) // block_size)
-    num_blocks = 3 * max_blocks + 2
-    table = torch.randperm(num_blocks, generator=g)[: 3 * max_blocks].view(3, max_blocks).to(torch.int32)
-    return lengths, counts, table, num_blocks
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "block_size,non_contiguous,with_counts", [(1, False, True), (4, True, False), (16, True, True)]
@@ -654,7 +643,8 @@ def append_rows(T, block_size, with_counts, g):
 def test_paged_append_equals_cpu(dtype, block_size, non_contiguous, with_counts):
     B, H, T, D = 3, 2, 5, 40
     g = torch.Generator().manual_seed(block_size)
-    lengths, counts, table, num_blocks = append_rows(T, block_size, with_counts, g)
+    lengths, counts, table, num_blocks = paged_cases.append_rows(block_size, with_counts, T, g)
+    counts = counts if with_counts else None
     k_pool, v_pool = (torch.randn(num_blocks, H, block_size, D, generator=g).to(dtype) for _ in range(2))
     if non_contiguous:
         k_new = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
@@ -827,9 +817,10 @@ def test_paged_quantized_long_rows_split_kv(fmt):
 @pytest.mark.parametrize("block_size,with_counts", [(1, True), (4, False), (16, True)])
 def test_paged_quantized_append_is_bit_identical_to_the_cpu(fmt, dtype, block_size, with_counts):
     B, H, T, D = 3, 2, 5, 96
-    lengths, counts, table, num_blocks = append_rows(
-        T, block_size, with_counts, torch.Generator().manual_seed(block_size)
+    lengths, counts, table, num_blocks = paged_cases.append_rows(
+        block_size, with_counts, T, torch.Generator().manual_seed(block_size)
     )
+    counts = counts if with_counts else None
     pools = empty_quantized_cache(fmt, num_blocks, H, block_size, D, "cpu")
     k_new = hard_values(B, H, T, D, dtype, seed=1)
     v_new = hard_values(B, T, H, D, dtype, seed=2).transpose(1, 2)  # non-contiguous
