@@ -45,7 +45,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import kvcache_ext
-from kvcache_ext.benchmarks.common import cpu_model
+from kvcache_ext.benchmarks.common import call_seconds, cpu_model
 from kvcache_ext.linear import use_small_batch_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -177,11 +177,7 @@ def measure(model, batch: int, depth: int, steps: int) -> dict:
     with torch.inference_mode():
         for _ in range(2):  # untimed: the first pass faults in the mapped weights
             step()
-        seconds = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            seconds.append(time.perf_counter() - start)
+        seconds = call_seconds(step, steps)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
             for _ in range(steps):

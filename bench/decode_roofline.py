@@ -28,7 +28,7 @@ import torch
 import torch._dynamo
 
 import kvcache_ext
-from kvcache_ext.benchmarks.common import ARTICLE_PROMPT, cpu_model
+from kvcache_ext.benchmarks.common import ARTICLE_PROMPT, call_seconds, cpu_model
 from kvcache_ext.demo import make_cache
 from python_ref import build_gpt2
 
@@ -39,11 +39,7 @@ def copy_gbps(nbytes=256 * 2**20, repeats=10) -> float:
     source = torch.ones(nbytes, dtype=torch.uint8)
     target = torch.empty_like(source)
     target.copy_(source)
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        seconds.append(time.perf_counter() - start)
+    seconds = call_seconds(lambda: target.copy_(source), repeats)
     return 2 * nbytes / statistics.median(seconds) / 1e9
 
 

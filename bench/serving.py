@@ -59,7 +59,7 @@ from kvcache_ext.benchmarks.common import cpu_model
 from python_ref.generate import choose_next_token
 from python_ref.gpt2 import GPT2_CONFIGS
 from python_ref.llama import LLAMA_CONFIGS
-from python_ref.llama_weights import load_llama
+from python_ref.llama_weights import config_to_hf, load_llama
 from python_ref.weights import load_gpt2
 
 
@@ -152,28 +152,7 @@ def build_models(kind: str, sizes: Sizes, seed: int = 0):
         name, overrides = sizes.llama
         cfg = LLAMA_CONFIGS[name]
         cfg = type(cfg)(**{**cfg.__dict__, **overrides})
-        rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
-        if cfg.rope_scaling is not None:
-            rope.update(
-                rope_type="llama3",
-                factor=cfg.rope_scaling.factor,
-                low_freq_factor=cfg.rope_scaling.low_freq_factor,
-                high_freq_factor=cfg.rope_scaling.high_freq_factor,
-                original_max_position_embeddings=cfg.rope_scaling.original_context_length,
-            )
-        hf_config = transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.emb_dim,
-            intermediate_size=cfg.hidden_dim,
-            num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim,
-            max_position_embeddings=cfg.context_length,
-            rms_norm_eps=cfg.norm_eps,
-            tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters=rope,
-        )
+        hf_config = transformers.AutoConfig.for_model(**config_to_hf(cfg))
         hf = transformers.LlamaForCausalLM(hf_config).eval()
         with torch.no_grad():
             # As build_llama initialises: projections keep their input's size, so that random

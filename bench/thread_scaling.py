@@ -16,21 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
 import kvcache_ext
-from kvcache_ext.benchmarks.common import DTYPES, HEAD_SHAPES, cpu_model
+from kvcache_ext.benchmarks.common import DTYPES, HEAD_SHAPES, call_seconds, cpu_model
 
 
 def times(fn, repeats):
     fn()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
+    seconds = call_seconds(fn, repeats)
     return min(seconds), statistics.median(seconds)
 
 

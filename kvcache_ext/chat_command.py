@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from .format_names import KV_FORMATS
-from .generate_command import add_model_arguments, add_sampling_arguments, load, positive_int, sampler, sampling_error
+from .generate_command import add_model_arguments, add_sampling_arguments, load_for_sampling, positive_int, sampler
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args, lines=None) -> int:
     """The conversation; ``lines``: the user's turns (default: standard input, a line each)."""
-    if sampling_error(args):
-        print(f"kvcache-ext chat: {sampling_error(args)}", file=sys.stderr)
-        return 2
-    pretrained = load(args, "chat")
+    pretrained = load_for_sampling(args, "chat")
     if pretrained is None:
         return 2
     tokenizer = pretrained.tokenizer

@@ -113,6 +113,16 @@ def load(args, command: str):
         return None
 
 
+def load_for_sampling(args, command: str):
+    """:func:`load`'s checkpoint for a command that samples: None, after saying why on stderr, when the
+    sampling options disagree (checked first, so that a mistyped option costs no load) or it cannot load."""
+    error = sampling_error(args)
+    if error:
+        print(f"kvcache-ext {command}: {error}", file=sys.stderr)
+        return None
+    return load(args, command)
+
+
 def describe_weights(pretrained) -> str:
     """The weights' dtype, and their format when quantized, for the statistics line."""
     if pretrained.weights in (None, "bf16"):
@@ -129,10 +139,7 @@ def sampler(args):
 
 
 def run(args) -> int:
-    if sampling_error(args):
-        print(f"kvcache-ext generate: {sampling_error(args)}", file=sys.stderr)
-        return 2
-    pretrained = load(args, "generate")
+    pretrained = load_for_sampling(args, "generate")
     if pretrained is None:
         return 2
     tokenizer = pretrained.tokenizer

@@ -261,13 +261,8 @@ def check_quantized_cache(
     table.check_head_dim(head_dim)
     quant.check_head_dim(fmt, head_dim)
     table.check_slots(S)
-    expected_scales = quant.scale_shape(fmt, (B, H, S, head_dim))
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if tuple(t.shape) != expected_scales or t.dtype != quant.scale_dtype(fmt):
-            raise ValueError(
-                f"{name} must be {quant.scale_dtype(fmt)} of shape {expected_scales} for {fmt}, got "
-                f"{t.dtype} of shape {tuple(t.shape)}"
-            )
+        quant.check_scales(name, t, fmt, (B, H, S, head_dim))
         if quant.code_format(fmt) == "int4" and t.shape[3] > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} needs contiguous groups (last dimension)")
     if k_data.stride(3) != 1 or v_data.stride(3) != 1:

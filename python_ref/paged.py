@@ -309,13 +309,9 @@ def check_quantized_pool(k_data, k_scales, v_data, v_scales) -> tuple[str, int]:
     num_blocks, H, block_size, row = k_data.shape
     head_dim = 2 * row if fmt == "int4" else row
     quantize.check_head_dim(fmt, head_dim)
-    expected = quantize.scale_shape(fmt, (num_blocks, H, block_size, head_dim))
+    dims = f" (num_blocks, kv_heads, block_size{', head_dim / 32' if fmt == 'int4' else ''})"
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if tuple(t.shape) != expected or t.dtype != quantize.scale_dtype(fmt):
-            raise ValueError(
-                f"{name} must be {quantize.scale_dtype(fmt)} of shape {expected} (num_blocks, kv_heads, block_size"
-                f"{', head_dim / 32' if fmt == 'int4' else ''}) for {fmt}, got {t.dtype} of shape {tuple(t.shape)}"
-            )
+        quantize.check_scales(name, t, fmt, (num_blocks, H, block_size, head_dim), dims)
         if t.device != k_data.device:
             raise ValueError(f"{name} must be on the pool's device {k_data.device}, got {t.device}")
     return fmt, head_dim

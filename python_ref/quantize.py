@@ -251,6 +251,17 @@ def check_head_dim(fmt: str, head_dim: int) -> None:
         check_rotation_head_dim(head_dim)
 
 
+def check_scales(name: str, scales: torch.Tensor, fmt: str, values_shape: tuple, dims: str = "") -> None:
+    """That ``scales`` (the argument ``name``) has the dtype and shape of format ``fmt``'s scales of values of
+    ``values_shape`` (head_dim last); ``dims``, the dimensions named for the message."""
+    expected = scale_shape(fmt, values_shape)
+    if tuple(scales.shape) != expected or scales.dtype != scale_dtype(fmt):
+        raise ValueError(
+            f"{name} must be {scale_dtype(fmt)} of shape {expected}{dims} for {fmt}, got {scales.dtype} of shape "
+            f"{tuple(scales.shape)}"
+        )
+
+
 def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``(..., D)`` in float32/bfloat16/float16 -> ``(data, scales)``, the codes of ``fmt``'s
     code format (no rotation: see :func:`quantize_keys`)."""

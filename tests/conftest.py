@@ -31,6 +31,25 @@ def _seed():
     torch.manual_seed(0)
 
 
+class Through:
+    """The native ops by name through one of their two entry points: kvcache_ext's Python wrappers
+    (``wrapper``: their own checks, then the binding's) or the raw ops in torch.ops (the binding's alone)."""
+
+    def __init__(self, wrapper: bool):
+        self.wrapper = wrapper
+
+    def __call__(self, name: str):
+        import kvcache_ext  # loads the library that registers torch.ops.kvcache_ext
+
+        return getattr(kvcache_ext if self.wrapper else torch.ops.kvcache_ext, name)
+
+
+@pytest.fixture(params=["wrapper", "op"])
+def through(request) -> Through:
+    """For refusal tests: each entry point of the native ops in turn (``through("append_kv_kivi")``)."""
+    return Through(request.param == "wrapper")
+
+
 @pytest.fixture
 def one_thread():
     """For test files of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``): a second

@@ -9,7 +9,10 @@ take these; which tensors a pool holds is the caller's.
 
 import pytest
 import torch
+from hypothesis import event
 from hypothesis import strategies as st
+
+import kvcache_ext
 
 REFUSALS = (ValueError, TypeError, IndexError)  # python_ref's, and the wrappers' checks of shapes
 # The wrappers leave the values of lengths, counts and table entries to the native binding, which
@@ -26,14 +29,15 @@ def appended_slots(table, lengths, counts, block_size):
             yield b, t, int(table[b, position // block_size]), position % block_size
 
 
-def append_rows(block_size, with_counts, T=5):
+def append_rows(block_size, with_counts, T=5, generator=None):
     """Three rows of 0, 7 and 13 tokens that get 5, 0 and 3 of ``T`` new tokens (all ``T`` without
-    counts), and a table of blocks in random order among 2 spare ones: (lengths, counts, table, num_blocks)."""
+    counts), and a table of blocks in random order (drawn from ``generator``) among 2 spare ones:
+    (lengths, counts, table, num_blocks)."""
     lengths = torch.tensor([0, 7, 13])
     counts = torch.tensor([5, 0, 3]) if with_counts else torch.full((3,), T)
     max_blocks = -(-(13 + T) // block_size)
     num_blocks = 3 * max_blocks + 2
-    table = torch.randperm(num_blocks)[: 3 * max_blocks].view(3, max_blocks).to(torch.int32)
+    table = torch.randperm(num_blocks, generator=generator)[: 3 * max_blocks].view(3, max_blocks).to(torch.int32)
     return lengths, counts, table, num_blocks
 
 
@@ -137,6 +141,37 @@ def valid_append(table, block_size, num_blocks, lengths, counts, T):
                 return False
             written.add((block, position % block_size))
     return True
+
+
+def check_append_verdict(call, pools, new, name, reference, expected_pools):
+    """Where the contract accepts the append ``call`` (append_calls' tuple, its outcome counted as a
+    hypothesis event), op ``name`` through kvcache_ext's wrapper and through torch.ops, and the reference,
+    each turn a copy of ``pools`` into ``expected_pools(block_tables, lengths, counts)`` (counts: ``T`` per
+    row without them); otherwise each refuses it with the copy unchanged to the bit. ``new``: the tensors
+    appended (keys and values, or latents)."""
+    B, T, block_size, num_blocks, table, wide, lengths, counts = call
+    block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32).reshape(B, len(table[0]))
+    lengths_t, counts_t = torch.tensor(lengths), None if counts is None else torch.tensor(counts)
+    accepted = valid_append(table, block_size, num_blocks, lengths, counts, T)
+    event("append accepted" if accepted else "append refused")
+    expected = expected_pools(block_tables, lengths, counts or [T] * B) if accepted else pools
+    for call_op, errors in (
+        (getattr(kvcache_ext, name), WRAPPER_REFUSALS),
+        (getattr(torch.ops.kvcache_ext, name), RuntimeError),
+        (reference, REFUSALS),
+    ):
+        written = [t.clone() for t in pools]
+        if accepted:
+            call_op(*written, *new, block_tables, lengths_t, counts_t)
+        else:
+            with pytest.raises(errors):
+                call_op(*written, *new, block_tables, lengths_t, counts_t)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(written, expected))
+
+
+def bits(t):
+    """``t``'s bytes: pools compared to the bit (a pool of garbage bytes may hold NaNs)."""
+    return t.contiguous().view(torch.uint8)
 
 
 @st.composite

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import paged_cases
 from case_builders import QUANTIZED_ATTENTION_GRID, eager_and_replayed_decode_steps
 
 import kvcache_ext
@@ -338,25 +339,14 @@ def test_softcap_and_sinks_parity(dtype, softcap, with_sinks, slots):
     q, k_cache, v_cache, lengths = random_problem(2, 8, 2, 2, 64, slots, [2, slots], dtype, True, 11)
     q = q * 4
     sinks = torch.randn(8) * 3 if with_sinks else None
-    out, lse = kvcache_ext.decode_attention(
-        q.cuda(),
-        k_cache.cuda(),
-        v_cache.cuda(),
-        lengths.cuda(),
-        softcap=softcap,
-        sinks=None if sinks is None else sinks.cuda(),
-    )
+    # The same problem on the GPU for the kernel and for the plain PyTorch attention it must match.
+    on_gpu = [q.cuda(), k_cache.cuda(), v_cache.cuda(), lengths.cuda()]
+    options = dict(softcap=softcap, sinks=None if sinks is None else sinks.cuda())
+    out, lse = kvcache_ext.decode_attention(*on_gpu, **options)
     exact, exact_lse = reference_attention(
         q.double(), k_cache.double(), v_cache.double(), lengths, return_lse=True, softcap=softcap, sinks=sinks
     )
-    plain = reference_attention(
-        q.cuda(),
-        k_cache.cuda(),
-        v_cache.cuda(),
-        lengths.cuda(),
-        softcap=softcap,
-        sinks=None if sinks is None else sinks.cuda(),
-    )
+    plain = reference_attention(*on_gpu, **options)
     assert max_error(out.cpu(), exact) <= 2 * max_error(plain.cpu(), exact) + 1e-5
     torch.testing.assert_close(lse.cpu().double(), exact_lse.double(), atol=1e-4, rtol=1e-5)
 
@@ -653,11 +643,8 @@ def test_paged_attention_long_rows_split_kv(dtype):
 def test_paged_append_equals_cpu(dtype, block_size, non_contiguous, with_counts):
     B, H, T, D = 3, 2, 5, 40
     g = torch.Generator().manual_seed(block_size)
-    lengths = torch.tensor([0, 7, 13])
-    counts = torch.tensor([5, 0, 3]) if with_counts else None
-    max_blocks = -(-(13 + T) // block_size)
-    num_blocks = B * max_blocks + 2
-    table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    lengths, counts, table, num_blocks = paged_cases.append_rows(block_size, with_counts, T, g)
+    counts = counts if with_counts else None
     k_pool, v_pool = (torch.randn(num_blocks, H, block_size, D, generator=g).to(dtype) for _ in range(2))
     if non_contiguous:
         k_new = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
@@ -670,10 +657,13 @@ def test_paged_append_equals_cpu(dtype, block_size, non_contiguous, with_counts)
     assert torch.equal(gpu[0].cpu(), k_pool) and torch.equal(gpu[1].cpu(), v_pool)
 
 
-@pytest.mark.parametrize("change", ["unwritable_id", "shared_block", "past_table", "count_above_new_tokens"])
-def test_paged_append_refusals_change_nothing(change):
-    # Values only the host copy can see: a RuntimeError from the binding, and no byte written.
-    B, H, T, D, block_size = 2, 2, 3, 16, 4
+REFUSED_APPENDS = ["unwritable_id", "shared_block", "past_table", "count_above_new_tokens"]
+
+
+def refused_append(change):
+    """The block table, lengths and counts on the GPU of an append of 3 tokens to 2 rows (blocks of 4 in a
+    pool of 8) with one ``change`` from REFUSED_APPENDS: values only the host copy can see, so the binding
+    must answer with a RuntimeError and write no byte."""
     lengths, counts = torch.tensor([2, 0]), torch.tensor([3, 2])
     table = torch.arange(8, dtype=torch.int32).view(2, 4)
     if change == "unwritable_id":
@@ -684,11 +674,17 @@ def test_paged_append_refusals_change_nothing(change):
         lengths[1] = 15
     else:
         counts[0] = 4
+    return table.cuda(), lengths.cuda(), counts.cuda()
+
+
+@pytest.mark.parametrize("change", REFUSED_APPENDS)
+def test_paged_append_refusals_change_nothing(change):
+    B, H, T, D, block_size = 2, 2, 3, 16, 4
     k_pool, v_pool = torch.randn(8, H, block_size, D).cuda(), torch.randn(8, H, block_size, D).cuda()
     before = (k_pool.clone(), v_pool.clone())
     k_new, v_new = torch.randn(B, H, T, D).cuda(), torch.randn(B, H, T, D).cuda()
     with pytest.raises(RuntimeError):
-        kvcache_ext.paged_append_kv(k_pool, v_pool, k_new, v_new, table.cuda(), lengths.cuda(), counts.cuda())
+        kvcache_ext.paged_append_kv(k_pool, v_pool, k_new, v_new, *refused_append(change))
     assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
 
 
@@ -821,12 +817,10 @@ def test_paged_quantized_long_rows_split_kv(fmt):
 @pytest.mark.parametrize("block_size,with_counts", [(1, True), (4, False), (16, True)])
 def test_paged_quantized_append_is_bit_identical_to_the_cpu(fmt, dtype, block_size, with_counts):
     B, H, T, D = 3, 2, 5, 96
-    lengths = torch.tensor([0, 7, 13])
-    counts = torch.tensor([5, 0, 3]) if with_counts else None
-    max_blocks = -(-(13 + T) // block_size)
-    num_blocks = B * max_blocks + 2
-    g = torch.Generator().manual_seed(block_size)
-    table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    lengths, counts, table, num_blocks = paged_cases.append_rows(
+        block_size, with_counts, T, torch.Generator().manual_seed(block_size)
+    )
+    counts = counts if with_counts else None
     pools = empty_quantized_cache(fmt, num_blocks, H, block_size, D, "cpu")
     k_new = hard_values(B, H, T, D, dtype, seed=1)
     v_new = hard_values(B, T, H, D, dtype, seed=2).transpose(1, 2)  # non-contiguous
@@ -839,26 +833,15 @@ def test_paged_quantized_append_is_bit_identical_to_the_cpu(fmt, dtype, block_si
         assert same_bits(on_gpu, on_cpu)
 
 
-@pytest.mark.parametrize("change", ["unwritable_id", "shared_block", "past_table", "count_above_new_tokens"])
+@pytest.mark.parametrize("change", REFUSED_APPENDS)
 def test_paged_quantized_append_refusals_change_nothing(change):
-    # Values only the host copy can see: a RuntimeError from the binding, and no byte written.
     B, H, T, D, block_size = 2, 2, 3, 32, 4
-    lengths, counts = torch.tensor([2, 0]), torch.tensor([3, 2])
-    table = torch.arange(8, dtype=torch.int32).view(2, 4)
-    if change == "unwritable_id":
-        table[0, 1] = 8
-    elif change == "shared_block":
-        table[1, 0] = table[0, 1]  # row 0 writes its offset 0, row 1 offsets 0 and 1
-    elif change == "past_table":
-        lengths[1] = 15
-    else:
-        counts[0] = 4
     pools = [t.cuda() for t in qref.quantize(torch.randn(8, H, block_size, D), "int4")]
     pools = [t.clone() for t in pools * 2]
     before = [t.clone() for t in pools]
     k_new, v_new = torch.randn(B, H, T, D).cuda(), torch.randn(B, H, T, D).cuda()
     with pytest.raises(RuntimeError):
-        kvcache_ext.paged_append_kv_quantized(*pools, k_new, v_new, table.cuda(), lengths.cuda(), counts.cuda())
+        kvcache_ext.paged_append_kv_quantized(*pools, k_new, v_new, *refused_append(change))
     assert all(same_bits(t, b) for t, b in zip(pools, before))
 
 

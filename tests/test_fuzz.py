@@ -712,32 +712,28 @@ def fuzz_settings(config):
     )
 
 
-def test_append_kv_fuzz(request, fuzz_tally):
+def fuzz_against_the_contract(request, tally, op_name: str, cases, regressions, check) -> None:
+    """Hypothesis's ``cases`` of op ``op_name`` (the pinned ``regressions`` first), each run through
+    ``check`` and tallied; fails with the report of the contract violations found."""
     keep_going = request.config.getoption("--fuzz-keep-going")
 
     @fuzz_settings(request.config)
-    @given(append_cases())
-    @pinned(APPEND_REGRESSIONS)
+    @given(cases)
+    @pinned(regressions)
     def fuzz(case):
-        run_case(fuzz_tally, keep_going, "append_kv", check_append, case)
+        run_case(tally, keep_going, op_name, check, case)
 
     fuzz()
-    report = fuzz_tally.violation_report(["append_kv"])
+    report = tally.violation_report([op_name])
     assert not report, "contract violations:\n" + report
+
+
+def test_append_kv_fuzz(request, fuzz_tally):
+    fuzz_against_the_contract(request, fuzz_tally, "append_kv", append_cases(), APPEND_REGRESSIONS, check_append)
 
 
 def test_decode_attention_fuzz(request, fuzz_tally):
-    keep_going = request.config.getoption("--fuzz-keep-going")
-
-    @fuzz_settings(request.config)
-    @given(decode_cases())
-    @pinned(DECODE_REGRESSIONS)
-    def fuzz(case):
-        run_case(fuzz_tally, keep_going, "decode_attention", check_decode, case)
-
-    fuzz()
-    report = fuzz_tally.violation_report(["decode_attention"])
-    assert not report, "contract violations:\n" + report
+    fuzz_against_the_contract(request, fuzz_tally, "decode_attention", decode_cases(), DECODE_REGRESSIONS, check_decode)
 
 
 # --- every op: the raw op refuses what its wrapper refuses ------------------------------------

@@ -115,16 +115,9 @@ def test_bfloat16_decode_logits_follow_transformers_within_its_rounding(kind, mo
     these models; the absorbed path's measured at most 0.055 from transformers' bfloat16)."""
     model = _model(kind).to(torch.bfloat16)
     ids, mask = _batch(3)
-    kwargs = dict(
-        attention_mask=mask,
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=PAD,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
+    with_logits = dict(output_logits=True, return_dict_in_generate=True)
     model.set_attn_implementation("sdpa")
-    expected = model.generate(ids, **kwargs)
+    expected = greedy(model, ids, mask, NEW_TOKENS, **with_logits)
 
     dtypes = []
     latent_op = ops.run_latent_decode_attention
@@ -134,7 +127,7 @@ def test_bfloat16_decode_logits_follow_transformers_within_its_rounding(kind, mo
     khf.enable_latent_attention(model)
     forced = transformers.LogitsProcessorList([ForceTokens(expected.sequences)])
     cache = khf.NativeCache(model.config, max_cache_len=PROMPT_LEN + NEW_TOKENS)
-    out = model.generate(ids, cache=cache, logits_processor=forced, **kwargs)
+    out = greedy(model, ids, mask, NEW_TOKENS, cache, logits_processor=forced, **with_logits)
     assert torch.equal(out.sequences, expected.sequences)
     for step, (logits, reference) in enumerate(zip(out.logits, expected.logits)):
         torch.testing.assert_close(logits, reference, rtol=0, atol=0.1, msg=lambda m, s=step: f"step {s}: {m}")

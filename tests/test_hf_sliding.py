@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from tiny_models import TINY_DECODER, TINY_DRAFT, left_padded_batch, randomize
+from tiny_models import TINY_DECODER, TINY_DRAFT, greedy, left_padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 khf = pytest.importorskip("kvcache_ext.hf")
@@ -132,23 +132,15 @@ def test_assisted_decoding_matches_transformers(mistral):
     )
     ids, mask = _batch(1)
     # Drafts of 3 tokens: a step adds up to 4, so crop removes up to 3, within a ring of chunk_size 4.
-    common = dict(
-        attention_mask=mask,
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=PAD,
-        assistant_model=assistant,
-        num_assistant_tokens=3,
-        num_assistant_tokens_schedule="constant",
-    )
+    assisted = dict(assistant_model=assistant, num_assistant_tokens=3, num_assistant_tokens_schedule="constant")
     mistral.set_attn_implementation("sdpa")
-    expected = mistral.generate(ids, **common)
+    expected = greedy(mistral, ids, mask, NEW_TOKENS, pad=PAD, **assisted)
     mistral.set_attn_implementation(khf.ATTN_IMPLEMENTATION)
     crops = []
     cache = khf.NativeCache(mistral.config, max_cache_len=PROMPT_LEN + NEW_TOKENS, chunk_size=4)
     original_crop = cache.layers[0].crop
     cache.layers[0].crop = lambda n: (crops.append(n), original_crop(n))[1]
-    assert torch.equal(mistral.generate(ids, cache=cache, **common), expected)
+    assert torch.equal(greedy(mistral, ids, mask, NEW_TOKENS, cache, pad=PAD, **assisted), expected)
     assert any(n < 0 for n in crops), "no draft token was rejected: the test would not exercise crop"
     assert cache.layers[0].keys.shape[2] == WINDOW + 4 - 1
 
@@ -157,9 +149,7 @@ def test_crop_on_a_ring_refuses_beyond_what_it_holds(mistral):
     ids, mask = _batch(3)
     mistral.set_attn_implementation(khf.ATTN_IMPLEMENTATION)
     cache = khf.NativeCache(mistral.config, max_cache_len=PROMPT_LEN + NEW_TOKENS, chunk_size=CHUNK)
-    mistral.generate(
-        ids, attention_mask=mask, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD
-    )
+    greedy(mistral, ids, mask, NEW_TOKENS, cache, pad=PAD)
     layer = cache.layers[0]
     lengths, seen = layer.lengths.clone(), layer.get_seq_length()
     # Right after a step the ring (window + chunk_size - 1 slots) still holds chunk_size tokens

@@ -264,31 +264,19 @@ def test_opcheck():
 def test_fuzz_append_block_tables(call):
     """Accepted exactly when the contract accepts the call, and then each written token at its (block,
     offset); refused with nothing written otherwise, by the wrapper, the raw op and the reference."""
-    B, T, block_size, num_blocks, table, wide, lengths, counts = call
+    B, T, block_size, num_blocks = call[:4]
     pool = torch.randn(num_blocks, 1, block_size, 16)
     new = torch.randn(B, 1, T, 16)
-    block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32).reshape(B, len(table[0]))
-    lengths_t, counts_t = torch.tensor(lengths), None if counts is None else torch.tensor(counts)
-    accepted = paged_cases.valid_append(table, block_size, num_blocks, lengths, counts, T)
-    event("append accepted" if accepted else "append refused")
-    for call_op, errors in (
-        (ops.paged_append_latent, paged_cases.WRAPPER_REFUSALS),
-        (torch.ops.kvcache_ext.paged_append_latent, RuntimeError),
-        (paged_latent_append_reference, paged_cases.REFUSALS),
-    ):
-        written = pool.clone()
-        if accepted:
-            call_op(written, new, block_tables, lengths_t, counts_t)
-            expected = pool.clone()
-            for b in range(B):
-                for t in range(T if counts is None else counts[b]):
-                    p = lengths[b] + t
-                    expected[table[b][p // block_size], :, p % block_size] = new[b, :, t]
-            assert torch.equal(written, expected)
-        else:
-            with pytest.raises(errors):
-                call_op(written, new, block_tables, lengths_t, counts_t)
-            assert torch.equal(written, pool)
+
+    def expected_pool(table, lengths, counts):
+        expected = pool.clone()
+        for b, t, block, offset in paged_cases.appended_slots(table, lengths, counts, block_size):
+            expected[block, :, offset] = new[b, :, t]
+        return [expected]
+
+    paged_cases.check_append_verdict(
+        call, [pool], [new], "paged_append_latent", paged_latent_append_reference, expected_pool
+    )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

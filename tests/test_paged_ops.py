@@ -3,6 +3,7 @@ the contiguous decode_attention on the same logical tokens, and the float64 orac
 change no byte; a fuzz of block tables."""
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -313,31 +314,15 @@ def test_capabilities_state_the_block_sizes():
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(paged.append_calls())
 def test_fuzz_append_block_tables(call):
-    B, T, block_size, num_blocks, table, wide, lengths, counts = call
+    B, T, block_size, num_blocks = call[:4]
     H, D = 1, 8
     k_pool = torch.randn(num_blocks, H, block_size, D)
     v_pool = torch.randn(num_blocks, H, block_size, D)
     k_new, v_new = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
-    block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32).reshape(B, len(table[0]))
-    lengths_t = torch.tensor(lengths)
-    counts_t = None if counts is None else torch.tensor(counts)
-    accepted = paged.valid_append(table, block_size, num_blocks, lengths, counts, T)
-    event("append accepted" if accepted else "append refused")
-    before = k_pool.clone(), v_pool.clone()
-    for call_op, errors in (
-        (kvcache_ext.paged_append_kv, paged.WRAPPER_REFUSALS),
-        (torch.ops.kvcache_ext.paged_append_kv, RuntimeError),
-        (paged_append_reference, paged.REFUSALS),
-    ):
-        pools = k_pool.clone(), v_pool.clone()
-        if accepted:
-            call_op(*pools, k_new, v_new, block_tables, lengths_t, counts_t)
-            expected = expected_append(k_pool, v_pool, k_new, v_new, block_tables, lengths, counts or [T] * B)
-            assert torch.equal(pools[0], expected[0]) and torch.equal(pools[1], expected[1])
-        else:
-            with pytest.raises(errors):
-                call_op(*pools, k_new, v_new, block_tables, lengths_t, counts_t)
-            assert torch.equal(pools[0], before[0]) and torch.equal(pools[1], before[1])
+    expected = partial(expected_append, k_pool, v_pool, k_new, v_new)
+    paged.check_append_verdict(
+        call, (k_pool, v_pool), (k_new, v_new), "paged_append_kv", paged_append_reference, expected
+    )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

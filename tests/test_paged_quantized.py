@@ -3,6 +3,8 @@ contiguous quantized ops on the same tokens (bit for bit), python_ref's quantize
 reference, and the float64 oracle; refused inputs change no byte; a fuzz of block tables.
 PagedKVCache(kv_dtype=...) is tested in test_paged_cache.py."""
 
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -362,28 +364,14 @@ def test_a_quantized_paged_step_compiles_without_graph_breaks():
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(paged.append_calls(), st.sampled_from(FORMATS))
 def test_fuzz_append_block_tables(call, fmt):
-    B, T, block_size, num_blocks, table, wide, lengths, counts = call
+    B, T, block_size, num_blocks = call[:4]
     H, D = 1, 32
     pools = [*garbage_pool(fmt, num_blocks, H, block_size, D), *garbage_pool(fmt, num_blocks, H, block_size, D)]
     k_new, v_new = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
-    block_tables = torch.tensor(table, dtype=torch.int64 if wide else torch.int32).reshape(B, len(table[0]))
-    lengths_t, counts_t = torch.tensor(lengths), None if counts is None else torch.tensor(counts)
-    accepted = paged.valid_append(table, block_size, num_blocks, lengths, counts, T)
-    event("append accepted" if accepted else "append refused")
-    for call_op, errors in (
-        (kvcache_ext.paged_append_kv_quantized, paged.WRAPPER_REFUSALS),
-        (torch.ops.kvcache_ext.paged_append_kv_quantized, RuntimeError),
-        (paged_append_quantized_reference, paged.REFUSALS),
-    ):
-        got = [t.clone() for t in pools]
-        if accepted:
-            call_op(*got, k_new, v_new, block_tables, lengths_t, counts_t)
-            expected = expected_append(pools, k_new, v_new, block_tables, lengths, counts or [T] * B, fmt)
-        else:
-            with pytest.raises(errors):
-                call_op(*got, k_new, v_new, block_tables, lengths_t, counts_t)
-            expected = pools
-        assert all(same_bits(a, b) for a, b in zip(got, expected))
+    expected = partial(expected_append, pools, k_new, v_new, fmt=fmt)
+    paged.check_append_verdict(
+        call, pools, (k_new, v_new), "paged_append_kv_quantized", paged_append_quantized_reference, expected
+    )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

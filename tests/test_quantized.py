@@ -233,7 +233,6 @@ def test_append_without_counts_equals_full_counts(fmt):
 
 
 @native
-@pytest.mark.parametrize("through", ["wrapper", "op"])
 @pytest.mark.parametrize(
     "counts,message",
     [
@@ -251,7 +250,7 @@ def test_bad_new_counts_are_refused_with_nothing_written(through, counts, messag
     fmt, B, H, S, D, T = "int8", 2, 2, 5, 64, 2
     cache = _empty_cache(fmt, B, H, S, D)
     new = torch.randn(B, H, T, D)
-    append = kvcache_ext.append_kv_quantized if through == "wrapper" else torch.ops.kvcache_ext.append_kv_quantized
+    append = through("append_kv_quantized")
     with pytest.raises((ValueError, RuntimeError), match=message):
         append(*cache, new, new, torch.tensor([0, 1]), counts)
     assert not any(t.view(torch.uint8).any() for t in cache)
@@ -405,13 +404,12 @@ def test_opcheck(fmt):
 
 # ---- argument checks: a refused call writes nothing --------------------------------------------
 @native
-@pytest.mark.parametrize("through", ["wrapper", "op"])
 def test_refused_append_writes_nothing(through):
     fmt = "int4"
     cache = _empty_cache(fmt, 2, 2, 8, 64)
     good = torch.randn(2, 2, 1, 64)
-    append = kvcache_ext.append_kv_quantized if through == "wrapper" else torch.ops.kvcache_ext.append_kv_quantized
-    error = (ValueError, TypeError) if through == "wrapper" else RuntimeError
+    append = through("append_kv_quantized")
+    error = (ValueError, TypeError) if through.wrapper else RuntimeError
     bad_calls = [
         (cache[0], cache[1].float(), cache[2], cache[3], good, good, torch.tensor([0, 1])),  # scale dtype
         (cache[0], cache[1][..., :1], cache[2], cache[3], good, good, torch.tensor([0, 1])),  # scale shape

@@ -119,24 +119,32 @@ def test_native_rotated_append_matches_the_reference_bit_for_bit(fmt, dtype, D):
     assert same_bits(unrotated[2], native_cache[2]) and not same_bits(unrotated[0], native_cache[0])
 
 
+# Two rows in a pool of 6 blocks of 4: row 0 in blocks 4 then 1, row 1 in blocks 0 then 5.
+POOL_TABLES = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+
+
+def rotated_pool_and_cache(fmt, T, lengths, generator):
+    """``T`` new tokens for each of two rows (2 heads of 64) drawn from ``generator``, appended natively at
+    ``lengths`` with rotated keys both to a pool of 6 blocks of 4 (POOL_TABLES) and to a contiguous cache
+    of 8 slots a row: (k_new, v_new, pool, cache)."""
+    k_new, v_new = new_tokens(2, 2, T, 64, torch.float32, generator)
+    pool, cache = empty_cache(fmt, 6, 2, 4, 64), empty_cache(fmt, 2, 2, 8, 64)
+    kvcache_ext.paged_append_kv_quantized(*pool, k_new, v_new, POOL_TABLES, lengths, rotate_keys=True)
+    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, lengths, rotate_keys=True)
+    return k_new, v_new, pool, cache
+
+
 @native
 @pytest.mark.parametrize("fmt", ROTATED)
 def test_native_rotated_paged_append_matches_the_contiguous_one(fmt):
-    B, H, D, T, block = 2, 2, 64, 5, 4
-    g = torch.Generator().manual_seed(1)
-    k_new, v_new = new_tokens(B, H, T, D, torch.float32, g)
-    pool = empty_cache(fmt, 6, H, block, D)
-    tables = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
     lengths = torch.tensor([2, 0])
-    kvcache_ext.paged_append_kv_quantized(*pool, k_new, v_new, tables, lengths, rotate_keys=True)
-    reference = empty_cache(fmt, 6, H, block, D)
+    k_new, v_new, pool, cache = rotated_pool_and_cache(fmt, 5, lengths, torch.Generator().manual_seed(1))
+    reference = empty_cache(fmt, 6, 2, 4, 64)
     from python_ref import paged_append_quantized_reference
 
-    paged_append_quantized_reference(*reference, k_new, v_new, tables, lengths, rotate_keys=True)
+    paged_append_quantized_reference(*reference, k_new, v_new, POOL_TABLES, lengths, rotate_keys=True)
     for got, want in zip(pool, reference):
         assert same_bits(got, want)
-    cache = empty_cache(fmt, B, H, 8, D)
-    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, lengths, rotate_keys=True)
     # row 0, position 2 (block 4, offset 2) holds the contiguous cache's slot 2
     assert same_bits(pool[0][4, :, 2], cache[0][0, :, 2]) and same_bits(pool[1][0, :, 3], cache[1][1, :, 3])
 
@@ -161,6 +169,14 @@ def check_rotated_attention(fmt, q, cache, lengths, window=None, softcap=None, s
     assert native_error <= 2 * plain_error.max().item() + 1e-5, (native_error, plain_error.max().item())
 
 
+def rotated_cache(fmt, k_new, v_new):
+    """A contiguous cache of as many slots as new tokens, holding them natively from slot 0, keys rotated."""
+    B, H, S, D = k_new.shape
+    cache = empty_cache(fmt, B, H, S, D)
+    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, torch.zeros(B, dtype=torch.long), rotate_keys=True)
+    return cache
+
+
 @native
 @pytest.mark.parametrize("fmt", ROTATED)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -169,9 +185,7 @@ def test_native_rotated_attention_matches_the_oracle(isa, fmt, dtype, D, group, 
     B, H_kv = 2, 2
     S = 300 if window is None else window + num_new - 1
     g = torch.Generator().manual_seed(D + num_new)
-    k_new, v_new = new_tokens(B, H_kv, S, D, torch.float32, g)
-    cache = empty_cache(fmt, B, H_kv, S, D)
-    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, torch.zeros(B, dtype=torch.long), rotate_keys=True)
+    cache = rotated_cache(fmt, *new_tokens(B, H_kv, S, D, torch.float32, g))
     q = torch.randn(B, num_new, H_kv * group, D, generator=g).to(dtype).transpose(1, 2)
     check_rotated_attention(
         fmt, q, cache, torch.tensor([S, S - 1]) if window is None else torch.tensor([S, 40]), window
@@ -183,9 +197,7 @@ def test_native_rotated_attention_matches_the_oracle(isa, fmt, dtype, D, group, 
 def test_native_rotated_attention_softcap_and_sinks(fmt):
     B, H_kv, S, D = 1, 1, 50, 64
     g = torch.Generator().manual_seed(3)
-    k_new, v_new = new_tokens(B, H_kv, S, D, torch.float32, g)
-    cache = empty_cache(fmt, B, H_kv, S, D)
-    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, torch.zeros(B, dtype=torch.long), rotate_keys=True)
+    cache = rotated_cache(fmt, *new_tokens(B, H_kv, S, D, torch.float32, g))
     q = torch.randn(B, 2, 1, D, generator=g)
     check_rotated_attention(fmt, q, cache, torch.tensor([S]), softcap=5.0, sinks=torch.tensor([0.5, -1.0]))
 
@@ -193,17 +205,11 @@ def test_native_rotated_attention_softcap_and_sinks(fmt):
 @native
 @pytest.mark.parametrize("fmt", ROTATED)
 def test_rotated_paged_attention_equals_the_contiguous_one(fmt):
-    B, H, D, T, block = 2, 2, 64, 7, 4
-    g = torch.Generator().manual_seed(2)
-    k_new, v_new = new_tokens(B, H, T, D, torch.float32, g)
-    pool, cache = empty_cache(fmt, 6, H, block, D), empty_cache(fmt, B, H, 8, D)
-    tables = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
-    zeros = torch.zeros(B, dtype=torch.long)
-    kvcache_ext.paged_append_kv_quantized(*pool, k_new, v_new, tables, zeros, rotate_keys=True)
-    kvcache_ext.append_kv_quantized(*cache, k_new, v_new, zeros, rotate_keys=True)
-    q = torch.randn(B, 4, 1, D, generator=g)
+    T, g = 7, torch.Generator().manual_seed(2)
+    _, _, pool, cache = rotated_pool_and_cache(fmt, T, torch.zeros(2, dtype=torch.long), g)
+    q = torch.randn(2, 4, 1, 64, generator=g)
     lengths = torch.tensor([T, T - 2])
-    out, lse = kvcache_ext.paged_decode_attention_quantized(q, *pool, tables, lengths, rotate_keys=True)
+    out, lse = kvcache_ext.paged_decode_attention_quantized(q, *pool, POOL_TABLES, lengths, rotate_keys=True)
     want, want_lse = kvcache_ext.decode_attention_quantized(q, *cache, lengths, rotate_keys=True)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-5)
@@ -223,19 +229,14 @@ def test_caches_refuse_a_head_dim_not_a_power_of_two_at_construction(fmt):
 
 
 @native
-@pytest.mark.parametrize("through", ["wrapper", "op"])
 def test_ops_refuse_rotation_of_a_head_dim_not_a_power_of_two_with_nothing_written(through):
     cache = empty_cache("int8", 1, 1, 4, 96)
     new = torch.randn(1, 1, 1, 96)
-    append = kvcache_ext.append_kv_quantized if through == "wrapper" else torch.ops.kvcache_ext.append_kv_quantized
+    append = through("append_kv_quantized")
     with pytest.raises((ValueError, RuntimeError), match="power of two"):
         append(*cache, new, new, torch.tensor([0]), None, True)
     assert not any(t.view(torch.uint8).any() for t in cache)
-    attend = (
-        kvcache_ext.decode_attention_quantized
-        if through == "wrapper"
-        else torch.ops.kvcache_ext.decode_attention_quantized
-    )
+    attend = through("decode_attention_quantized")
     with pytest.raises((ValueError, RuntimeError), match="power of two"):
         attend(new, *cache, torch.tensor([1]), None, None, None, None, True)
 

@@ -57,6 +57,14 @@ text_strategy = st.lists(
     ),
     max_size=40,
 ).map("".join)
+# The tokenizers the property tests draw for: a byte-level BPE and a byte-fallback one (llama3 is chatml's
+# tokenizer under another template).
+DRAWN_FOR = ["chatml", "byte fallback"]
+
+
+def for_any_text(test):
+    """``test(loaded, name, text)`` for each tokenizer of DRAWN_FOR, on text_strategy's texts."""
+    return pytest.mark.parametrize("name", DRAWN_FOR)(BOUNDED(given(text=text_strategy)(test)))
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +99,7 @@ def test_encode_and_decode_match_transformers(loaded, name):
                 assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
 
 
-@pytest.mark.parametrize("name", ["chatml", "byte fallback"])
-@BOUNDED
-@given(text=text_strategy)
+@for_any_text
 def test_encode_and_decode_match_transformers_on_any_text(loaded, name, text):
     ours, theirs = loaded[name]
     ids = ours.encode(text)
@@ -307,7 +313,7 @@ def _stream(tokenizer, ids, **options):
     return detokenizer, chunks
 
 
-@pytest.mark.parametrize("name", ["chatml", "byte fallback"])
+@pytest.mark.parametrize("name", DRAWN_FOR)
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @BOUNDED
 @given(data=st.data())
@@ -329,9 +335,7 @@ def test_detokenizer_chunks_add_up_to_decode(loaded, name, skip_special_tokens, 
     assert not detokenizer.stopped
 
 
-@pytest.mark.parametrize("name", ["chatml", "byte fallback"])
-@BOUNDED
-@given(text=text_strategy)
+@for_any_text
 def test_detokenizer_never_emits_a_broken_character(loaded, name, text):
     ours, _ = loaded[name]
     ids = ours.encode(text)

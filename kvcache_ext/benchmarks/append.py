@@ -19,7 +19,7 @@ import torch
 import kvcache_ext
 from python_ref.caches import append_to_slots
 
-from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases
+from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases, record_case
 
 IMPLEMENTATIONS = ("native", "concat", "prealloc")
 
@@ -55,12 +55,4 @@ def test_append(benchmark, measure, bench_settings, case, impl):
         stored = k_cache[:, :, context]
     assert torch.equal(stored, new_k[:, :, 0])
 
-    benchmark.extra_info.update(
-        suite="append",
-        impl=impl,
-        shape=shape.name,
-        shape_label=shape.describe(),
-        dtype=case.dtype,
-        batch=case.batch,
-        context=context,
-    )
+    record_case(benchmark, "append", impl, shape, dtype=case.dtype, batch=case.batch, context=context)

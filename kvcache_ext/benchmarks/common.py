@@ -1,6 +1,6 @@
 """What the benchmarks share (the suites here and the scripts in the repository's bench/): run
-settings, head shapes, dtypes, the article's prompt, the CPU's name, parametrisation by mode, and
-medians of alternating rounds."""
+settings, head shapes, dtypes, the article's prompt, the CPU's name, parametrisation by mode, the
+times of calls in a row, and medians of alternating rounds."""
 
 from __future__ import annotations
 
@@ -101,6 +101,23 @@ def median_seconds(benchmark) -> float | None:
     return benchmark.stats.stats.median if benchmark.stats else None
 
 
+def record_case(benchmark, suite: str, impl: str, shape: HeadShape, **fields) -> None:
+    """Name a kernel benchmark's run in pytest-benchmark's JSON as report.py reads it: the suite, the
+    implementation and the head shape (by name, and as the tables label it), then ``fields``."""
+    benchmark.extra_info.update(suite=suite, impl=impl, shape=shape.name, shape_label=shape.describe(), **fields)
+
+
+def record_bandwidth(benchmark, moved_bytes: int, copy_bandwidth: float) -> float | None:
+    """Add to the JSON the bytes a round moves and a plain copy's GB/s, and with a median round time
+    (returned; None when timing is disabled) the GB/s achieved and its fraction of the copy's."""
+    benchmark.extra_info.update(bytes_moved=moved_bytes, copy_gbps=copy_bandwidth)
+    seconds = median_seconds(benchmark)
+    if seconds is not None:
+        gbps = moved_bytes / seconds / 1e9
+        benchmark.extra_info.update(gbps=gbps, fraction_of_copy_bandwidth=gbps / copy_bandwidth)
+    return seconds
+
+
 def cpu_model() -> str:
     """The CPU's model name and logical CPU count, as lscpu reports them, for a benchmark's printout."""
     try:
@@ -109,6 +126,16 @@ def cpu_model() -> str:
         return "unknown (lscpu failed)"
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
+
+
+def call_seconds(call, calls: int, clock=time.perf_counter) -> list[float]:
+    """``clock`` seconds of each of ``calls`` calls of ``call`` in a row (any warm-up is the caller's)."""
+    seconds = []
+    for _ in range(calls):
+        start = clock()
+        call()
+        seconds.append(clock() - start)
+    return seconds
 
 
 def alternating_medians(calls: dict, rounds: int, clock=time.perf_counter) -> dict:

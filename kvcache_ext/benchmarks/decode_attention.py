@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import kvcache_ext
 from python_ref import reference_attention
 
-from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases, median_seconds
+from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases, record_bandwidth, record_case
 
 
 def _native(q, k, v, lengths):
@@ -85,19 +85,5 @@ def test_decode_attention(benchmark, measure, copy_bandwidth, decode_inputs, cas
     atol, rtol = TOLERANCE[case.dtype]
     torch.testing.assert_close(out, inputs.expected, atol=atol, rtol=rtol)
 
-    shape = case.shape
-    benchmark.extra_info.update(
-        suite="decode",
-        impl=impl,
-        shape=shape.name,
-        shape_label=shape.describe(),
-        dtype=case.dtype,
-        batch=case.batch,
-        context=case.context,
-        bytes_moved=inputs.bytes_moved(),
-        copy_gbps=copy_bandwidth,
-    )
-    seconds = median_seconds(benchmark)
-    if seconds is not None:
-        gbps = inputs.bytes_moved() / seconds / 1e9
-        benchmark.extra_info.update(gbps=gbps, fraction_of_copy_bandwidth=gbps / copy_bandwidth)
+    record_case(benchmark, "decode", impl, case.shape, dtype=case.dtype, batch=case.batch, context=case.context)
+    record_bandwidth(benchmark, inputs.bytes_moved(), copy_bandwidth)

@@ -19,7 +19,7 @@ import torch
 import kvcache_ext
 from python_ref.quantize import quantize, quantize_keys, reference_quantized_attention, rotates_keys
 
-from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases, median_seconds
+from .common import DTYPES, KernelCase, cases_by_mode, kernel_cases, record_bandwidth, record_case
 
 FORMATS = ("bfloat16", "int8", "int8_rot", "fp8_e4m3", "fp8_e4m3_rot", "int4", "int4_rot")
 
@@ -78,23 +78,18 @@ def test_quantized_decode_attention(benchmark, measure, copy_bandwidth, quantize
     cache_bytes = sum(t.numel() * t.element_size() for t in cache)
     bf16_bytes = 2 * inputs.k.numel() * inputs.k.element_size()
     moved = cache_bytes + 2 * inputs.q.numel() * inputs.q.element_size()  # the cache, q read, out written
-    shape = case.shape
-    benchmark.extra_info.update(
-        suite="quantized",
-        impl=fmt,
-        shape=shape.name,
-        shape_label=shape.describe(),
+    record_case(
+        benchmark,
+        "quantized",
+        fmt,
+        case.shape,
         batch=case.batch,
         context=case.context,
-        bytes_moved=moved,
         cache_bytes=cache_bytes,
         bytes_vs_bfloat16=cache_bytes / bf16_bytes,
-        copy_gbps=copy_bandwidth,
     )
-    seconds = median_seconds(benchmark)
+    seconds = record_bandwidth(benchmark, moved, copy_bandwidth)
     if seconds is not None:
-        gbps = moved / seconds / 1e9
-        benchmark.extra_info.update(gbps=gbps, fraction_of_copy_bandwidth=gbps / copy_bandwidth)
         if fmt == "bfloat16":
             inputs.bf16_seconds.append(seconds)
         elif inputs.bf16_seconds:
