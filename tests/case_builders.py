@@ -21,6 +21,8 @@ QUANTIZED_DATA = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "int4": t
 QUANTIZED_ATTENTION_GRID = [
     *itertools.product(QUANTIZED_DATA, [64, 128], [1, 4], [1, 3], [None, 5]),
     ("int8", 80, 2, 1, None),
+    ("int8", 64, 5, 1, None),  # rows per KV head past a multiple of four: the kernels' one- and two-row tails
+    ("int8", 128, 3, 2, 6),
     ("fp8_e4m3", 24, 1, 2, None),
     ("int8", 256, 3, 1, 4),
     ("int4", 96, 1, 1, None),
