@@ -12,8 +12,9 @@ report as its nominal one) and the copy bandwidth of one thread. On a machine sh
 jobs the wall time mostly measures the scheduler; the CPU time of the calling thread
 (``time.thread_time``, the kernel runs on it alone) still measures the kernel. GB/s counts the bytes
 of the cache's tensors (codes and scales; KIVI: also its full-precision newest keys); the copy
-bandwidth is measured the same way. The same comparison in wall time, with pytest-benchmark:
-``kvcache-ext bench --suite quantized``.
+bandwidth is measured the same way. Each format's ratio is over bfloat16 timed in the same rounds,
+alternating with it, so that a host whose speed drifts during the run slows both alike. The same
+comparison in wall time, with pytest-benchmark: ``kvcache-ext bench --suite quantized``.
 """
 
 import argparse
@@ -31,14 +32,23 @@ FORMATS = ("int8", "fp8_e4m3", "int4", "int8_rot", "fp8_e4m3_rot", "int4_rot", *
 
 def median_times(fn, rounds=7):
     """Median wall and thread-CPU seconds of ``fn()`` after one warm-up call."""
-    fn()
-    wall, cpu = [], []
-    for _ in range(rounds):
-        w, c = time.perf_counter(), time.thread_time()
+    return alternating_times(fn, rounds=rounds)[0]
+
+
+def alternating_times(*fns, rounds=7):
+    """Median (wall, thread-CPU) seconds of each of ``fns``, called in turn round after round (after
+    one warm-up call each), so that a machine whose speed drifts during the run (a shared host)
+    slows the kernels it compares alike."""
+    for fn in fns:
         fn()
-        wall.append(time.perf_counter() - w)
-        cpu.append(time.thread_time() - c)
-    return statistics.median(wall), statistics.median(cpu)
+    wall, cpu = [[] for _ in fns], [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            w, c = time.perf_counter(), time.thread_time()
+            fn()
+            wall[i].append(time.perf_counter() - w)
+            cpu[i].append(time.thread_time() - c)
+    return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, cpu)]
 
 
 def copy_times(nbytes):
@@ -117,11 +127,13 @@ def main():
         )
         for fmt in args.formats:
             call, cache = attention_call(fmt, q, k, v, lengths)
-            wall, cpu = median_times(call)
+            (bf16_wall, bf16_cpu), (wall, cpu) = alternating_times(
+                lambda: kvcache_ext.decode_attention(q, k, v, lengths), call
+            )
             nbytes = sum(t.numel() * t.element_size() for t in cache)
             print(
-                f"  {fmt}: {wall * 1e3:.1f} ms wall ({base_wall / wall:.2f}x bfloat16, {nbytes / wall / 1e9:.1f} GB/s), "
-                f"{cpu * 1e3:.1f} ms CPU ({base_cpu / cpu:.2f}x bfloat16, {nbytes / cpu / 1e9:.1f} GB/s); "
+                f"  {fmt}: {wall * 1e3:.1f} ms wall ({bf16_wall / wall:.2f}x bfloat16, {nbytes / wall / 1e9:.1f} GB/s), "
+                f"{cpu * 1e3:.1f} ms CPU ({bf16_cpu / cpu:.2f}x bfloat16, {nbytes / cpu / 1e9:.1f} GB/s); "
                 f"bytes {nbytes / base_bytes:.3f}x bfloat16"
             )
             del call, cache
