@@ -18,37 +18,23 @@ comparison in wall time, with pytest-benchmark: ``kvcache-ext bench --suite quan
 """
 
 import argparse
-import statistics
 import time
 
 import torch
 
 import kvcache_ext
-from kvcache_ext.benchmarks.common import HEAD_SHAPES, cpu_model
+from kvcache_ext.benchmarks.common import HEAD_SHAPES, alternating_medians, cpu_model
 from python_ref.quantize import KIVI_FORMATS, kivi_shapes, quantize, quantize_keys, rotates_keys
 
 FORMATS = ("int8", "fp8_e4m3", "int4", "int8_rot", "fp8_e4m3_rot", "int4_rot", *KIVI_FORMATS)
 
 
+WALL_AND_CPU = (time.perf_counter, time.thread_time)
+
+
 def median_times(fn, rounds=7):
     """Median wall and thread-CPU seconds of ``fn()`` after one warm-up call."""
-    return alternating_times(fn, rounds=rounds)[0]
-
-
-def alternating_times(*fns, rounds=7):
-    """Median (wall, thread-CPU) seconds of each of ``fns``, called in turn round after round (after
-    one warm-up call each), so that a machine whose speed drifts during the run (a shared host)
-    slows the kernels it compares alike."""
-    for fn in fns:
-        fn()
-    wall, cpu = [[] for _ in fns], [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            w, c = time.perf_counter(), time.thread_time()
-            fn()
-            wall[i].append(time.perf_counter() - w)
-            cpu[i].append(time.thread_time() - c)
-    return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, cpu)]
+    return alternating_medians({"fn": fn}, rounds, WALL_AND_CPU)["fn"]
 
 
 def copy_times(nbytes):
@@ -127,9 +113,10 @@ def main():
         )
         for fmt in args.formats:
             call, cache = attention_call(fmt, q, k, v, lengths)
-            (bf16_wall, bf16_cpu), (wall, cpu) = alternating_times(
-                lambda: kvcache_ext.decode_attention(q, k, v, lengths), call
+            medians = alternating_medians(
+                {"bfloat16": lambda: kvcache_ext.decode_attention(q, k, v, lengths), fmt: call}, 7, WALL_AND_CPU
             )
+            (bf16_wall, bf16_cpu), (wall, cpu) = medians["bfloat16"], medians[fmt]
             nbytes = sum(t.numel() * t.element_size() for t in cache)
             print(
                 f"  {fmt}: {wall * 1e3:.1f} ms wall ({bf16_wall / wall:.2f}x bfloat16, {nbytes / wall / 1e9:.1f} GB/s), "

@@ -140,13 +140,18 @@ def call_seconds(call, calls: int, clock=time.perf_counter) -> list[float]:
 
 def alternating_medians(calls: dict, rounds: int, clock=time.perf_counter) -> dict:
     """Median ``clock`` seconds of each call (name -> function) over ``rounds`` rounds in which the
-    calls take turns, after one warm-up call each: the load of a shared machine weighs on all alike."""
+    calls take turns, after one warm-up call each: the load of a shared machine weighs on all alike.
+    ``clock`` may be a tuple of clocks (wall and thread CPU time, say): each call's medians then come
+    as a tuple, one per clock, from the same calls."""
+    clocks = clock if isinstance(clock, tuple) else (clock,)
     for call in calls.values():
         call()  # warm-up
-    times = {name: [] for name in calls}
+    times = {name: [[] for _ in clocks] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
-            start = clock()
+            starts = [c() for c in clocks]
             call()
-            times[name].append(clock() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            for seconds, c, start in zip(times[name], clocks, starts):
+                seconds.append(c() - start)
+    medians = {name: tuple(statistics.median(seconds) for seconds in t) for name, t in times.items()}
+    return medians if isinstance(clock, tuple) else {name: m[0] for name, m in medians.items()}
