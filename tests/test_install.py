@@ -1,12 +1,14 @@
 """The installed package: what was built, that it loads under the running torch, and (opt-in)
 that a wheel built with pip's build isolation is abi3 and works in a fresh environment."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 import zipfile
+from importlib import metadata
 
 import pytest
 import torch
@@ -48,6 +50,34 @@ def test_native_libraries_use_the_shared_libstdcxx():
         assert "[libstdc++.so.6]" in dynamic, f"{library} does not load the shared libstdc++"
         defined = subprocess.run(["nm", "-C", "--defined-only", library], capture_output=True, text=True).stdout
         assert "std::ostream::_M_insert<long>(long)" not in defined, f"{library} holds a copy of libstdc++'s iostreams"
+
+
+def installed_distribution():
+    """kvcache_ext's installed distribution, or None where it is an editable (development) install."""
+    distribution = metadata.distribution("kvcache_ext")
+    direct_url = json.loads(distribution.read_text("direct_url.json") or "{}")
+    return None if direct_url.get("dir_info", {}).get("editable") else distribution
+
+
+@pytest.mark.skipif(installed_distribution() is None, reason="an editable install: no wheel was installed")
+def test_the_installed_wheel_is_abi3_and_carries_the_library_and_the_licenses():
+    # What `pip install .` installed came from the wheel its isolated build made (README's command
+    # in CI): its tag and file list are that wheel's.
+    distribution = installed_distribution()
+    tags = [
+        line.split(":", 1)[1].strip()
+        for line in distribution.read_text("WHEEL").splitlines()
+        if line.startswith("Tag:")
+    ]
+    assert tags and all("-abi3-" in tag for tag in tags), tags
+    names = [str(path) for path in distribution.files]
+    assert any(name.startswith("kvcache_ext/_C.abi3") for name in names), names
+    assert "python_ref/assets/gpt2.tiktoken.LICENSE" in names
+    assert any(name.endswith(".dist-info/licenses/LICENSE") or name.endswith(".dist-info/LICENSE") for name in names)
+    # ... and it is what this process imports, not a source tree beside it.
+    assert os.path.realpath(kvcache_ext.__file__) == os.path.realpath(
+        distribution.locate_file("kvcache_ext/__init__.py")
+    )
 
 
 SMOKE = textwrap.dedent("""
