@@ -4,6 +4,9 @@ The extension is taken from setup.py itself (sources, defines, flags, libraries)
 same torch BuildExtension, so the sanitized library differs from the packaged one only in the
 flags added here. Output goes to OUT_DIR (default build/sanitize) and the path of the library is
 printed last; the installed package is never touched. Used by tools/sanitize_check.sh.
+
+Only the kernel copies this CPU runs are compiled (KVCACHE_EXT_TOP_COPY): the others could not be
+tested here, and their sanitized compiles took most of the build's time on an AVX2-only CPU.
 """
 
 import os
@@ -35,9 +38,26 @@ def setup_py_cpu_extension():
     return extension, declared["cmdclass"]
 
 
+# The source suffix of each kernel copy above the baseline, by its number (csrc/cpu/cpu_isa.h's Isa).
+COPY_SUFFIXES = {1: "_avx2.cpp", 2: "_avx512.cpp", 3: "_avx512bf16.cpp"}
+
+
+def top_copy_this_cpu_runs() -> int:
+    """The highest kernel copy this CPU runs, as the installed library decides."""
+    import kvcache_ext
+    import torch
+
+    if not kvcache_ext.native_available():
+        sys.exit("the installed kvcache_ext has no native library to ask which kernel copies this CPU runs")
+    return int(torch.ops.kvcache_ext.select_cpu_isa(len(kvcache_ext.CPU_ISAS) - 1))
+
+
 def main(out_dir: pathlib.Path) -> None:
+    top_copy = top_copy_this_cpu_runs()
     os.chdir(ROOT)  # setup.py's source paths are relative to the repository root
     extension, cmdclass = setup_py_cpu_extension()
+    left_out = tuple(suffix for copy, suffix in COPY_SUFFIXES.items() if copy > top_copy)
+    extension.sources = [source for source in extension.sources if not source.endswith(left_out)]
     cxx = extension.extra_compile_args["cxx"]
     if "-O3" not in cxx:
         sys.exit(f"setup.py's C++ flags changed ({cxx}); update the -O3 replacement in {__file__}")
@@ -45,7 +65,9 @@ def main(out_dir: pathlib.Path) -> None:
     # -fno-wrapv: Python's own CFLAGS (which every extension build inherits) contain -fwrapv, which
     # defines signed overflow and so silently turns UBSan's signed-integer-overflow check off.
     extension.extra_compile_args["cxx"] = (
-        [flag if flag != "-O3" else "-O1" for flag in cxx] + SANITIZE + ["-g", "-fno-wrapv"]
+        [flag if flag != "-O3" else "-O1" for flag in cxx]
+        + SANITIZE
+        + ["-g", "-fno-wrapv", f"-DKVCACHE_EXT_TOP_COPY={top_copy}"]
     )
     extension.extra_link_args = list(extension.extra_link_args) + SANITIZE
     distribution = Distribution({"name": "kvcache_ext_sanitize", "ext_modules": [extension], "cmdclass": cmdclass})

@@ -1,5 +1,6 @@
 #include "cpu_isa.h"
 
+#include <algorithm>
 #include <atomic>
 
 namespace kvcache_ext::cpu {
@@ -47,7 +48,7 @@ static_assert(list_includes(KVCACHE_EXT_AVX512_BF16_FEATURES, KVCACHE_EXT_AVX512
 
 Isa best_supported_isa() {
 #if defined(__x86_64__)
-  static const Isa best = best_isa_for(read_cpuid());
+  static const Isa best = std::min(best_isa_for(read_cpuid()), Isa{KVCACHE_EXT_TOP_COPY});
   return best;
 #else
   return Isa::kBaseline;
@@ -70,26 +71,8 @@ Isa select_isa(Isa requested) {
   return chosen;
 }
 
-PartialAttentionFn partial_attention_kernel() {
-  switch (active_isa()) {
-#if defined(__x86_64__)
-    case Isa::kAvx512Bf16: return avx512bf16::partial_attention_any;
-    case Isa::kAvx512: return avx512::partial_attention_any;
-    case Isa::kAvx2: return avx2::partial_attention_any;
-#endif
-    default: return baseline::partial_attention_any;
-  }
-}
+PartialAttentionFn partial_attention_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(partial_attention_any); }
 
-StoreRowFn store_row_kernel() {
-  switch (active_isa()) {
-#if defined(__x86_64__)
-    case Isa::kAvx512Bf16: return avx512bf16::store_output_row;
-    case Isa::kAvx512: return avx512::store_output_row;
-    case Isa::kAvx2: return avx2::store_output_row;
-#endif
-    default: return baseline::store_output_row;
-  }
-}
+StoreRowFn store_row_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(store_output_row); }
 
 }  // namespace kvcache_ext::cpu

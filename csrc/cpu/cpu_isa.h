@@ -25,11 +25,47 @@
 #define KVCACHE_EXT_PRAGMA(text) _Pragma(#text)
 #define KVCACHE_EXT_TARGET(features) KVCACHE_EXT_PRAGMA(GCC target(features))
 
+// The highest kernel copy compiled in (the values of Isa below): every copy on x86-64, unless the
+// build defines fewer (tools/sanitize_build.py leaves out those its CPU cannot run, whose
+// sanitized compiles took most of that build's time); the baseline alone elsewhere.
+#ifndef KVCACHE_EXT_TOP_COPY
+#if defined(__x86_64__)
+#define KVCACHE_EXT_TOP_COPY 3
+#else
+#define KVCACHE_EXT_TOP_COPY 0
+#endif
+#endif
+#if KVCACHE_EXT_TOP_COPY >= 1
+#define KVCACHE_EXT_IF_AVX2_COPY(...) __VA_ARGS__
+#else
+#define KVCACHE_EXT_IF_AVX2_COPY(...)
+#endif
+#if KVCACHE_EXT_TOP_COPY >= 2
+#define KVCACHE_EXT_IF_AVX512_COPY(...) __VA_ARGS__
+#else
+#define KVCACHE_EXT_IF_AVX512_COPY(...)
+#endif
+#if KVCACHE_EXT_TOP_COPY >= 3
+#define KVCACHE_EXT_IF_AVX512_BF16_COPY(...) __VA_ARGS__
+#else
+#define KVCACHE_EXT_IF_AVX512_BF16_COPY(...)
+#endif
+
+// Returns `copy::call` of the active copy (call: a function name, or a call with its arguments):
+// the one dispatch of every kernel family.
+#define KVCACHE_EXT_RETURN_ACTIVE_COPY(call)                                                              \
+  switch (::kvcache_ext::cpu::active_isa()) {                                                             \
+    KVCACHE_EXT_IF_AVX512_BF16_COPY(case ::kvcache_ext::cpu::Isa::kAvx512Bf16 : return avx512bf16::call;) \
+    KVCACHE_EXT_IF_AVX512_COPY(case ::kvcache_ext::cpu::Isa::kAvx512 : return avx512::call;)              \
+    KVCACHE_EXT_IF_AVX2_COPY(case ::kvcache_ext::cpu::Isa::kAvx2 : return avx2::call;)                    \
+    default: return baseline::call;                                                                       \
+  }
+
 namespace kvcache_ext::cpu {
 
 enum class Isa : int64_t { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
-// The best instruction set this CPU supports among those compiled in.
+// The best instruction set this CPU supports among those compiled in (KVCACHE_EXT_TOP_COPY).
 Isa best_supported_isa();
 // The instruction set kernels use now: the best supported unless lowered by select_isa().
 Isa active_isa();

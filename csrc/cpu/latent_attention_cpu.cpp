@@ -38,16 +38,7 @@ KVCACHE_EXT_DECLARE_LATENT(avx512bf16)
 #endif
 #undef KVCACHE_EXT_DECLARE_LATENT
 
-LatentPartialFn latent_partial_attention_kernel() {
-  switch (active_isa()) {
-#if defined(__x86_64__)
-    case Isa::kAvx512Bf16: return avx512bf16::latent_partial_attention;
-    case Isa::kAvx512: return avx512::latent_partial_attention;
-    case Isa::kAvx2: return avx2::latent_partial_attention;
-#endif
-    default: return baseline::latent_partial_attention;
-  }
-}
+LatentPartialFn latent_partial_attention_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(latent_partial_attention); }
 
 namespace {
 

@@ -236,14 +236,7 @@ void append_kv_kivi(Tensor k_codes, Tensor k_scales, Tensor k_recent, Tensor v_d
 }
 
 PartialAttentionFn kivi_kernel(KvFormat format) {
-  switch (active_isa()) {
-#if defined(__x86_64__)
-    case Isa::kAvx512Bf16: return avx512bf16::kivi_partial_attention_kernel(format);
-    case Isa::kAvx512: return avx512::kivi_partial_attention_kernel(format);
-    case Isa::kAvx2: return avx2::kivi_partial_attention_kernel(format);
-#endif
-    default: return baseline::kivi_partial_attention_kernel(format);
-  }
+  KVCACHE_EXT_RETURN_ACTIVE_COPY(kivi_partial_attention_kernel(format));
 }
 
 std::tuple<Tensor, Tensor> decode_attention_kivi(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_recent,

@@ -40,16 +40,7 @@ using torch::stable::Tensor;
 // Output features per work item: a few blocks of weight rows, enough to amortise the item's start.
 constexpr int64_t kFeaturesPerItem = 64;
 
-LinearRangeFn linear_kernel(ElemType elem) {
-  switch (active_isa()) {
-#if defined(__x86_64__)
-    case Isa::kAvx512Bf16: return avx512bf16::small_batch_linear_kernel(elem);
-    case Isa::kAvx512: return avx512::small_batch_linear_kernel(elem);
-    case Isa::kAvx2: return avx2::small_batch_linear_kernel(elem);
-#endif
-    default: return baseline::small_batch_linear_kernel(elem);
-  }
-}
+LinearRangeFn linear_kernel(ElemType elem) { KVCACHE_EXT_RETURN_ACTIVE_COPY(small_batch_linear_kernel(elem)); }
 
 Tensor small_batch_linear(Tensor x, Tensor weight) {
   STD_TORCH_CHECK(x.dim() == 2, "x must be (rows, in_features), got shape ", shape_of(x));

@@ -165,14 +165,7 @@ void paged_append_kv_quantized(Tensor k_data, Tensor k_scales, Tensor v_data, Te
 }
 
 PartialAttentionFn quantized_kernel(KvFormat format, int64_t head_dim) {
-  switch (active_isa()) {
-#if defined(__x86_64__)
-    case Isa::kAvx512Bf16: return avx512bf16::quantized_partial_attention_kernel(format, head_dim);
-    case Isa::kAvx512: return avx512::quantized_partial_attention_kernel(format, head_dim);
-    case Isa::kAvx2: return avx2::quantized_partial_attention_kernel(format, head_dim);
-#endif
-    default: return baseline::quantized_partial_attention_kernel(format, head_dim);
-  }
+  KVCACHE_EXT_RETURN_ACTIVE_COPY(quantized_partial_attention_kernel(format, head_dim));
 }
 
 // Where a quantized attention's cache rows live: a row's own slots (block_ids null), or a paged
