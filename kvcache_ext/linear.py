@@ -10,10 +10,14 @@ every row, so a step with eight sequences reads its weights once, as a step with
 
 :func:`use_small_batch_linear` puts it under a model's linear layers (the same parameters, no copy);
 each layer then takes it for CPU inputs of at most :func:`layer_max_rows` rows in the weight's dtype
-and ``F.linear`` for everything else (prompts, CUDA, autograd).
+(where the kernel is the faster at any number of rows, larger inputs go through it ``MAX_ROWS`` rows
+at a time) and ``F.linear`` for everything else (CUDA, autograd, and the prompts of CPUs whose own
+products are faster there).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,14 @@ MAX_ROWS = 16  # csrc/cpu/small_batch_linear.h: kMaxLinearRows
 # GEMM multiplies eight rows faster than the kernel (0.79-0.87x at 8 rows, 0.61-0.81x at 16, 1.1-1.7x
 # at 1-4; docs/checkpoints.md), while on AVX2 CPUs the kernel stays ahead up to 16 rows.
 _KERNEL_MAX_ROWS = {("avx512_bf16", torch.bfloat16): 4}
+
+# Any number of rows, MAX_ROWS at a time: where torch's product is the slower at every number of
+# rows. On AVX2 CPUs (no bfloat16 or float16 arithmetic) torch's bfloat16 and float16 GEMMs took
+# 2.5-5x the kernel's time at 16-256 rows (2,048 -> 8,192 features, 2 threads, an AVX2-only EPYC,
+# 2026-12-05), so a served prompt of a few hundred tokens took seconds in its products; its float32
+# GEMM overtakes the kernel by 256 rows and keeps the 16-row bound.
+ANY_ROWS = sys.maxsize
+_KERNEL_MAX_ROWS.update({("avx2", torch.bfloat16): ANY_ROWS, ("avx2", torch.float16): ANY_ROWS})
 
 _CPU_NATIVE = capabilities("cpu").native
 if _native.available:
@@ -73,8 +85,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def layer_max_rows(dtype: torch.dtype, kernel_copy: str | None) -> int:
     """The most rows for which a :class:`SmallBatchLinear` layer of weights in ``dtype`` takes the
     kernel with CPU kernel copy ``kernel_copy`` (``build_info()["cpu_isa_active"]``; None: no native
-    library, 0): ``MAX_ROWS``, or fewer where torch's own product measured faster from some number of
-    rows on."""
+    library, 0): ``MAX_ROWS``, fewer where torch's own product measured faster from some number of
+    rows on, or ``ANY_ROWS`` where it measured slower at every number (then ``MAX_ROWS`` per call)."""
     if kernel_copy is None:
         return 0
     return _KERNEL_MAX_ROWS.get((kernel_copy, dtype), MAX_ROWS)
@@ -103,7 +115,13 @@ class SmallBatchLinear(nn.Module):
             and weight.stride(-1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         ):
-            out = _small_batch_linear_op(x.reshape(rows, self.in_features), weight)
+            flat = x.reshape(rows, self.in_features)
+            if rows <= MAX_ROWS:
+                out = _small_batch_linear_op(flat, weight)
+            else:
+                out = torch.cat(
+                    [_small_batch_linear_op(flat[r : r + MAX_ROWS], weight) for r in range(0, rows, MAX_ROWS)]
+                )
             out = out.view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
         return F.linear(x, weight, self.bias)

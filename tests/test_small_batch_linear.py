@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import kvcache_ext
 from kvcache_ext import KVCache
 from kvcache_ext.linear import (
+    ANY_ROWS,
     MAX_ROWS,
     SmallBatchLinear,
     check_small_batch_linear,
@@ -127,15 +128,24 @@ def test_a_layer_leaves_to_f_linear_the_rows_it_multiplies_faster_on_the_copy(is
     layer = SmallBatchLinear(linear)
     limit = layer_max_rows(dtype, isa)
     assert layer.kernel_copy == isa
-    assert limit == (4 if (isa, dtype) == ("avx512_bf16", torch.bfloat16) else 16)
+    if (isa, dtype) == ("avx512_bf16", torch.bfloat16):
+        assert limit == 4
+    elif isa == "avx2" and dtype in (torch.bfloat16, torch.float16):
+        assert limit == ANY_ROWS
+    else:
+        assert limit == MAX_ROWS
     with torch.inference_mode():
-        for rows in (1, limit, limit + 1, 16):
+        for rows in (1, 4, 5, MAX_ROWS, MAX_ROWS + 1, 2 * MAX_ROWS + 7):
             x = torch.randn(rows, 40, generator=g).to(dtype)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 out = layer(x)
-            ran = {event.name for event in prof.events()}
-            assert ("kvcache_ext::small_batch_linear" in ran) == (rows <= limit), (rows, limit)
+            calls = sum(event.name == "kvcache_ext::small_batch_linear" for event in prof.events())
+            # MAX_ROWS rows per kernel call, in order
+            assert calls == (-(-rows // MAX_ROWS) if rows <= limit else 0), (rows, limit, calls)
             torch.testing.assert_close(out, F.linear(x, linear.weight))
+            if calls:
+                pieces = [small_batch_linear(x[r : r + MAX_ROWS], linear.weight) for r in range(0, rows, MAX_ROWS)]
+                assert torch.equal(out, torch.cat(pieces))
     assert layer_max_rows(dtype, None) == 0
 
 
