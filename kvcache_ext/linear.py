@@ -38,9 +38,9 @@ _KERNEL_MAX_ROWS = {("avx512_bf16", torch.bfloat16): 4}
 
 # Any number of rows, MAX_ROWS at a time: where torch's product is the slower at every number of
 # rows. On AVX2 CPUs (no bfloat16 or float16 arithmetic) torch's bfloat16 and float16 GEMMs took
-# 2.5-5x the kernel's time at 16-256 rows (2,048 -> 8,192 features, 2 threads, an AVX2-only EPYC,
-# 2026-12-05), so a served prompt of a few hundred tokens took seconds in its products; its float32
-# GEMM overtakes the kernel by 256 rows and keeps the 16-row bound.
+# 3.1-4.6x the kernel's time at 16-256 rows (docs/checkpoints.md), so a served prompt of a few hundred
+# tokens took seconds in its products; its float32 GEMM overtakes the kernel by 256 rows and keeps
+# the 16-row bound.
 ANY_ROWS = sys.maxsize
 _KERNEL_MAX_ROWS.update({("avx2", torch.bfloat16): ANY_ROWS, ("avx2", torch.float16): ANY_ROWS})
 
