@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import kvcache_ext
 from kvcache_ext.benchmarks.common import cpu_model
-from kvcache_ext.linear import MAX_ROWS, small_batch_linear
+from kvcache_ext.linear import in_calls_of_max_rows, small_batch_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_roofline import copy_gbps  # noqa: E402
@@ -45,10 +45,6 @@ SHAPES = [
     (2048, 8192),
     (128256, 2048),
 ]
-
-
-def in_calls_of_max_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.cat([small_batch_linear(x[r : r + MAX_ROWS], weight) for r in range(0, x.shape[0], MAX_ROWS)])
 
 
 def timed(products) -> float:
@@ -85,9 +81,11 @@ def main() -> None:
             for rows in map(int, args.rows.split(",")):
                 xs = [torch.randn(rows, w.shape[1], generator=generator).to(dtype) for w in weights]
                 theirs = [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
-                ours = [lambda x=x, w=w: in_calls_of_max_rows(x, w) for x, w in zip(xs, weights)]
+                ours = [lambda x=x, w=w: in_calls_of_max_rows(small_batch_linear, x, w) for x, w in zip(xs, weights)]
                 for x, w in zip(xs, weights):  # the same products, before any timing
-                    torch.testing.assert_close(in_calls_of_max_rows(x, w), F.linear(x, w), atol=0.5, rtol=0.02)
+                    torch.testing.assert_close(
+                        in_calls_of_max_rows(small_batch_linear, x, w), F.linear(x, w), atol=0.5, rtol=0.02
+                    )
                 seconds = {"theirs": [], "ours": []}
                 timed(theirs), timed(ours)  # untimed: first touches
                 for _ in range(args.rounds):

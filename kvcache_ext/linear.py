@@ -33,16 +33,17 @@ MAX_ROWS = 16  # csrc/cpu/small_batch_linear.h: kMaxLinearRows
 # Where torch's own product overtakes the kernel before MAX_ROWS rows, by (active CPU kernel copy,
 # dtype): on CPUs with bfloat16 dot-product instructions (the avx512_bf16 copy) oneDNN's bfloat16
 # GEMM multiplies eight rows faster than the kernel (0.79-0.87x at 8 rows, 0.61-0.81x at 16, 1.1-1.7x
-# at 1-4; docs/checkpoints.md), while on AVX2 CPUs the kernel stays ahead up to 16 rows.
-_KERNEL_MAX_ROWS = {("avx512_bf16", torch.bfloat16): 4}
-
-# Any number of rows, MAX_ROWS at a time: where torch's product is the slower at every number of
-# rows. On AVX2 CPUs (no bfloat16 or float16 arithmetic) torch's bfloat16 and float16 GEMMs took
-# 3.1-4.6x the kernel's time at 16-256 rows (docs/checkpoints.md), so a served prompt of a few hundred
-# tokens took seconds in its products; its float32 GEMM overtakes the kernel by 256 rows and keeps
-# the 16-row bound.
+# at 1-4; docs/checkpoints.md). ANY_ROWS (MAX_ROWS a call) where torch's product is the slower at
+# every number of rows: on AVX2 CPUs (no bfloat16 or float16 arithmetic) torch's bfloat16 and float16
+# GEMMs took 3.1-4.6x the kernel's time at 16-256 rows (docs/checkpoints.md), so a served prompt of a
+# few hundred tokens took seconds in its products; its float32 GEMM overtakes the kernel by 256 rows
+# and keeps the 16-row bound.
 ANY_ROWS = sys.maxsize
-_KERNEL_MAX_ROWS.update({("avx2", torch.bfloat16): ANY_ROWS, ("avx2", torch.float16): ANY_ROWS})
+_KERNEL_MAX_ROWS = {
+    ("avx512_bf16", torch.bfloat16): 4,
+    ("avx2", torch.bfloat16): ANY_ROWS,
+    ("avx2", torch.float16): ANY_ROWS,
+}
 
 _CPU_NATIVE = capabilities("cpu").native
 if _native.available:
@@ -92,6 +93,15 @@ def layer_max_rows(dtype: torch.dtype, kernel_copy: str | None) -> int:
     return _KERNEL_MAX_ROWS.get((kernel_copy, dtype), MAX_ROWS)
 
 
+def in_calls_of_max_rows(product, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``product(x, weight)`` (``small_batch_linear`` or its unchecked op) for any number of rows of
+    ``x``, ``MAX_ROWS`` rows a call."""
+    rows = x.shape[0]
+    if rows <= MAX_ROWS:
+        return product(x, weight)
+    return torch.cat([product(x[r : r + MAX_ROWS], weight) for r in range(0, rows, MAX_ROWS)])
+
+
 class SmallBatchLinear(nn.Module):
     """A linear layer (its own ``weight`` and ``bias`` parameters, shared, not copied) whose
     products with at most :func:`layer_max_rows` rows on the CPU run :func:`small_batch_linear`
@@ -115,13 +125,7 @@ class SmallBatchLinear(nn.Module):
             and weight.stride(-1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         ):
-            flat = x.reshape(rows, self.in_features)
-            if rows <= MAX_ROWS:
-                out = _small_batch_linear_op(flat, weight)
-            else:
-                out = torch.cat(
-                    [_small_batch_linear_op(flat[r : r + MAX_ROWS], weight) for r in range(0, rows, MAX_ROWS)]
-                )
+            out = in_calls_of_max_rows(_small_batch_linear_op, x.reshape(rows, self.in_features), weight)
             out = out.view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
         return F.linear(x, weight, self.bias)

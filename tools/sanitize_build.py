@@ -38,26 +38,25 @@ def setup_py_cpu_extension():
     return extension, declared["cmdclass"]
 
 
-# The source suffix of each kernel copy above the baseline, by its number (csrc/cpu/cpu_isa.h's Isa).
-COPY_SUFFIXES = {1: "_avx2.cpp", 2: "_avx512.cpp", 3: "_avx512bf16.cpp"}
-
-
-def top_copy_this_cpu_runs() -> int:
-    """The highest kernel copy this CPU runs, as the installed library decides."""
+def top_copy_this_cpu_runs() -> tuple[int, list[str]]:
+    """The highest kernel copy this CPU runs (its number in csrc/cpu/cpu_isa.h's Isa), as the
+    installed library decides, and the names (kvcache_ext.CPU_ISAS) of the copies above it."""
     import kvcache_ext
     import torch
 
     if not kvcache_ext.native_available():
         sys.exit("the installed kvcache_ext has no native library to ask which kernel copies this CPU runs")
-    return int(torch.ops.kvcache_ext.select_cpu_isa(len(kvcache_ext.CPU_ISAS) - 1))
+    top_copy = int(torch.ops.kvcache_ext.select_cpu_isa(len(kvcache_ext.CPU_ISAS) - 1))
+    return top_copy, list(kvcache_ext.CPU_ISAS[top_copy + 1 :])
 
 
 def main(out_dir: pathlib.Path) -> None:
-    top_copy = top_copy_this_cpu_runs()
+    top_copy, left_out = top_copy_this_cpu_runs()
     os.chdir(ROOT)  # setup.py's source paths are relative to the repository root
     extension, cmdclass = setup_py_cpu_extension()
-    left_out = tuple(suffix for copy, suffix in COPY_SUFFIXES.items() if copy > top_copy)
-    extension.sources = [source for source in extension.sources if not source.endswith(left_out)]
+    # A copy's sources end in its name without underscores (csrc/cpu/quantized_avx512bf16.cpp).
+    suffixes = tuple(f"_{name.replace('_', '')}.cpp" for name in left_out)
+    extension.sources = [source for source in extension.sources if not source.endswith(suffixes)]
     cxx = extension.extra_compile_args["cxx"]
     if "-O3" not in cxx:
         sys.exit(f"setup.py's C++ flags changed ({cxx}); update the -O3 replacement in {__file__}")
