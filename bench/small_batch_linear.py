@@ -1,8 +1,10 @@
 """small_batch_linear against torch's CPU matrix product (``F.linear``) on a Llama-3.2-1B decode
 step's weight shapes: milliseconds per step's worth of products, and the weight bytes read per
-second as a fraction of the copy bandwidth.
+second as a fraction of the copy bandwidth. ``--dtypes int8`` compares int8 weights (one scale per
+output feature, bfloat16 activations): int8_weight_linear (activations rounded to int8) against
+torch's own int8 weight-only product, ``aten._weight_int8pack_mm``.
 
-    python bench/small_batch_linear.py [--rows 1,2,4,8,16] [--dtypes bfloat16,float32,float16]
+    python bench/small_batch_linear.py [--rows 1,2,4,8,16] [--dtypes bfloat16,float32,float16,int8]
                                        [--threads 1,2] [--rounds 5]
 
 One "step" is one product with each distinct weight shape of a Llama-3.2-1B layer (queries 2048 ->
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 import kvcache_ext
 from kvcache_ext.benchmarks.common import cpu_model
-from kvcache_ext.linear import in_calls_of_max_rows, small_batch_linear
+from kvcache_ext.linear import in_calls_of_max_rows, int8_weight_linear, small_batch_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_roofline import copy_gbps  # noqa: E402
@@ -54,6 +56,33 @@ def timed(products) -> float:
     return time.perf_counter() - start
 
 
+def products(dtype_name: str, weights: list, xs: list) -> tuple[list, list]:
+    """(torch's, ours): one callable per weight; for int8, ``weights`` holds (codes, scales) pairs."""
+    if dtype_name == "int8":
+        int8pack = torch.ops.aten._weight_int8pack_mm
+        theirs = [lambda x=x, w=w: int8pack(x, *w) for x, w in zip(xs, weights)]
+        ours = [lambda x=x, w=w: int8_weight_linear(x, *w) for x, w in zip(xs, weights)]
+    else:
+        theirs = [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
+        ours = [lambda x=x, w=w: in_calls_of_max_rows(small_batch_linear, x, w) for x, w in zip(xs, weights)]
+    return theirs, ours
+
+
+def random_weights(dtype_name: str, generator: torch.Generator) -> tuple[list, int, torch.dtype]:
+    """The step's weights in ``dtype_name`` (int8: codes and bfloat16 scales, rounded per output
+    feature), their bytes, and the dtype of the activations."""
+    if dtype_name != "int8":
+        dtype = getattr(torch, dtype_name)
+        weights = [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
+        return weights, sum(w.numel() * w.element_size() for w in weights), dtype
+    weights = []
+    for shape in SHAPES:
+        w = torch.randn(shape, generator=generator)
+        scales = w.abs().amax(dim=1) / 127
+        weights.append((torch.round(w / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)))
+    return weights, sum(c.numel() + 2 * s.numel() for c, s in weights), torch.bfloat16
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,16")
@@ -67,25 +96,20 @@ def main() -> None:
         f"{cpu_model()}, the {isa} copy of the kernels, copy bandwidth {bandwidth:.1f} GB/s, torch {torch.__version__}"
     )
     print(f"median of {args.rounds} alternating rounds; a step: one product with each Llama-3.2-1B weight shape\n")
-    print(
-        "| dtype | threads | rows | F.linear ms | small_batch_linear ms | speed-up | F.linear of copy | ours of copy |"
-    )
+    print("torch's product: F.linear; for int8 weights aten._weight_int8pack_mm (ours: int8_weight_linear)\n")
+    print("| weights | threads | rows | torch ms | ours ms | speed-up | torch of copy | ours of copy |")
     print("|---|---|---|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        weights = [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
-        weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        weights, weight_bytes, dtype = random_weights(dtype_name, generator)
         for threads in map(int, args.threads.split(",")):
             torch.set_num_threads(threads)
             for rows in map(int, args.rows.split(",")):
-                xs = [torch.randn(rows, w.shape[1], generator=generator).to(dtype) for w in weights]
-                theirs = [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
-                ours = [lambda x=x, w=w: in_calls_of_max_rows(small_batch_linear, x, w) for x, w in zip(xs, weights)]
-                for x, w in zip(xs, weights):  # the same products, before any timing
-                    torch.testing.assert_close(
-                        in_calls_of_max_rows(small_batch_linear, x, w), F.linear(x, w), atol=0.5, rtol=0.02
-                    )
+                xs = [torch.randn(rows, shape[1], generator=generator).to(dtype) for shape in SHAPES]
+                theirs, ours = products(dtype_name, weights, xs)
+                for their, our in zip(theirs, ours):  # the same products, before any timing
+                    expected = their().float()
+                    torch.testing.assert_close(our().float(), expected, atol=0.02 * expected.abs().max(), rtol=0.02)
                 seconds = {"theirs": [], "ours": []}
                 timed(theirs), timed(ours)  # untimed: first touches
                 for _ in range(args.rounds):

@@ -180,4 +180,8 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // dtype; x and weight of one dtype (float32, bfloat16, float16), 1 to 16 rows, the weight's last
   // dimension contiguous. Reads the weight once for all rows (csrc/cpu/small_batch_linear.h).
   m.def("small_batch_linear(Tensor x, Tensor weight) -> Tensor");
+  // The same with an int8 weight and one scale per output feature (float32, bfloat16 or float16):
+  // out = (x's rows rounded to int8 in blocks of 32 features) · weightᵀ · scales, any number of rows,
+  // returned in x's dtype (csrc/cpu/small_batch_linear.h: Int8LinearProblem states the rounding).
+  m.def("int8_weight_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }

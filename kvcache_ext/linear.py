@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from python_ref import int8_activations
+
 from . import _native
 from ._native import CPU_ISAS
 from .capabilities import SUPPORTED_DTYPES, capabilities
@@ -71,6 +73,12 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"x and weight must be one dtype of {names}, got {x.dtype} and {weight.dtype}")
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {x.shape[0]}")
+    _check_weight_layout(x, weight)
+
+
+def _check_weight_layout(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The checks both products make of a 2-D weight against a 2-D x: its in_features, its device,
+    its last dimension contiguous and its rows apart."""
     if weight.shape[1] != x.shape[1]:
         raise ValueError(
             f"weight must be (out_features, in_features={x.shape[1]}) to match x, got {tuple(weight.shape)}"
@@ -81,6 +89,38 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight needs a contiguous last (in_features) dimension, got strides {weight.stride()}")
     if weight.shape[0] > 1 and weight.stride(0) < weight.shape[1]:
         raise ValueError(f"weight's rows must not overlap, got strides {weight.stride()}")
+
+
+@op(
+    globals(),
+    served(lambda table: table.device_type == "cpu"),
+    int8_activations.int8_weight_linear,
+    lambda arguments: arguments["x"].new_empty(arguments["x"].shape[0], arguments["weight"].shape[0]),
+)
+def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(rows, in_features)`` (float32, bfloat16, float16; any number of rows) times an int8
+    ``weight`` ``(out_features, in_features)`` (its last dimension contiguous) with one scale per
+    output feature (``scales`` ``(out_features,)``, float32, bfloat16 or float16), x rounded to int8
+    in blocks of 32 features so that every product is of two int8 values
+    (:mod:`python_ref.int8_activations` states the rule); returned in x's dtype. The CPU kernel where
+    the native library is loaded; the reference elsewhere."""
+    if x.dim() != 2 or weight.dim() != 2 or scales.dim() != 1:
+        raise ValueError(
+            f"x must be (rows, in_features), weight (out_features, in_features) and scales (out_features,), got "
+            f"shapes {tuple(x.shape)}, {tuple(weight.shape)} and {tuple(scales.shape)}"
+        )
+    names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+    if x.dtype not in SUPPORTED_DTYPES or scales.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x and scales must be of {names}, got {x.dtype} and {scales.dtype}")
+    if weight.dtype != torch.int8:
+        raise TypeError(f"weight must be int8, got {weight.dtype}")
+    if x.shape[0] < 1:
+        raise ValueError("x must have at least 1 row, got 0")
+    _check_weight_layout(x, weight)
+    if scales.shape[0] != weight.shape[0]:
+        raise ValueError(f"scales must be (out_features={weight.shape[0]},), got {tuple(scales.shape)}")
+    if scales.device != weight.device:
+        raise ValueError(f"scales must be on the weight's device {weight.device}, got {scales.device}")
 
 
 def layer_max_rows(dtype: torch.dtype, kernel_copy: str | None) -> int:

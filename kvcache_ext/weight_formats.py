@@ -5,10 +5,14 @@ Every matrix product of a decoder block and the output head keeps its weight in 
 activations, norms and the token embedding stay in bfloat16 (a lookup reads one row a token, so its
 format does not bound a step). Both formats run native CPU kernels that take bfloat16 activations:
 
-* ``int8``: symmetric, one scale per output channel (``amax / 127``), multiplied by aten's
-  ``_weight_int8pack_mm``. Not torchao: its ``Int8WeightOnlyConfig`` (0.18) converts the whole int8
-  weight to bfloat16 at every call in eager mode: a batch-1 decode step of a Llama-3.2-1B-shaped
-  model ran at 0.15x bfloat16 weights' speed with it and at 1.27x with this kernel (one AVX2 thread,
+* ``int8``: symmetric, one scale per output channel (``amax / 127``). Multiplied by our
+  ``int8_weight_linear`` (activations rounded to int8 in blocks of 32, every product of two int8
+  values: :mod:`python_ref.int8_activations`) on the CPU kernel copies of
+  ``INTEGER_ACTIVATION_COPIES``, elsewhere by aten's ``_weight_int8pack_mm``, which widens every
+  weight to float and read its weights at 0.43x the speed our bfloat16 kernel reads its own on an
+  AVX2 CPU (docs/checkpoints.md). Not torchao: its ``Int8WeightOnlyConfig`` (0.18) converts the whole
+  int8 weight to bfloat16 at every call in eager mode: a batch-1 decode step of a
+  Llama-3.2-1B-shaped model ran at 0.15x bfloat16 weights' speed with it (one AVX2 thread,
   bench/weight_formats_decode.py, docs/checkpoints.md).
 * ``int4``: torchao's CPU layout (``Int4OpaqueTensor`` of its ``PrototypeInt4WeightOnlyConfig``:
   asymmetric, groups of ``INT4_GROUP_SIZE`` input channels, a bfloat16 scale and zero each, packed for
@@ -28,11 +32,17 @@ from torch import nn
 from python_ref.gpt2 import GPTModel
 from python_ref.llama import LlamaModel
 
+from ._native import CPU_ISAS
+from .capabilities import SUPPORTED_DTYPES, capabilities
 from .format_names import WEIGHT_FORMATS
 
 # q4_0's block size in llama.cpp; torchao's CPU layout takes 32, 64 or 128, which measured the same
 # speed in a trial on Llama-3.2-1B's layers (one AVX2 thread), so the most accurate one.
 INT4_GROUP_SIZE = 32
+# The CPU kernel copies on which an int8 layer multiplies through int8_weight_linear: where it measured
+# faster than aten's _weight_int8pack_mm (docs/checkpoints.md). The AVX-512 copies run the same
+# 256-bit code, not measured yet against aten's kernel on such a CPU.
+INTEGER_ACTIVATION_COPIES = ("avx2",)
 # Models whose every nn.Linear is called only through its forward; a latent-attention (DeepSeek)
 # model reads its W_kv_up weight directly as per-head matrices, which a packed weight is not.
 QUANTIZABLE_MODELS = (GPTModel, LlamaModel)
@@ -55,7 +65,9 @@ def check_weight_format(weights: str | None, dtype: torch.dtype | None) -> None:
 
 
 class Int8WeightLinear(nn.Module):
-    """``nn.Linear`` with an int8 weight (one scale per output channel) and bfloat16 activations."""
+    """``nn.Linear`` with an int8 weight (one scale per output channel) and bfloat16 activations,
+    rounded to int8 for the product on the copies of ``INTEGER_ACTIVATION_COPIES`` (the one active
+    when the layer was made)."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -63,6 +75,8 @@ class Int8WeightLinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
+        kernel_copy = CPU_ISAS[torch.ops.kvcache_ext.cpu_isa()] if capabilities("cpu").native else None
+        self.integer_activations = kernel_copy in INTEGER_ACTIVATION_COPIES
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightLinear:
@@ -75,7 +89,11 @@ class Int8WeightLinear(nn.Module):
         return cls(quantized, scales.to(torch.bfloat16), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+        rows = x.reshape(-1, self.in_features)
+        if self.integer_activations and x.is_cpu and rows.shape[0] >= 1 and x.dtype in SUPPORTED_DTYPES:
+            y = torch.ops.kvcache_ext.int8_weight_linear.default(rows, self.weight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -13,6 +13,7 @@ from kvcache_ext.cli import main
 from kvcache_ext.pretrained import Pretrained
 from kvcache_ext.weight_formats import INT4_GROUP_SIZE, quantize_weights
 from python_ref import build_llama, build_mla
+from python_ref.int8_activations import ACTIVATION_BLOCK, quantize_activations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("transformers")  # writes the checkpoint directories
@@ -48,6 +49,15 @@ def weight_error_bound(weight: torch.Tensor, weights: str) -> torch.Tensor:
     return step / 2 + stored
 
 
+def activation_error_bound(inputs: torch.Tensor) -> torch.Tensor:
+    """The most each input moves where an int8 layer rounds its activations to int8 (half its block's
+    step: python_ref.int8_activations)."""
+    rows = inputs.reshape(-1, inputs.shape[-1])
+    _, block_scales = quantize_activations(rows)
+    step = block_scales.double().repeat_interleave(ACTIVATION_BLOCK, dim=1)[:, : rows.shape[1]]
+    return (step / 2).view(inputs.shape)
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_each_layer_within_its_rounding_bound(weights):
     needs_torchao(weights)
@@ -64,6 +74,9 @@ def test_each_layer_within_its_rounding_bound(weights):
             exact = inputs.double() @ weight.double().T
             # each weight's error times its input, summed; then the output's own bfloat16 rounding
             bound = inputs.double().abs() @ weight_error_bound(weight, weights).T + exact.abs() * BF16_ROUNDOFF
+            if getattr(layer, "integer_activations", False):  # and each input's rounding times its weight
+                stored = weight.double().abs() + weight_error_bound(weight, weights)
+                bound = bound + activation_error_bound(inputs) @ stored.T
             error = (layer(inputs).double() - exact).abs()
             assert (error <= bound).all(), f"{name}: error {error.max():.3g} over its bound"
             assert error.max() > 0  # the weights were quantized

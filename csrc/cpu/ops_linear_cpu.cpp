@@ -24,6 +24,7 @@ namespace kvcache_ext::cpu {
 #define KVCACHE_EXT_DECLARE_LINEAR_ISA(isa)               \
   namespace isa {                                         \
   LinearRangeFn small_batch_linear_kernel(ElemType elem); \
+  Int8LinearRangeFn int8_weight_linear_kernel();          \
   }
 KVCACHE_EXT_DECLARE_LINEAR_ISA(baseline)
 #if defined(__x86_64__)
@@ -41,6 +42,28 @@ using torch::stable::Tensor;
 constexpr int64_t kFeaturesPerItem = 64;
 
 LinearRangeFn linear_kernel(ElemType elem) { KVCACHE_EXT_RETURN_ACTIVE_COPY(small_batch_linear_kernel(elem)); }
+Int8LinearRangeFn int8_linear_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(int8_weight_linear_kernel()); }
+
+// The checks both products make of a weight: (out_features, in_features), its last dimension
+// contiguous and its rows apart.
+void check_weight_layout(const Tensor& weight, int64_t K) {
+  STD_TORCH_CHECK(weight.size(1) == K, "weight must be (out_features, in_features=", K, ") to match x, got shape ",
+                  shape_of(weight));
+  const int64_t N = weight.size(0);
+  STD_TORCH_CHECK(N == 0 || K <= 1 || weight.stride(1) == 1,
+                  "weight needs a contiguous last (in_features) dimension, got strides (", weight.stride(0), ", ",
+                  weight.stride(1), ")");
+  STD_TORCH_CHECK(N <= 1 || weight.stride(0) >= K, "weight's rows must not overlap: row stride ", weight.stride(0),
+                  " is below in_features ", K);
+}
+
+// out (float32, rows x out_features) in x's dtype: out itself where x is float32, else a new tensor.
+Tensor stored_in(const Tensor& out_float, torch::headeronly::ScalarType dtype, ElemType elem) {
+  if (dtype == torch::headeronly::ScalarType::Float) return out_float;
+  Tensor out = torch::stable::empty({out_float.size(0), out_float.size(1)}, dtype, std::nullopt, out_float.device());
+  store_row_kernel()(elem, out_float.const_data_ptr<float>(), out_float.numel(), 1, out.mutable_data_ptr());
+  return out;
+}
 
 Tensor small_batch_linear(Tensor x, Tensor weight) {
   STD_TORCH_CHECK(x.dim() == 2, "x must be (rows, in_features), got shape ", shape_of(x));
@@ -52,16 +75,10 @@ Tensor small_batch_linear(Tensor x, Tensor weight) {
                   " like x, got ", dtype_name(weight.scalar_type()));
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   STD_TORCH_CHECK(M >= 1 && M <= kMaxLinearRows, "x must have 1 to ", kMaxLinearRows, " rows, got ", M);
-  STD_TORCH_CHECK(weight.size(1) == K, "weight must be (out_features, in_features=", K, ") to match x, got shape ",
-                  shape_of(weight));
-  STD_TORCH_CHECK(N == 0 || K <= 1 || weight.stride(1) == 1,
-                  "weight needs a contiguous last (in_features) dimension, got strides (", weight.stride(0), ", ",
-                  weight.stride(1), ")");
-  STD_TORCH_CHECK(N <= 1 || weight.stride(0) >= K, "weight's rows must not overlap: row stride ", weight.stride(0),
-                  " is below in_features ", K);
+  check_weight_layout(weight, K);
 
-  Tensor out = torch::stable::empty({M, N}, x.scalar_type(), std::nullopt, x.device());
-  if (N == 0) return out;
+  Tensor out_float = torch::stable::empty({M, N}, torch::headeronly::ScalarType::Float, std::nullopt, x.device());
+  if (N == 0) return stored_in(out_float, x.scalar_type(), elem);
   std::vector<float> x_float(static_cast<size_t>(M * K));  // a few KB; the weight is what is large
   quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
   // bfloat16 x as its bits again, for the copies that multiply bfloat16 pairs (exact: widened above).
@@ -71,8 +88,6 @@ Tensor small_batch_linear(Tensor x, Tensor weight) {
     std::memcpy(&bits, &x_float[i], sizeof bits);
     x_bf16[i] = static_cast<uint16_t>(bits >> 16);
   }
-  const bool float_out = elem == ElemType::kFloat32;
-  std::vector<float> out_float(float_out ? 0 : static_cast<size_t>(M * N));
 
   LinearProblem p{};
   p.x = x_float.data();
@@ -81,17 +96,62 @@ Tensor small_batch_linear(Tensor x, Tensor weight) {
   p.weight = weight.const_data_ptr();
   p.weight_stride = N == 1 ? K : weight.stride(0);
   p.elem = elem;
-  p.out = float_out ? out.mutable_data_ptr<float>() : out_float.data();
+  p.out = out_float.mutable_data_ptr<float>();
   const LinearRangeFn kernel = linear_kernel(elem);
   const int64_t items = (N + kFeaturesPerItem - 1) / kFeaturesPerItem;
   torch::stable::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     kernel(p, begin * kFeaturesPerItem, std::min(end * kFeaturesPerItem, N));
   });
-  if (!float_out) {
-    const StoreRowFn store = store_row_kernel();
-    store(elem, out_float.data(), M * N, 1, out.mutable_data_ptr());
-  }
-  return out;
+  return stored_in(out_float, x.scalar_type(), elem);
+}
+
+Tensor int8_weight_linear(Tensor x, Tensor weight, Tensor scales) {
+  STD_TORCH_CHECK(x.dim() == 2, "x must be (rows, in_features), got shape ", shape_of(x));
+  STD_TORCH_CHECK(weight.dim() == 2, "weight must be (out_features, in_features), got shape ", shape_of(weight));
+  check_cpu_tensor(x, "x");
+  check_cpu_tensor(weight, "weight");
+  check_cpu_tensor(scales, "scales");
+  const ElemType elem = elem_type_of(x, "x");
+  STD_TORCH_CHECK(weight.scalar_type() == torch::headeronly::ScalarType::Char, "weight must be int8, got ",
+                  dtype_name(weight.scalar_type()));
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  STD_TORCH_CHECK(M >= 1, "x must have at least 1 row, got 0");
+  check_weight_layout(weight, K);
+  STD_TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N, "scales must be (out_features=", N, ",), got shape ",
+                  shape_of(scales));
+  const ElemType scale_elem = elem_type_of(scales, "scales");
+
+  Tensor out_float = torch::stable::empty({M, N}, torch::headeronly::ScalarType::Float, std::nullopt, x.device());
+  if (N == 0) return stored_in(out_float, x.scalar_type(), elem);
+  std::vector<float> scales_float(static_cast<size_t>(N));
+  quantizer::widen_to_float(scales.const_data_ptr(), scale_elem, {1, 1, 1, N}, {0, 0, 0, scales.stride(0)},
+                            scales_float.data());
+  // x's rows as int8 codes, a scale per block of kActivationBlock features: a few KB a row.
+  const int64_t blocks = K == 0 ? 0 : (K - 1) / kActivationBlock + 1;
+  std::vector<float> x_float(static_cast<size_t>(M * K));
+  quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
+  std::vector<int8_t> x_codes(static_cast<size_t>(M * blocks * kActivationBlock));
+  std::vector<float> x_scales(static_cast<size_t>(M * blocks));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b)
+      x_scales[m * blocks + b] = quantize_activation_block(&x_float[m * K + b * kActivationBlock],
+                                                           std::min(kActivationBlock, K - b * kActivationBlock),
+                                                           &x_codes[(m * blocks + b) * kActivationBlock]);
+
+  Int8LinearProblem p{};
+  p.x_codes = x_codes.data();
+  p.x_scales = x_scales.data();
+  p.rows = M, p.in_features = K, p.blocks = blocks, p.out_features = N;
+  p.weight = weight.const_data_ptr<int8_t>();
+  p.weight_stride = N == 1 ? K : weight.stride(0);
+  p.scales = scales_float.data();
+  p.out = out_float.mutable_data_ptr<float>();
+  const Int8LinearRangeFn kernel = int8_linear_kernel();
+  const int64_t items = (N + kFeaturesPerItem - 1) / kFeaturesPerItem;
+  torch::stable::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    kernel(p, begin * kFeaturesPerItem, std::min(end * kFeaturesPerItem, N));
+  });
+  return stored_in(out_float, x.scalar_type(), elem);
 }
 
 }  // namespace
@@ -99,4 +159,5 @@ Tensor small_batch_linear(Tensor x, Tensor weight) {
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("small_batch_linear", TORCH_BOX(&kvcache_ext::cpu::small_batch_linear));
+  m.impl("int8_weight_linear", TORCH_BOX(&kvcache_ext::cpu::int8_weight_linear));
 }
