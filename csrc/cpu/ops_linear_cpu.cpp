@@ -137,10 +137,15 @@ Tensor int8_weight_linear(Tensor x, Tensor weight, Tensor scales) {
       x_scales[m * blocks + b] = quantize_activation_block(&x_float[m * K + b * kActivationBlock],
                                                            std::min(kActivationBlock, K - b * kActivationBlock),
                                                            &x_codes[(m * blocks + b) * kActivationBlock]);
+  // The same as floats, for the kernels that multiply several rows in float (in place of x).
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      x_float[m * K + k] = x_codes[m * blocks * kActivationBlock + k] * x_scales[m * blocks + k / kActivationBlock];
 
   Int8LinearProblem p{};
   p.x_codes = x_codes.data();
   p.x_scales = x_scales.data();
+  p.x_dequantized = x_float.data();
   p.rows = M, p.in_features = K, p.blocks = blocks, p.out_features = N;
   p.weight = weight.const_data_ptr<int8_t>();
   p.weight_stride = N == 1 ? K : weight.stride(0);

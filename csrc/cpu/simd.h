@@ -137,6 +137,23 @@ inline V load(const F16* p) {
   return load_generic<V>(p);
 }
 
+// kLanes<V> consecutive int8 values, as floats (exact).
+template <typename V>
+inline V load(const int8_t* p) {
+#if KVCACHE_EXT_X86_AVX2
+  if constexpr (kLanes<V> == 8)
+    return bit_cast<V>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#endif
+#if KVCACHE_EXT_X86_AVX512
+  if constexpr (kLanes<V> == 16)
+    return bit_cast<V>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#endif
+  typedef int8_t Codes __attribute__((vector_size(kLanes<V>)));
+  Codes codes;
+  std::memcpy(&codes, p, sizeof codes);
+  return __builtin_convertvector(codes, V);
+}
+
 template <typename V>
 inline void store(float* p, V v) {
   std::memcpy(p, &v, sizeof v);
