@@ -9,8 +9,8 @@ format does not bound a step). Both formats run native CPU kernels that take bfl
   ``int8_weight_linear`` (activations rounded to int8 in blocks of 32, every product of two int8
   values: :mod:`python_ref.int8_activations`) on the CPU kernel copies of
   ``INTEGER_ACTIVATION_COPIES``, elsewhere by aten's ``_weight_int8pack_mm``, which widens every
-  weight to float and read its weights at 0.43x the speed our bfloat16 kernel reads its own on an
-  AVX2 CPU (docs/checkpoints.md). Not torchao: its ``Int8WeightOnlyConfig`` (0.18) converts the whole
+  weight to float: for one row on an AVX2 CPU it read its weights at 0.25-0.45 of copy bandwidth,
+  ours at 0.58-1.01 (docs/checkpoints.md). Not torchao: its ``Int8WeightOnlyConfig`` (0.18) converts the whole
   int8 weight to bfloat16 at every call in eager mode: a batch-1 decode step of a
   Llama-3.2-1B-shaped model ran at 0.15x bfloat16 weights' speed with it (one AVX2 thread,
   bench/weight_formats_decode.py, docs/checkpoints.md).
