@@ -11,8 +11,9 @@ L=4096. Every cache is full (lengths = slots), in buffers allocated as ``KVCache
 
 A decode call reads every cached key and value once, so the copy bandwidth (``target.copy_(source)``
 of 256 MiB, bytes read plus written) is its roofline: *of copy* divides the bytes the call must read
-(K and V) by its median time and by that bandwidth. Native calls, SDPA calls and a copy alternate
-round by round, so the load of a shared machine weighs on all three alike. Prints which kernel copy
+(K and V) by its median time and by that bandwidth. The native calls and SDPA calls of every dtype
+and a copy alternate round by round, so the load of a shared machine (this one's speed drifts by up
+to a third between minutes) weighs on all of them alike. Prints which kernel copy
 ran (``kvcache_ext.kernels_used``) and the CPU, then a Markdown table.
 """
 
@@ -62,17 +63,20 @@ def cache_tensors(shape, batch, context, dtype):
     return q, k, v, torch.full((batch,), context, dtype=torch.long)
 
 
-def measure(point, dtype, rounds, with_sdpa):
+def measure(point, dtypes, rounds, with_sdpa) -> list[dict]:
+    """One row per dtype of ``point``: every dtype's native (and SDPA) call and the copy alternate
+    within each round, so that the dtypes are compared under the same load."""
     shape = HEAD_SHAPES[point[0]]
-    q, k, v, lengths = cache_tensors(shape, point[1], point[2], dtype)
     source = torch.ones(COPY_BYTES, dtype=torch.uint8)
     target = torch.empty_like(source)
-    calls = {
-        "native": lambda: kvcache_ext.decode_attention(q, k, v, lengths),
-        "copy": lambda: target.copy_(source),
-    }
-    if with_sdpa:
-        calls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=shape.q_heads != shape.kv_heads)
+    tensors = {dtype: cache_tensors(shape, point[1], point[2], dtype) for dtype in dtypes}
+    calls = {"copy": lambda: target.copy_(source)}
+    for dtype, (q, k, v, lengths) in tensors.items():
+        calls[("native", dtype)] = lambda q=q, k=k, v=v, lengths=lengths: kvcache_ext.decode_attention(q, k, v, lengths)
+        if with_sdpa:
+            calls[("sdpa", dtype)] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                q, k, v, enable_gqa=shape.q_heads != shape.kv_heads
+            )
     for fn in calls.values():
         fn()  # warm-up: first-touch of outputs, thread pool start
     times = {name: [] for name in calls}
@@ -80,21 +84,26 @@ def measure(point, dtype, rounds, with_sdpa):
         for name, fn in calls.items():
             times[name].append(seconds_of(fn))
     median = {name: statistics.median(t) for name, t in times.items()}
-    cache_bytes = 2 * k.numel() * k.element_size()
     copy_gbps = 2 * COPY_BYTES / median["copy"] / 1e9
-    native_gbps = cache_bytes / median["native"] / 1e9
-    return {
-        "shape": shape.name,
-        "batch": point[1],
-        "context": point[2],
-        "dtype": str(dtype).removeprefix("torch."),
-        "mb": cache_bytes / 1e6,
-        "native_ms": median["native"] * 1e3,
-        "native_gbps": native_gbps,
-        "of_copy": native_gbps / copy_gbps,
-        "copy_gbps": copy_gbps,
-        "sdpa_ms": median["sdpa"] * 1e3 if with_sdpa else None,
-    }
+    rows = []
+    for dtype, (_, k, _, _) in tensors.items():
+        cache_bytes = 2 * k.numel() * k.element_size()
+        native_gbps = cache_bytes / median[("native", dtype)] / 1e9
+        rows.append(
+            {
+                "shape": shape.name,
+                "batch": point[1],
+                "context": point[2],
+                "dtype": str(dtype).removeprefix("torch."),
+                "mb": cache_bytes / 1e6,
+                "native_ms": median[("native", dtype)] * 1e3,
+                "native_gbps": native_gbps,
+                "of_copy": native_gbps / copy_gbps,
+                "copy_gbps": copy_gbps,
+                "sdpa_ms": median[("sdpa", dtype)] * 1e3 if with_sdpa else None,
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -116,8 +125,7 @@ def main() -> None:
     print("| heads | B | L | dtype | K+V MB | native | GB/s | of copy | copy GB/s | SDPA | vs SDPA |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for point in GRID if args.points == "all" else QUICK:
-        for dtype in dtypes:
-            r = measure(point, dtype, args.rounds, not args.no_sdpa)
+        for r in measure(point, dtypes, args.rounds, not args.no_sdpa):
             sdpa = f"{r['sdpa_ms']:.1f} ms | {r['sdpa_ms'] / r['native_ms']:.2f}x" if r["sdpa_ms"] else "— | —"
             print(
                 f"| {r['shape']} | {r['batch']} | {r['context']} | {r['dtype']} | {r['mb']:.0f} | "
