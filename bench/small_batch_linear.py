@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import kvcache_ext
 from kvcache_ext.benchmarks.common import cpu_model
 from kvcache_ext.linear import in_calls_of_max_rows, int8_weight_linear, small_batch_linear
+from kvcache_ext.weight_formats import Int8WeightLinear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_roofline import copy_gbps  # noqa: E402
@@ -76,10 +77,11 @@ def random_weights(dtype_name: str, generator: torch.Generator) -> tuple[list, i
         weights = [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
         return weights, sum(w.numel() * w.element_size() for w in weights), dtype
     weights = []
-    for shape in SHAPES:
-        w = torch.randn(shape, generator=generator)
-        scales = w.abs().amax(dim=1) / 127
-        weights.append((torch.round(w / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)))
+    for out_features, in_features in SHAPES:
+        linear = torch.nn.Linear(in_features, out_features, bias=False)
+        linear.weight.data = torch.randn(out_features, in_features, generator=generator)
+        layer = Int8WeightLinear.from_linear(linear)  # as quantize_weights rounds it
+        weights.append((layer.weight, layer.scales))
     return weights, sum(c.numel() + 2 * s.numel() for c, s in weights), torch.bfloat16
 
 

@@ -97,6 +97,11 @@ else:
         warnings.warn(f"kvcache_ext has no CUDA kernels: {cuda_unavailable_reason}", RuntimeWarning, stacklevel=3)
 
 
+def active_cpu_copy() -> str | None:
+    """The CPU kernel copy (a name of ``CPU_ISAS``) the native library runs now; None without it."""
+    return CPU_ISAS[torch.ops.kvcache_ext.cpu_isa()] if available else None
+
+
 def build_info() -> dict:
     """What was built and what runs: torch versions, CPU instruction sets, CUDA."""
     info_file = _PACKAGE_DIR / "_build_info.json"
@@ -104,7 +109,7 @@ def build_info() -> dict:
     info["torch_running"] = torch.__version__
     info["native_loaded"] = available
     if available:
-        info["cpu_isa_active"] = CPU_ISAS[torch.ops.kvcache_ext.cpu_isa()]
+        info["cpu_isa_active"] = active_cpu_copy()
     else:
         info["native_unavailable_reason"] = unavailable_reason
     info["cuda_loaded"] = cuda_available

@@ -26,8 +26,7 @@ from torch import nn
 from python_ref import int8_activations
 
 from . import _native
-from ._native import CPU_ISAS
-from .capabilities import SUPPORTED_DTYPES, capabilities
+from .capabilities import SUPPORTED_DTYPES
 from .catalogue import op, served
 
 MAX_ROWS = 16  # csrc/cpu/small_batch_linear.h: kMaxLinearRows
@@ -47,7 +46,6 @@ _KERNEL_MAX_ROWS = {
     ("avx2", torch.float16): ANY_ROWS,
 }
 
-_CPU_NATIVE = capabilities("cpu").native
 if _native.available:
     _small_batch_linear_op = torch.ops.kvcache_ext.small_batch_linear.default
 
@@ -152,7 +150,7 @@ class SmallBatchLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.kernel_copy = CPU_ISAS[torch.ops.kvcache_ext.cpu_isa()] if _CPU_NATIVE else None
+        self.kernel_copy = _native.active_cpu_copy()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0

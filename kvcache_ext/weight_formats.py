@@ -32,8 +32,8 @@ from torch import nn
 from python_ref.gpt2 import GPTModel
 from python_ref.llama import LlamaModel
 
-from ._native import CPU_ISAS
-from .capabilities import SUPPORTED_DTYPES, capabilities
+from ._native import active_cpu_copy
+from .capabilities import SUPPORTED_DTYPES
 from .format_names import WEIGHT_FORMATS
 
 # q4_0's block size in llama.cpp; torchao's CPU layout takes 32, 64 or 128, which measured the same
@@ -75,8 +75,7 @@ class Int8WeightLinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
-        kernel_copy = CPU_ISAS[torch.ops.kvcache_ext.cpu_isa()] if capabilities("cpu").native else None
-        self.integer_activations = kernel_copy in INTEGER_ACTIVATION_COPIES
+        self.integer_activations = active_cpu_copy() in INTEGER_ACTIVATION_COPIES
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightLinear:

@@ -44,6 +44,15 @@ constexpr int64_t kFeaturesPerItem = 64;
 LinearRangeFn linear_kernel(ElemType elem) { KVCACHE_EXT_RETURN_ACTIVE_COPY(small_batch_linear_kernel(elem)); }
 Int8LinearRangeFn int8_linear_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(int8_weight_linear_kernel()); }
 
+// fn(n_begin, n_end) over the N output features, kFeaturesPerItem a work item, split between threads.
+template <typename Fn>
+void for_feature_ranges(int64_t N, const Fn& fn) {
+  const int64_t items = (N + kFeaturesPerItem - 1) / kFeaturesPerItem;
+  torch::stable::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    fn(begin * kFeaturesPerItem, std::min(end * kFeaturesPerItem, N));
+  });
+}
+
 // The checks both products make of a weight: (out_features, in_features), its last dimension
 // contiguous and its rows apart.
 void check_weight_layout(const Tensor& weight, int64_t K) {
@@ -98,10 +107,7 @@ Tensor small_batch_linear(Tensor x, Tensor weight) {
   p.elem = elem;
   p.out = out_float.mutable_data_ptr<float>();
   const LinearRangeFn kernel = linear_kernel(elem);
-  const int64_t items = (N + kFeaturesPerItem - 1) / kFeaturesPerItem;
-  torch::stable::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    kernel(p, begin * kFeaturesPerItem, std::min(end * kFeaturesPerItem, N));
-  });
+  for_feature_ranges(N, [&](int64_t n_begin, int64_t n_end) { kernel(p, n_begin, n_end); });
   return stored_in(out_float, x.scalar_type(), elem);
 }
 
@@ -152,10 +158,7 @@ Tensor int8_weight_linear(Tensor x, Tensor weight, Tensor scales) {
   p.scales = scales_float.data();
   p.out = out_float.mutable_data_ptr<float>();
   const Int8LinearRangeFn kernel = int8_linear_kernel();
-  const int64_t items = (N + kFeaturesPerItem - 1) / kFeaturesPerItem;
-  torch::stable::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    kernel(p, begin * kFeaturesPerItem, std::min(end * kFeaturesPerItem, N));
-  });
+  for_feature_ranges(N, [&](int64_t n_begin, int64_t n_end) { kernel(p, n_begin, n_end); });
   return stored_in(out_float, x.scalar_type(), elem);
 }
 

@@ -31,7 +31,7 @@ using LinearRangeFn = void (*)(const LinearProblem& p, int64_t n_begin, int64_t 
 // An int8 weight (one float scale per output feature) times x with integer activations: each row of x
 // is rounded to int8 codes in blocks of kActivationBlock input features, one float scale a block, so
 // every product is an int8 x int8 multiply summed in int32 and scaled once per block (llama.cpp's q8_0
-// activations; python_ref/quantize.py: int8_weight_linear states the rule):
+// activations; python_ref/int8_activations.py states the rule):
 //   out[m, n] = scales[n] * sum_b x_scales[m, b] * sum_{k in b} x_codes[m, k] * weight[n, k]
 // One row (a batch-1 decode step, bound by reading the weight) multiplies the codes in integers. Several
 // rows compute the same sum in float, as the reference does: each weight widened once for all rows
