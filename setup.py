@@ -195,12 +195,9 @@ setup(
             "matplotlib",
             "openai",
             "httpx",
-            "torchao>=0.18,<0.19",  # tests/test_weight_quantization.py's int4 cases
         ],
         "bench": ["pytest", "pytest-benchmark", "matplotlib"],
         "hf": ["transformers>=5.24,<6"],
-        # --weights int4: torchao's CPU int4 layout (a prototype API in 0.18, hence the upper bound)
-        "weights": ["torchao>=0.18,<0.19"],
         "docs": ["mkdocs-material", "mkdocstrings[python]"],
     },
     entry_points={"console_scripts": ["kvcache-ext=kvcache_ext.cli:main"]},

@@ -17,7 +17,7 @@ matching precision:
   ``quantize_weights(model, "bf16")``: bfloat16 weights and activations, the linear layers through
   ``small_batch_linear`` as ``Pretrained.load`` does by default), ``q8_0`` (GGUF Q8_0: blocks of 32
   with an f16 scale; ours ``"int8"``: one scale per output channel) and ``q4_0`` (GGUF Q4_0: blocks of
-  32 with an f16 scale; ours ``"int4"``: torchao's groups of 32 with a scale and a zero). The GGUF
+  32 with an f16 scale; ours ``"int4"``: blocks of 32 with a bfloat16 scale, in q4_0's order). The GGUF
   quantizes every matrix, the token embedding and the output head included, with that type (the
   norms stay F32); ours keeps the embedding in bfloat16 (one row per token).
 - KV ``f16`` / ``q8_0`` / ``q4_0`` (ours ``bfloat16`` / ``int8`` / ``int4``).

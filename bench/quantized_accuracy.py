@@ -664,7 +664,7 @@ def main() -> None:
     w.add_argument("--new", type=int, default=256, help="greedy bytes generated per prompt")
     w.add_argument("--step", type=int, default=16, help="bytes per teacher-forced step")
     w.add_argument("--threads", type=int, default=1)
-    w.add_argument("--formats", default="float32,int8,int4", help="compared with bf16 (int4 needs torchao)")
+    w.add_argument("--formats", default="float32,int8,int4", help="compared with bf16")
     w.add_argument("--checkpoint", type=Path, default=None, help="a model directory whose logits to compare too")
     w.add_argument("--tokens", type=int, default=256, help="tokens of the --checkpoint's sequence")
     w.add_argument("--quick", action="store_true", help="a smoke test: 4 windows, 2 prompts, 32 bytes generated")

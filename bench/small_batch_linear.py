@@ -2,9 +2,12 @@
 step's weight shapes: milliseconds per step's worth of products, and the weight bytes read per
 second as a fraction of the copy bandwidth. ``--dtypes int8`` compares int8 weights (one scale per
 output feature, bfloat16 activations): int8_weight_linear (activations rounded to int8) against
-torch's own int8 weight-only product, ``aten._weight_int8pack_mm``.
+torch's own int8 weight-only product, ``aten._weight_int8pack_mm``; ``--dtypes int4`` int4 weights
+(blocks of 32 input features, a bfloat16 scale each: python_ref/int4_weights.py): int4_weight_linear
+against aten's ``_weight_int4pack_mm_for_cpu`` (what torchao's CPU int4 layout calls) on the same
+weights, repacked into its layout with zero offsets.
 
-    python bench/small_batch_linear.py [--rows 1,2,4,8,16] [--dtypes bfloat16,float32,float16,int8]
+    python bench/small_batch_linear.py [--rows 1,2,4,8,16] [--dtypes bfloat16,float32,float16,int8,int4]
                                        [--threads 1,2] [--rounds 5]
 
 One "step" is one product with each distinct weight shape of a Llama-3.2-1B layer (queries 2048 ->
@@ -31,8 +34,9 @@ import torch.nn.functional as F
 
 import kvcache_ext
 from kvcache_ext.benchmarks.common import cpu_model
-from kvcache_ext.linear import in_calls_of_max_rows, int8_weight_linear, small_batch_linear
-from kvcache_ext.weight_formats import Int8WeightLinear
+from kvcache_ext.linear import in_calls_of_max_rows, int4_weight_linear, int8_weight_linear, small_batch_linear
+from kvcache_ext.weight_formats import Int4WeightLinear, Int8WeightLinear
+from python_ref.int4_weights import BLOCK, unpack_int4
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_roofline import copy_gbps  # noqa: E402
@@ -58,8 +62,13 @@ def timed(products) -> float:
 
 
 def products(dtype_name: str, weights: list, xs: list) -> tuple[list, list]:
-    """(torch's, ours): one callable per weight; for int8, ``weights`` holds (codes, scales) pairs."""
-    if dtype_name == "int8":
+    """(torch's, ours): one callable per weight; for int8 and int4, ``weights`` holds (codes, scales)
+    pairs (int4: with aten's packed form and scales-and-zeros after them)."""
+    if dtype_name == "int4":
+        int4pack = torch.ops.aten._weight_int4pack_mm_for_cpu
+        theirs = [lambda x=x, w=w: int4pack(x, w[2], BLOCK, w[3]) for x, w in zip(xs, weights)]
+        ours = [lambda x=x, w=w: int4_weight_linear(x, w[0], w[1]) for x, w in zip(xs, weights)]
+    elif dtype_name == "int8":
         int8pack = torch.ops.aten._weight_int8pack_mm
         theirs = [lambda x=x, w=w: int8pack(x, *w) for x, w in zip(xs, weights)]
         ours = [lambda x=x, w=w: int8_weight_linear(x, *w) for x, w in zip(xs, weights)]
@@ -71,7 +80,20 @@ def products(dtype_name: str, weights: list, xs: list) -> tuple[list, list]:
 
 def random_weights(dtype_name: str, generator: torch.Generator) -> tuple[list, int, torch.dtype]:
     """The step's weights in ``dtype_name`` (int8: codes and bfloat16 scales, rounded per output
-    feature), their bytes, and the dtype of the activations."""
+    feature; int4: codes and scales per block, and the same in aten's int4 layout), their bytes, and
+    the dtype of the activations."""
+    if dtype_name == "int4":
+        weights = []
+        for out_features, in_features in SHAPES:
+            linear = torch.nn.Linear(in_features, out_features, bias=False)
+            linear.weight.data = torch.randn(out_features, in_features, generator=generator)
+            layer = Int4WeightLinear.from_linear(linear)  # as quantize_weights rounds it
+            # aten's layout: codes 0-15 standing for (code - 8) * scale + zero, (blocks, out, 2) scales and zeros
+            codes = (unpack_int4(layer.weight).to(torch.int32) + 8).contiguous()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            scales_and_zeros = torch.stack([layer.scales.T, torch.zeros_like(layer.scales.T)], dim=-1).contiguous()
+            weights.append((layer.weight, layer.scales, packed, scales_and_zeros))
+        return weights, sum(w[0].numel() + 2 * w[1].numel() for w in weights), torch.bfloat16
     if dtype_name != "int8":
         dtype = getattr(torch, dtype_name)
         weights = [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
@@ -98,7 +120,10 @@ def main() -> None:
         f"{cpu_model()}, the {isa} copy of the kernels, copy bandwidth {bandwidth:.1f} GB/s, torch {torch.__version__}"
     )
     print(f"median of {args.rounds} alternating rounds; a step: one product with each Llama-3.2-1B weight shape\n")
-    print("torch's product: F.linear; for int8 weights aten._weight_int8pack_mm (ours: int8_weight_linear)\n")
+    print(
+        "torch's product: F.linear; for int8 weights aten._weight_int8pack_mm (ours: int8_weight_linear), for int4 "
+        "aten._weight_int4pack_mm_for_cpu (ours: int4_weight_linear)\n"
+    )
     print("| weights | threads | rows | torch ms | ours ms | speed-up | torch of copy | ours of copy |")
     print("|---|---|---|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)

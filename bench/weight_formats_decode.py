@@ -11,9 +11,11 @@ runs (:meth:`Pretrained.stream` on a bfloat16 ``KVCache``) after a ``--prompt``-
 ids. A step is timed from one generated token to the next; the median over ``--rounds`` rounds (the
 formats alternate within a round) is printed.
 
-``--formats`` may also name ``torchao-int8``: torchao's own int8 weight-only path
-(``Int8WeightOnlyConfig``, per-channel) in eager mode, which kvcache_ext.weight_formats does not use
-(it converts the int8 weight to bfloat16 at every call); this measures why.
+``--formats`` may also name torchao's weight-only paths, which kvcache_ext.weight_formats does not use
+(``pip install torchao``; this measures why): ``torchao-int8`` (``Int8WeightOnlyConfig``, per-channel,
+eager: it converts the int8 weight to bfloat16 at every call) and ``torchao-int4``
+(``PrototypeInt4WeightOnlyConfig``, groups of 32 in its CPU layout for aten's
+``_weight_int4pack_mm_for_cpu``; the ``int4`` format before it had a kernel of its own).
 
 A batch-1 step reads every weight it multiplies once (the linear layers and the head in their stored
 form, scales and zeros included; one row of the token embedding) and every cached key and value, so
@@ -69,6 +71,14 @@ def load(directory: Path, weights: str) -> Pretrained:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
+    elif weights == "torchao-int4":
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import quantize_
+
+        if model.out_head.weight is model.tok_emb.weight:  # the head gets its own copy, as ours does
+            model.out_head.weight = torch.nn.Parameter(model.out_head.weight.detach().clone(), requires_grad=False)
+        with torch.no_grad():
+            quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False))
     else:
         model = quantize_weights(model, weights)
     use_small_batch_linear(model)  # as Pretrained.load: the bfloat16 layers (quantized ones stay)

@@ -184,4 +184,8 @@ STABLE_TORCH_LIBRARY(kvcache_ext, m) {
   // out = (x's rows rounded to int8 in blocks of 32 features) · weightᵀ · scales, any number of rows,
   // returned in x's dtype (csrc/cpu/small_batch_linear.h: Int8LinearProblem states the rounding).
   m.def("int8_weight_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  // The same with an int4 weight (uint8, two codes a byte, llama.cpp's q4_0 order) and one scale per
+  // block of 32 input features (scales [out_features, in_features / 32]); in_features a multiple of
+  // 32 (csrc/cpu/small_batch_linear.h: Int4LinearProblem states the format).
+  m.def("int4_weight_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }

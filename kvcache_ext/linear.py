@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from python_ref import int8_activations
+from python_ref import int4_weights, int8_activations
 
 from . import _native
 from .capabilities import SUPPORTED_DTYPES
@@ -74,17 +74,17 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check_weight_layout(x, weight)
 
 
-def _check_weight_layout(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """The checks both products make of a 2-D weight against a 2-D x: its in_features, its device,
-    its last dimension contiguous and its rows apart."""
-    if weight.shape[1] != x.shape[1]:
-        raise ValueError(
-            f"weight must be (out_features, in_features={x.shape[1]}) to match x, got {tuple(weight.shape)}"
-        )
+def _check_weight_layout(x: torch.Tensor, weight: torch.Tensor, columns: int | None = None, described="in_features"):
+    """The checks every product makes of a 2-D weight against a 2-D x: its ``columns`` (x's in_features
+    unless given; ``described`` says how they follow from them), its device, its last dimension
+    contiguous and its rows apart."""
+    columns = x.shape[1] if columns is None else columns
+    if weight.shape[1] != columns:
+        raise ValueError(f"weight must be (out_features, {described}={columns}) to match x, got {tuple(weight.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
     if weight.shape[0] >= 1 and weight.shape[1] > 1 and weight.stride(1) != 1:
-        raise ValueError(f"weight needs a contiguous last (in_features) dimension, got strides {weight.stride()}")
+        raise ValueError(f"weight needs a contiguous last dimension, got strides {weight.stride()}")
     if weight.shape[0] > 1 and weight.stride(0) < weight.shape[1]:
         raise ValueError(f"weight's rows must not overlap, got strides {weight.stride()}")
 
@@ -119,6 +119,54 @@ def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
         raise ValueError(f"scales must be (out_features={weight.shape[0]},), got {tuple(scales.shape)}")
     if scales.device != weight.device:
         raise ValueError(f"scales must be on the weight's device {weight.device}, got {scales.device}")
+
+
+@op(
+    globals(),
+    served(lambda table: table.device_type == "cpu"),
+    int4_weights.int4_weight_linear,
+    lambda arguments: arguments["x"].new_empty(arguments["x"].shape[0], arguments["weight"].shape[0]),
+)
+def int4_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(rows, in_features)`` (float32, bfloat16, float16; any number of rows; in_features a
+    multiple of 32) times an int4 weight: ``weight`` uint8 ``(out_features, in_features / 2)``, two
+    codes a byte in llama.cpp's q4_0 order, with one scale per block of 32 input features (``scales``
+    ``(out_features, in_features / 32)``, float32, bfloat16 or float16); both with their last dimension
+    contiguous. x is rounded to int8 in the same blocks, so that every product is of two small integers
+    (:mod:`python_ref.int4_weights` states the format and the rule); returned in x's dtype. The CPU
+    kernel where the native library is loaded; the reference elsewhere."""
+    if x.dim() != 2 or weight.dim() != 2 or scales.dim() != 2:
+        raise ValueError(
+            f"x must be (rows, in_features), weight (out_features, in_features / 2) and scales (out_features, "
+            f"in_features / {int4_weights.BLOCK}), got shapes {tuple(x.shape)}, {tuple(weight.shape)} and "
+            f"{tuple(scales.shape)}"
+        )
+    names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+    if x.dtype not in SUPPORTED_DTYPES or scales.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x and scales must be of {names}, got {x.dtype} and {scales.dtype}")
+    if weight.dtype != torch.uint8:
+        raise TypeError(f"weight must be uint8 (two int4 codes a byte), got {weight.dtype}")
+    if x.shape[0] < 1:
+        raise ValueError("x must have at least 1 row, got 0")
+    block = int4_weights.BLOCK
+    if x.shape[1] % block:
+        raise ValueError(
+            f"x's in_features must be a multiple of {block} (int4 weights come in blocks of {block} input "
+            f"features), got {x.shape[1]}"
+        )
+    _check_weight_layout(x, weight, x.shape[1] // 2, "in_features / 2")
+    blocks = x.shape[1] // block
+    if tuple(scales.shape) != (weight.shape[0], blocks):
+        raise ValueError(
+            f"scales must be (out_features={weight.shape[0]}, in_features / {block}={blocks}), got "
+            f"{tuple(scales.shape)}"
+        )
+    if scales.device != weight.device:
+        raise ValueError(f"scales must be on the weight's device {weight.device}, got {scales.device}")
+    if scales.shape[0] >= 1 and blocks > 1 and scales.stride(1) != 1:
+        raise ValueError(f"scales needs a contiguous last dimension, got strides {scales.stride()}")
+    if scales.shape[0] > 1 and scales.stride(0) < blocks:
+        raise ValueError(f"scales' rows must not overlap, got strides {scales.stride()}")
 
 
 def layer_max_rows(dtype: torch.dtype, kernel_copy: str | None) -> int:

@@ -26,7 +26,7 @@ from .cache import KVCache
 from .engine import Engine
 from .linear import use_small_batch_linear
 from .paged import PagedKVCache
-from .weight_formats import check_model_class, check_weight_format, quantize_weights
+from .weight_formats import FORMAT_REVISIONS, check_model_class, check_weight_format, quantize_weights
 
 if TYPE_CHECKING:
     from python_ref.text import Tokenizer
@@ -180,5 +180,5 @@ class Pretrained:
             digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
         digest.update(f"{self.dtype}:{kv_dtype}".encode())
         if self.weights is not None:  # unquantized loads keep their fingerprints of before
-            digest.update(f":{self.weights}".encode())
+            digest.update(f":{self.weights}{FORMAT_REVISIONS.get(self.weights, '')}".encode())
         return digest.hexdigest()[:32]

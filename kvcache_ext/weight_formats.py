@@ -14,43 +14,50 @@ format does not bound a step). Both formats run native CPU kernels that take bfl
   int8 weight to bfloat16 at every call in eager mode: a batch-1 decode step of a
   Llama-3.2-1B-shaped model ran at 0.15x bfloat16 weights' speed with it (one AVX2 thread,
   bench/weight_formats_decode.py, docs/checkpoints.md).
-* ``int4``: torchao's CPU layout (``Int4OpaqueTensor`` of its ``PrototypeInt4WeightOnlyConfig``:
-  asymmetric, groups of ``INT4_GROUP_SIZE`` input channels, a bfloat16 scale and zero each, packed for
-  aten's ``_weight_int4pack_mm_for_cpu``). torchao is optional: ``pip install kvcache_ext[weights]``.
+* ``int4``: blocks of 32 input features, one bfloat16 scale each, two codes a byte in llama.cpp's
+  q4_0 order (:mod:`python_ref.int4_weights` states the format), multiplied by our
+  ``int4_weight_linear`` on int8 activations as int8's are. Not torchao: its CPU layout
+  (``Int4OpaqueTensor``, aten's ``_weight_int4pack_mm_for_cpu``) widens every weight to float and read
+  its weights at 0.15-0.17 of copy bandwidth on an AVX2 CPU, so a step with int4 weights ran at
+  0.80-0.84x bfloat16's speed (docs/checkpoints.md); ours reads half the bytes of int8 with fewer
+  instructions per weight.
 
-Both kernels ran 9 to 15 times slower with float32 activations than with bfloat16 ones in a trial on
-Llama-3.2-1B's layers (one AVX2 thread), so a quantized model computes in bfloat16.
+aten's int8 and torchao's int4 kernels ran 9 to 15 times slower with float32 activations than with
+bfloat16 ones in a trial on Llama-3.2-1B's layers (one AVX2 thread), so a quantized model computes in
+bfloat16.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import nn
 
 from python_ref.gpt2 import GPTModel
+from python_ref.int4_weights import BLOCK as INT4_BLOCK
+from python_ref.int4_weights import quantize_int4
 from python_ref.llama import LlamaModel
 
+from . import _native
 from ._native import active_cpu_copy
 from .capabilities import SUPPORTED_DTYPES
 from .format_names import WEIGHT_FORMATS
+from .linear import int4_weight_linear
 
-# q4_0's block size in llama.cpp; torchao's CPU layout takes 32, 64 or 128, which measured the same
-# speed in a trial on Llama-3.2-1B's layers (one AVX2 thread), so the most accurate one.
-INT4_GROUP_SIZE = 32
 # The CPU kernel copies on which an int8 layer multiplies through int8_weight_linear: where it measured
 # faster than aten's _weight_int8pack_mm (docs/checkpoints.md). The AVX-512 copies run the same
 # 256-bit code, not measured yet against aten's kernel on such a CPU.
 INTEGER_ACTIVATION_COPIES = ("avx2",)
+# What a disk tier's fingerprint (Pretrained.fingerprint) records of a format besides its name: int4
+# was torchao's asymmetric groups until 2026-12-05, so blocks computed with those weights are not reused.
+FORMAT_REVISIONS = {"int4": ":q4_0-blocks"}
 # Models whose every nn.Linear is called only through its forward; a latent-attention (DeepSeek)
 # model reads its W_kv_up weight directly as per-head matrices, which a packed weight is not.
 QUANTIZABLE_MODELS = (GPTModel, LlamaModel)
 
 
 def check_weight_format(weights: str | None, dtype: torch.dtype | None) -> None:
-    """Refuses a weight format not in ``WEIGHT_FORMATS``, paired with a dtype other than bfloat16, or
-    int4 without torchao (before a checkpoint is read)."""
+    """Refuses a weight format not in ``WEIGHT_FORMATS`` or paired with a dtype other than bfloat16
+    (before a checkpoint is read)."""
     if weights is None:
         return
     if weights not in WEIGHT_FORMATS:
@@ -60,8 +67,6 @@ def check_weight_format(weights: str | None, dtype: torch.dtype | None) -> None:
             f"weights={weights!r} computes in bfloat16 (the CPU kernels of the quantized formats take bfloat16 "
             f"activations); got dtype={dtype}: pass dtype=None or torch.bfloat16"
         )
-    if weights == "int4":
-        _import_torchao_int4()
 
 
 class Int8WeightLinear(nn.Module):
@@ -100,6 +105,36 @@ class Int8WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class Int4WeightLinear(nn.Module):
+    """``nn.Linear`` with an int4 weight (:mod:`python_ref.int4_weights`: blocks of 32 input features,
+    one bfloat16 scale each) and bfloat16 activations, rounded to int8 for the product."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape[0], weight.shape[1] * 2
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4WeightLinear:
+        codes, scales = quantize_int4(linear.weight, torch.bfloat16)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        return cls(codes, scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if _native.available and x.is_cpu and rows.shape[0] >= 1 and x.dtype in SUPPORTED_DTYPES:
+            y = torch.ops.kvcache_ext.int4_weight_linear.default(rows, self.weight, self.scales)
+        else:
+            y = int4_weight_linear(rows, self.weight, self.scales)  # checked; the reference without the library
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 
@@ -122,32 +157,11 @@ def _check_model(model: nn.Module, weights: str) -> None:
             raise ValueError(f"weights={weights!r} has CPU kernels only; {name} is on {param.device}")
     if weights == "int4":
         for name, linear in _linear_layers(model).items():
-            if linear.in_features % INT4_GROUP_SIZE:
+            if linear.in_features % INT4_BLOCK:
                 raise ValueError(
-                    f"weights='int4' quantizes groups of {INT4_GROUP_SIZE} input channels; layer {name!r} has "
-                    f"{linear.in_features} input channels, not a multiple of {INT4_GROUP_SIZE}"
+                    f"weights='int4' quantizes blocks of {INT4_BLOCK} input channels; layer {name!r} has "
+                    f"{linear.in_features} input channels, not a multiple of {INT4_BLOCK}"
                 )
-
-
-def _import_torchao_int4():
-    """torchao's int4 CPU config, or an ImportError naming the extra that installs it."""
-    # torchao's first import logs a warning for each of its CUDA libraries that a CPU machine cannot
-    # load, and torch one for each enum torchao registers the old way: none concerns a CPU user.
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-        from torchao.quantization import quantize_
-    except ImportError as error:
-        raise ImportError(
-            f"weights='int4' needs torchao (its CPU int4 layout): pip install 'kvcache_ext[weights]' ({error})"
-        ) from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    return quantize_, PrototypeInt4WeightOnlyConfig
 
 
 def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
@@ -160,14 +174,8 @@ def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
     model.to(torch.bfloat16)
     if weights == "bf16":
         return model
-    if weights == "int8":
-        for name, linear in _linear_layers(model).items():
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, Int8WeightLinear.from_linear(linear))
-        return model
-    quantize_, config = _import_torchao_int4()
-    if model.out_head.weight is model.tok_emb.weight:
-        model.out_head.weight = nn.Parameter(model.out_head.weight.detach().clone(), requires_grad=False)
-    with torch.no_grad():
-        quantize_(model, config(group_size=INT4_GROUP_SIZE, set_inductor_config=False))
+    layer_class = Int8WeightLinear if weights == "int8" else Int4WeightLinear
+    for name, linear in _linear_layers(model).items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer_class.from_linear(linear))
     return model

@@ -187,10 +187,10 @@ TENSOR_OPS = (
     "paged_append_latent_quantized",
     "paged_latent_decode_attention_quantized",
 )
-# The ops on a model's weights, not on a cache (tests/test_small_batch_linear.py and
-# tests/test_int8_weight_linear.py: parity, refusals, fuzz with guard values, opcheck); the cache ops'
-# tests above do not apply to them.
-WEIGHT_OPS = ("small_batch_linear", "int8_weight_linear")
+# The ops on a model's weights, not on a cache (tests/test_small_batch_linear.py,
+# tests/test_int8_weight_linear.py and tests/test_int4_weight_linear.py: parity, refusals, fuzz with
+# guard values, opcheck); the cache ops' tests above do not apply to them.
+WEIGHT_OPS = ("small_batch_linear", "int8_weight_linear", "int4_weight_linear")
 
 
 def op_module(name: str):

@@ -1,9 +1,6 @@
 """Weight-only int8 and int4 (``kvcache_ext.weight_formats``, ``Pretrained.load(weights=)``, ``--weights``):
 each quantized layer within the rounding bound of its format, the model's logits within the error that
-bound implies, greedy text through ``kvcache-ext generate``, and the refusals. The int4 tests need torchao
-(``pip install kvcache_ext[weights]``) and skip without it."""
-
-import sys
+bound implies, greedy text through ``kvcache-ext generate``, and the refusals."""
 
 import pytest
 import torch
@@ -11,8 +8,9 @@ from torch import nn
 
 from kvcache_ext.cli import main
 from kvcache_ext.pretrained import Pretrained
-from kvcache_ext.weight_formats import INT4_GROUP_SIZE, quantize_weights
+from kvcache_ext.weight_formats import Int4WeightLinear, quantize_weights
 from python_ref import build_llama, build_mla
+from python_ref.int4_weights import BLOCK as INT4_BLOCK
 from python_ref.int8_activations import ACTIVATION_BLOCK, quantize_activations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,29 +21,28 @@ PROMPT = "The cat sat on the mat."
 BF16_ROUNDOFF = 2.0**-8
 
 
-def needs_torchao(weights):
-    if weights == "int4":
-        pytest.importorskip("torchao")
-
-
 def quantization_step(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The grid spacing of each weight of ``weight`` (out, in) in ``weights``, and the most the bfloat16
-    rounding of its stored scale (and zero) can move it; from the format alone."""
+    rounding of its stored scale can move it; from the format alone."""
     w = weight.double()
     if weights == "int8":  # symmetric per output channel: step amax / 127, |q| <= 127
         step = w.abs().amax(dim=1, keepdim=True) / 127
         return step.expand_as(w), (127 * step * BF16_ROUNDOFF).expand_as(w)
-    # asymmetric per group: step (max - min) / 15, |q - 8| <= 8, zero = min + 8 step
-    groups = w.view(w.shape[0], -1, INT4_GROUP_SIZE)
-    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    step = (high - low) / 15
-    stored = (8 * step + (low + 8 * step).abs()) * BF16_ROUNDOFF
-    return step.expand_as(groups).reshape(w.shape), stored.expand_as(groups).reshape(w.shape)
+    # per block of 32 (python_ref.int4_weights): step amax / 8, codes -8 .. 7 of it
+    step = w.view(w.shape[0], -1, INT4_BLOCK).abs().amax(dim=-1, keepdim=True) / 8
+    step = step.expand(-1, -1, INT4_BLOCK).reshape(w.shape)
+    return step, 8 * step * BF16_ROUNDOFF
 
 
 def weight_error_bound(weight: torch.Tensor, weights: str) -> torch.Tensor:
-    """The most each weight can move: half a step, plus the stored scale's rounding."""
+    """The most each weight can move: half a step, plus the stored scale's rounding; in int4 a whole
+    step for the values within a step of minus the block's largest (code 7 stands in for 8 there)."""
     step, stored = quantization_step(weight, weights)
+    if weights == "int4":
+        blocks = weight.double().view(weight.shape[0], -1, INT4_BLOCK)
+        largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).expand_as(blocks).reshape(weight.shape)
+        near_opposite = (weight.double() + largest).abs() < step
+        return torch.where(near_opposite, step, step / 2) + stored
     return step / 2 + stored
 
 
@@ -60,7 +57,6 @@ def activation_error_bound(inputs: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_each_layer_within_its_rounding_bound(weights):
-    needs_torchao(weights)
     model = build_llama("llama-tiny", seed=0, vocab_size=384).to(torch.bfloat16)
     originals = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     quantize_weights(model, weights)
@@ -74,7 +70,7 @@ def test_each_layer_within_its_rounding_bound(weights):
             exact = inputs.double() @ weight.double().T
             # each weight's error times its input, summed; then the output's own bfloat16 rounding
             bound = inputs.double().abs() @ weight_error_bound(weight, weights).T + exact.abs() * BF16_ROUNDOFF
-            if getattr(layer, "integer_activations", False):  # and each input's rounding times its weight
+            if isinstance(layer, Int4WeightLinear) or layer.integer_activations:  # each input's rounding too
                 stored = weight.double().abs() + weight_error_bound(weight, weights)
                 bound = bound + activation_error_bound(inputs) @ stored.T
             error = (layer(inputs).double() - exact).abs()
@@ -93,7 +89,6 @@ def test_logits_close_to_bfloat16(checkpoint, weights, name):
     logits' relative error is at most the sum, over the products on the longest path (two in each
     attention and each feed-forward, then the head), of the largest relative weight error of the
     format: rounding to a grid of step s errs by s / sqrt(12) in root mean square."""
-    needs_torchao(weights)
     directory = checkpoint(name)
     reference = Pretrained.load(directory, weights="bf16", small_batch_linear=False)  # nn.Linear layers
     quantized = Pretrained.load(directory, weights=weights)
@@ -112,7 +107,6 @@ def test_logits_close_to_bfloat16(checkpoint, weights, name):
 def test_generate_command_greedy_text(checkpoint, capsys, weights):
     """The cached decode of ``kvcache-ext generate --weights`` against the same quantized model re-reading
     the whole sequence at every token (no cache)."""
-    needs_torchao(weights)
     directory = checkpoint("llama")
     new_tokens = 12
     status = main(
@@ -137,7 +131,6 @@ def test_generate_command_greedy_text(checkpoint, capsys, weights):
 def test_engine_on_a_paged_cache_matches_the_stream(checkpoint, weights):
     """What ``chat`` and ``serve`` run (the Engine, chunked prompts, a paged cache) on quantized weights
     gives the tokens of the contiguous cache's loop."""
-    needs_torchao(weights)
     pretrained = Pretrained.load(checkpoint("qwen3"), weights=weights)
     ids = pretrained.tokenizer.encode(PROMPT * 3)
     expected = list(pretrained.stream(ids, 16, pretrained.cache(1, len(ids) + 16), stop_ids=()))
@@ -172,20 +165,10 @@ def test_latent_attention_model_refused(checkpoint):
         quantize_weights(build_mla(seed=0), "int4")
 
 
-def test_int4_layer_off_the_group_size_refused():
-    model = build_llama("llama-tiny", seed=0, hidden_dim=INT4_GROUP_SIZE * 3 + 8)
-    with pytest.raises(ValueError, match=rf"'trf_blocks.0.ff.down' has {INT4_GROUP_SIZE * 3 + 8} input channels"):
+def test_int4_layer_off_the_block_size_refused():
+    model = build_llama("llama-tiny", seed=0, hidden_dim=INT4_BLOCK * 3 + 8)
+    with pytest.raises(ValueError, match=rf"'trf_blocks.0.ff.down' has {INT4_BLOCK * 3 + 8} input channels"):
         quantize_weights(model, "int4")
-
-
-def test_missing_torchao_names_the_extra(monkeypatch):
-    for module in [name for name in sys.modules if name == "torchao" or name.startswith("torchao.")]:
-        monkeypatch.setitem(sys.modules, module, None)
-    monkeypatch.setitem(sys.modules, "torchao", None)
-    with pytest.raises(ImportError, match=r"pip install 'kvcache_ext\[weights\]'"):
-        quantize_weights(build_llama("llama-tiny", seed=0), "int4")
-    with pytest.raises(ImportError, match=r"pip install 'kvcache_ext\[weights\]'"):
-        Pretrained.load("/nonexistent", weights="int4")  # before the directory is read
 
 
 def test_generate_command_refusals(checkpoint, capsys):

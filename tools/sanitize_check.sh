@@ -36,7 +36,7 @@ ALL_TESTS+=(tests/test_quantized.py tests/test_paged_ops.py tests/test_paged_qua
 ALL_TESTS+=(tests/test_kivi.py tests/test_latent_ops.py tests/test_latent_quantized.py)  # the KIVI and latent (MLA) kernels
 ALL_TESTS+=(tests/test_value_head_dim.py)  # values of their own head_dim (plain and paged kernels)
 ALL_TESTS+=(tests/test_paged_latent_ops.py tests/test_paged_latent_quantized.py)  # the paged latent ones
-ALL_TESTS+=(tests/test_small_batch_linear.py tests/test_int8_weight_linear.py)  # the weights' products
+ALL_TESTS+=(tests/test_small_batch_linear.py tests/test_int8_weight_linear.py tests/test_int4_weight_linear.py)  # the weights' products
 [[ -f tests/test_fuzz.py ]] && ALL_TESTS+=(tests/test_fuzz.py)
 KERNEL_TESTS=(tests/test_native_ops.py -k "not opcheck and (not test_decode_attention_parity or float32)")
 

@@ -25,6 +25,7 @@ namespace kvcache_ext::cpu {
   namespace isa {                                         \
   LinearRangeFn small_batch_linear_kernel(ElemType elem); \
   Int8LinearRangeFn int8_weight_linear_kernel();          \
+  Int4LinearRangeFn int4_weight_linear_kernel();          \
   }
 KVCACHE_EXT_DECLARE_LINEAR_ISA(baseline)
 #if defined(__x86_64__)
@@ -43,6 +44,7 @@ constexpr int64_t kFeaturesPerItem = 64;
 
 LinearRangeFn linear_kernel(ElemType elem) { KVCACHE_EXT_RETURN_ACTIVE_COPY(small_batch_linear_kernel(elem)); }
 Int8LinearRangeFn int8_linear_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(int8_weight_linear_kernel()); }
+Int4LinearRangeFn int4_linear_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(int4_weight_linear_kernel()); }
 
 // fn(n_begin, n_end) over the N output features, kFeaturesPerItem a work item, split between threads.
 template <typename Fn>
@@ -53,17 +55,34 @@ void for_feature_ranges(int64_t N, const Fn& fn) {
   });
 }
 
-// The checks both products make of a weight: (out_features, in_features), its last dimension
-// contiguous and its rows apart.
-void check_weight_layout(const Tensor& weight, int64_t K) {
-  STD_TORCH_CHECK(weight.size(1) == K, "weight must be (out_features, in_features=", K, ") to match x, got shape ",
-                  shape_of(weight));
+// The checks every product makes of a weight: (out_features, columns) with `columns` what x's
+// in_features ask (`described` says how), its last dimension contiguous and its rows apart.
+void check_weight_layout(const Tensor& weight, int64_t columns, const char* described) {
+  STD_TORCH_CHECK(weight.size(1) == columns, "weight must be (out_features, ", described, "=", columns,
+                  ") to match x, got shape ", shape_of(weight));
   const int64_t N = weight.size(0);
-  STD_TORCH_CHECK(N == 0 || K <= 1 || weight.stride(1) == 1,
-                  "weight needs a contiguous last (in_features) dimension, got strides (", weight.stride(0), ", ",
-                  weight.stride(1), ")");
-  STD_TORCH_CHECK(N <= 1 || weight.stride(0) >= K, "weight's rows must not overlap: row stride ", weight.stride(0),
-                  " is below in_features ", K);
+  STD_TORCH_CHECK(N == 0 || columns <= 1 || weight.stride(1) == 1,
+                  "weight needs a contiguous last dimension, got strides (", weight.stride(0), ", ", weight.stride(1),
+                  ")");
+  STD_TORCH_CHECK(N <= 1 || weight.stride(0) >= columns, "weight's rows must not overlap: row stride ",
+                  weight.stride(0), " is below its ", columns, " columns");
+}
+
+// x's rows rounded to int8 codes in blocks of kActivationBlock (quantize_activation_block), each row
+// padded with zero codes to whole blocks: (codes [M, blocks * kActivationBlock], scales [M, blocks]).
+struct ActivationCodes {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+};
+ActivationCodes round_activations(const std::vector<float>& x_float, int64_t M, int64_t K, int64_t blocks) {
+  ActivationCodes a{std::vector<int8_t>(static_cast<size_t>(M * blocks * kActivationBlock)),
+                    std::vector<float>(static_cast<size_t>(M * blocks))};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b)
+      a.scales[m * blocks + b] = quantize_activation_block(&x_float[m * K + b * kActivationBlock],
+                                                           std::min(kActivationBlock, K - b * kActivationBlock),
+                                                           &a.codes[(m * blocks + b) * kActivationBlock]);
+  return a;
 }
 
 // out (float32, rows x out_features) in x's dtype: out itself where x is float32, else a new tensor.
@@ -84,7 +103,7 @@ Tensor small_batch_linear(Tensor x, Tensor weight) {
                   " like x, got ", dtype_name(weight.scalar_type()));
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   STD_TORCH_CHECK(M >= 1 && M <= kMaxLinearRows, "x must have 1 to ", kMaxLinearRows, " rows, got ", M);
-  check_weight_layout(weight, K);
+  check_weight_layout(weight, K, "in_features");
 
   Tensor out_float = torch::stable::empty({M, N}, torch::headeronly::ScalarType::Float, std::nullopt, x.device());
   if (N == 0) return stored_in(out_float, x.scalar_type(), elem);
@@ -122,7 +141,7 @@ Tensor int8_weight_linear(Tensor x, Tensor weight, Tensor scales) {
                   dtype_name(weight.scalar_type()));
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   STD_TORCH_CHECK(M >= 1, "x must have at least 1 row, got 0");
-  check_weight_layout(weight, K);
+  check_weight_layout(weight, K, "in_features");
   STD_TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N, "scales must be (out_features=", N, ",), got shape ",
                   shape_of(scales));
   const ElemType scale_elem = elem_type_of(scales, "scales");
@@ -136,21 +155,15 @@ Tensor int8_weight_linear(Tensor x, Tensor weight, Tensor scales) {
   const int64_t blocks = K == 0 ? 0 : (K - 1) / kActivationBlock + 1;
   std::vector<float> x_float(static_cast<size_t>(M * K));
   quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
-  std::vector<int8_t> x_codes(static_cast<size_t>(M * blocks * kActivationBlock));
-  std::vector<float> x_scales(static_cast<size_t>(M * blocks));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b)
-      x_scales[m * blocks + b] = quantize_activation_block(&x_float[m * K + b * kActivationBlock],
-                                                           std::min(kActivationBlock, K - b * kActivationBlock),
-                                                           &x_codes[(m * blocks + b) * kActivationBlock]);
+  const ActivationCodes a = round_activations(x_float, M, K, blocks);
   // The same as floats, for the kernels that multiply several rows in float (in place of x).
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k)
-      x_float[m * K + k] = x_codes[m * blocks * kActivationBlock + k] * x_scales[m * blocks + k / kActivationBlock];
+      x_float[m * K + k] = a.codes[m * blocks * kActivationBlock + k] * a.scales[m * blocks + k / kActivationBlock];
 
   Int8LinearProblem p{};
-  p.x_codes = x_codes.data();
-  p.x_scales = x_scales.data();
+  p.x_codes = a.codes.data();
+  p.x_scales = a.scales.data();
   p.x_dequantized = x_float.data();
   p.rows = M, p.in_features = K, p.blocks = blocks, p.out_features = N;
   p.weight = weight.const_data_ptr<int8_t>();
@@ -162,10 +175,67 @@ Tensor int8_weight_linear(Tensor x, Tensor weight, Tensor scales) {
   return stored_in(out_float, x.scalar_type(), elem);
 }
 
+Tensor int4_weight_linear(Tensor x, Tensor weight, Tensor scales) {
+  STD_TORCH_CHECK(x.dim() == 2, "x must be (rows, in_features), got shape ", shape_of(x));
+  STD_TORCH_CHECK(weight.dim() == 2, "weight must be (out_features, in_features / 2), got shape ", shape_of(weight));
+  STD_TORCH_CHECK(scales.dim() == 2, "scales must be (out_features, in_features / ", kActivationBlock, "), got shape ",
+                  shape_of(scales));
+  check_cpu_tensor(x, "x");
+  check_cpu_tensor(weight, "weight");
+  check_cpu_tensor(scales, "scales");
+  const ElemType elem = elem_type_of(x, "x");
+  STD_TORCH_CHECK(weight.scalar_type() == torch::headeronly::ScalarType::Byte,
+                  "weight must be uint8 (two int4 codes a byte), got ", dtype_name(weight.scalar_type()));
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  STD_TORCH_CHECK(M >= 1, "x must have at least 1 row, got 0");
+  STD_TORCH_CHECK(K % kActivationBlock == 0, "x's in_features must be a multiple of ", kActivationBlock,
+                  " (int4 weights come in blocks of ", kActivationBlock, " input features), got ", K);
+  check_weight_layout(weight, K / 2, "in_features / 2");
+  const int64_t blocks = K / kActivationBlock;
+  STD_TORCH_CHECK(scales.size(0) == N && scales.size(1) == blocks, "scales must be (out_features=", N,
+                  ", in_features / ", kActivationBlock, "=", blocks, "), got shape ", shape_of(scales));
+  const ElemType scale_elem = elem_type_of(scales, "scales");
+  STD_TORCH_CHECK(N == 0 || blocks <= 1 || scales.stride(1) == 1,
+                  "scales needs a contiguous last dimension, got strides (", scales.stride(0), ", ", scales.stride(1),
+                  ")");
+  STD_TORCH_CHECK(N <= 1 || scales.stride(0) >= blocks, "scales' rows must not overlap: row stride ", scales.stride(0),
+                  " is below its ", blocks, " columns");
+
+  Tensor out_float = torch::stable::empty({M, N}, torch::headeronly::ScalarType::Float, std::nullopt, x.device());
+  if (N == 0) return stored_in(out_float, x.scalar_type(), elem);
+  std::vector<float> x_float(static_cast<size_t>(M * K));
+  quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
+  const ActivationCodes a = round_activations(x_float, M, K, blocks);
+  const int64_t pairs = (blocks + 1) / 2;
+  std::vector<int8_t> pair_codes(static_cast<size_t>(M * pairs * kInt4PairCodes));
+  std::vector<float> lane_scales(static_cast<size_t>(M * pairs * kInt4PairLanes));
+  std::vector<int32_t> lane_offsets(lane_scales.size());
+  for (int64_t m = 0; m < M; ++m)
+    order_int4_activations(&a.codes[m * blocks * kActivationBlock], &a.scales[m * blocks], blocks,
+                           &pair_codes[m * pairs * kInt4PairCodes], &lane_scales[m * pairs * kInt4PairLanes],
+                           &lane_offsets[m * pairs * kInt4PairLanes]);
+
+  Int4LinearProblem p{};
+  p.x_codes = pair_codes.data();
+  p.x_lane_scales = lane_scales.data();
+  p.x_lane_offsets = lane_offsets.data();
+  p.rows = M, p.in_features = K, p.blocks = blocks, p.pairs = pairs, p.out_features = N;
+  p.weight = weight.const_data_ptr<uint8_t>();
+  p.weight_stride = N == 1 ? K / 2 : weight.stride(0);
+  p.scales = scales.const_data_ptr();
+  p.scale_elem = scale_elem;
+  p.scale_stride = N == 1 ? blocks : scales.stride(0);
+  p.out = out_float.mutable_data_ptr<float>();
+  const Int4LinearRangeFn kernel = int4_linear_kernel();
+  for_feature_ranges(N, [&](int64_t n_begin, int64_t n_end) { kernel(p, n_begin, n_end); });
+  return stored_in(out_float, x.scalar_type(), elem);
+}
+
 }  // namespace
 }  // namespace kvcache_ext::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvcache_ext, CPU, m) {
   m.impl("small_batch_linear", TORCH_BOX(&kvcache_ext::cpu::small_batch_linear));
   m.impl("int8_weight_linear", TORCH_BOX(&kvcache_ext::cpu::int8_weight_linear));
+  m.impl("int4_weight_linear", TORCH_BOX(&kvcache_ext::cpu::int4_weight_linear));
 }

@@ -81,4 +81,63 @@ inline float quantize_activation_block(const float* x, int64_t count, int8_t* co
 // Computes out[:, n_begin:n_end] of an Int8LinearProblem.
 using Int8LinearRangeFn = void (*)(const Int8LinearProblem& p, int64_t n_begin, int64_t n_end);
 
+// An int4 weight times x with the same integer activations (python_ref/int4_weights.py states the
+// format and the rule). The weight holds two 4-bit codes a byte, in blocks of kActivationBlock input
+// features with one scale each (llama.cpp's q4_0 order): byte j of a block's 16 holds the code of
+// feature j in its low four bits and of feature j + 16 in its high four; code c stands for c - 8.
+//   out[m, n] = sum_b scales[n, b] * x_scales[m, b] * sum_{k in b} x_codes[m, k] * (code[n, k] - 8)
+// The kernels take the blocks in pairs: a pair's 32 weight bytes are its two blocks' 16 one after the
+// other, so their low nibbles are features 0-15 of the first block then of the second, their high
+// nibbles features 16-31 of each; the activations come in that order
+// (order_int4_activations), so that one 32-byte load of the weight meets two of codes. A "lane" is
+// four consecutive codes of the low order and the four at the same place in the high order: eight
+// codes of one block, summed in one int32 lane of a vpmaddwd.
+constexpr int64_t kInt4PairCodes = 2 * kActivationBlock;  // activation codes of a pair of blocks
+constexpr int64_t kInt4PairLanes = 8;                     // lanes of a pair (four a block)
+
+struct Int4LinearProblem {
+  const int8_t* x_codes;          // [rows, pairs * kInt4PairCodes]: x's codes in pair order, zero past the blocks
+  const float* x_lane_scales;     // [rows, pairs * kInt4PairLanes]: each lane's block scale (0 past the blocks)
+  const int32_t* x_lane_offsets;  // [rows, pairs * kInt4PairLanes]: 8 x the sum of each lane's eight codes
+  int64_t rows;                   // >= 1
+  int64_t in_features;            // a multiple of kActivationBlock, >= 0
+  int64_t blocks;                 // in_features / kActivationBlock
+  int64_t pairs;                  // ceil(blocks / 2)
+  const uint8_t* weight;          // [out_features, in_features / 2], rows weight_stride bytes apart
+  int64_t weight_stride;          // bytes between consecutive weight rows (>= in_features / 2)
+  const void* scales;             // [out_features, blocks] of scale_elem, rows scale_stride elements apart
+  ElemType scale_elem;
+  int64_t scale_stride;  // elements between consecutive rows of scales (>= blocks)
+  float* out;            // [rows, out_features], float32, contiguous
+  int64_t out_features;
+};
+
+// One row's activations for an Int4LinearProblem from its codes in feature order (`blocks` blocks
+// of kActivationBlock) and their block scales: the codes in pair order, each lane's scale and offset
+// (the offset takes the 8 of every code's c - 8 out of the integer sums).
+inline void order_int4_activations(const int8_t* codes, const float* block_scales, int64_t blocks, int8_t* pair_codes,
+                                   float* lane_scales, int32_t* lane_offsets) {
+  const int64_t half = kActivationBlock / 2;
+  for (int64_t q = 0; q * 2 < blocks; ++q) {
+    int8_t* ordered = pair_codes + q * kInt4PairCodes;
+    for (int64_t second = 0; second < 2; ++second) {
+      const int64_t b = 2 * q + second;
+      for (int64_t j = 0; j < half; ++j) {
+        ordered[second * half + j] = b < blocks ? codes[b * kActivationBlock + j] : 0;
+        ordered[kActivationBlock + second * half + j] = b < blocks ? codes[b * kActivationBlock + half + j] : 0;
+      }
+    }
+    for (int64_t l = 0; l < kInt4PairLanes; ++l) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < 4; ++i) sum += ordered[4 * l + i] + ordered[kActivationBlock + 4 * l + i];
+      const int64_t b = 2 * q + l / 4;
+      lane_scales[q * kInt4PairLanes + l] = b < blocks ? block_scales[b] : 0.0f;
+      lane_offsets[q * kInt4PairLanes + l] = 8 * sum;
+    }
+  }
+}
+
+// Computes out[:, n_begin:n_end] of an Int4LinearProblem.
+using Int4LinearRangeFn = void (*)(const Int4LinearProblem& p, int64_t n_begin, int64_t n_end);
+
 }  // namespace kvcache_ext::cpu
