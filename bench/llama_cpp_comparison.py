@@ -3,6 +3,7 @@ share of a decode step at equal KV precision, and each step's fraction of its me
 
     python bench/llama_cpp_comparison.py [--depths 0,4096,16384] [--steps 32] [--threads 2]
                                          [--layers 2] [--pairs f32/f16,f32/q8_0,f32/q4_0] [--skip-check]
+                                         [--compile]
 
 Needs ``pip install llama-cpp-python gguf`` (llama-cpp-python builds llama.cpp from source on the
 machine; not a dependency of kvcache_ext). Nothing is downloaded: the model is python_ref's
@@ -45,7 +46,8 @@ output cast back, :class:`Bfloat16Cache`, and the quantized caches take the floa
 as they are) and each context depth: the cache is filled to the depth, an 8-token prompt is read, and ``--steps`` greedy
 single-token decode steps are timed one by one (after 4 untimed ones), ours and llama.cpp's steps
 alternating, so that the load of a shared machine weighs on both alike; a step is the model call
-plus the argmax of its logits. Both run ``--threads`` threads (``torch.set_num_threads``,
+plus the argmax of its logits (with ``--compile`` ours runs the model's step compiled, as
+``kvcache-ext generate --compile`` does; the untimed steps compile it). Both run ``--threads`` threads (``torch.set_num_threads``,
 llama.cpp's ``n_threads``). The attention share at depth d is the median step at depth d minus the
 median step at depth 0 (the weights alone): what reading the d cached tokens costs. On a machine
 shared with other work, two threads mostly time the scheduler (llama.cpp's threads meet at a spin
@@ -92,6 +94,7 @@ from weight_formats_decode import step_weight_bytes  # noqa: E402
 import kvcache_ext  # noqa: E402
 from kvcache_ext.benchmarks.common import cpu_model  # noqa: E402
 from kvcache_ext.linear import use_small_batch_linear  # noqa: E402
+from kvcache_ext.pretrained import Pretrained  # noqa: E402
 from kvcache_ext.weight_formats import quantize_weights  # noqa: E402
 from python_ref import build_llama  # noqa: E402
 from python_ref.llama import rope_inverse_frequencies  # noqa: E402
@@ -414,8 +417,11 @@ class OursDecoder:
     of one row storing ``kv_dtype`` ("bfloat16", or KVCache's quantized formats; a float32 model
     with a "bfloat16" cache goes through :class:`Bfloat16Cache`; None: the model's dtype)."""
 
-    def __init__(self, model, max_len: int, kv_dtype: str | None):
+    def __init__(self, model, max_len: int, kv_dtype: str | None, decode_step=None):
         self.model, self.max_len = model, max_len
+        # A decode step's logits for (token, cache): the model's call, or Pretrained.decode_step after
+        # compile_decode_steps (--compile).
+        self.decode_step = decode_step or model
         shape = model.kv_shape
         model_dtype = model.final_norm.weight.dtype
         dtype = torch.bfloat16 if kv_dtype == "bfloat16" else model_dtype
@@ -440,7 +446,7 @@ class OursDecoder:
 
     @torch.inference_mode()
     def step(self, token: int) -> int:
-        return int(self.model(torch.tensor([[token]]), self.model_cache)[0, -1].argmax())
+        return int(self.decode_step(torch.tensor([[token]]), self.model_cache)[0, -1].argmax())
 
 
 def our_model(model, weight_type: str):
@@ -551,6 +557,11 @@ def main() -> None:
         help="runs as llama.cpp WEIGHTS/KV types (weights f32,f16,q8_0,q4_0; KV f16,q8_0,q4_0)",
     )
     parser.add_argument("--skip-check", action="store_true", help="skip the float32 conversion check")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="our decode steps under torch.compile (Pretrained.compile_decode_steps, as generate --compile)",
+    )
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     if 0 not in depths:
@@ -594,11 +605,16 @@ def main() -> None:
         for weight_type in dict.fromkeys(w for w, _ in pairs):
             _, lmodel = load_llama_cpp(paths[weight_type])
             ours_model = our_model(model, weight_type)
+            decode_step = None
+            if args.compile:
+                pretrained = Pretrained(Path(folder), ours_model, None, 0.0, WEIGHT_PAIRS[weight_type])
+                pretrained.compile_decode_steps()
+                decode_step = pretrained.decode_step
             for kv_type in (k for w, k in pairs if w == weight_type):
                 for depth in depths:
                     length = depth + PROMPT_TOKENS + WARMUP_STEPS + args.steps + 1
                     theirs = LlamaCppDecoder(llama_cpp, lmodel, length + 256, kv_type, args.threads)
-                    ours = OursDecoder(ours_model, length, KV_PAIRS[kv_type])
+                    ours = OursDecoder(ours_model, length, KV_PAIRS[kv_type], decode_step)
                     fill_start = time.perf_counter()
                     theirs.fill(depth, torch.Generator().manual_seed(3))
                     ours.fill(depth, torch.Generator().manual_seed(3))

@@ -64,3 +64,19 @@ def test_decode_step_with_cuda_graphs(arch):
     compiled, eager = _decode_compiled_and_eager(MODELS[arch](), dict(mode="reduce-overhead"), device="cuda")
     assert counters["stats"]["unique_graphs"] <= 2
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weights", [None, "int8", "int4"])
+def test_generate_command_compiled_gives_the_eager_text(checkpoint, capsys, weights):
+    """``kvcache-ext generate --compile`` (inductor) prints the greedy text of the eager decode."""
+    pytest.importorskip("transformers")  # writes the checkpoint directory
+    from kvcache_ext.cli import main
+
+    directory = str(checkpoint("llama"))
+    command = ["generate", directory, "--prompt", "The cat sat on the mat.", "--max-new-tokens", "12"]
+    command += [] if weights is None else ["--weights", weights]
+    texts = []
+    for extra in ([], ["--compile"]):
+        assert main(command + extra) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()

@@ -219,7 +219,7 @@ Tensor int4_weight_linear(Tensor x, Tensor weight, Tensor scales) {
   p.x_codes = pair_codes.data();
   p.x_lane_scales = lane_scales.data();
   p.x_lane_offsets = lane_offsets.data();
-  p.rows = M, p.in_features = K, p.blocks = blocks, p.pairs = pairs, p.out_features = N;
+  p.rows = M, p.blocks = blocks, p.pairs = pairs, p.out_features = N;
   p.weight = weight.const_data_ptr<uint8_t>();
   p.weight_stride = N == 1 ? K / 2 : weight.stride(0);
   p.scales = scales.const_data_ptr();

@@ -100,8 +100,7 @@ struct Int4LinearProblem {
   const float* x_lane_scales;     // [rows, pairs * kInt4PairLanes]: each lane's block scale (0 past the blocks)
   const int32_t* x_lane_offsets;  // [rows, pairs * kInt4PairLanes]: 8 x the sum of each lane's eight codes
   int64_t rows;                   // >= 1
-  int64_t in_features;            // a multiple of kActivationBlock, >= 0
-  int64_t blocks;                 // in_features / kActivationBlock
+  int64_t blocks;                 // in_features / kActivationBlock (in_features a multiple of it)
   int64_t pairs;                  // ceil(blocks / 2)
   const uint8_t* weight;          // [out_features, in_features / 2], rows weight_stride bytes apart
   int64_t weight_stride;          // bytes between consecutive weight rows (>= in_features / 2)
