@@ -18,9 +18,8 @@ format does not bound a step). Both formats run native CPU kernels that take bfl
   q4_0 order (:mod:`python_ref.int4_weights` states the format), multiplied by our
   ``int4_weight_linear`` on int8 activations as int8's are. Not torchao: its CPU layout
   (``Int4OpaqueTensor``, aten's ``_weight_int4pack_mm_for_cpu``) widens every weight to float and read
-  its weights at 0.15-0.17 of copy bandwidth on an AVX2 CPU, so a step with int4 weights ran at
-  0.80-0.84x bfloat16's speed (docs/checkpoints.md); ours reads half the bytes of int8 with fewer
-  instructions per weight.
+  its weights at 0.15-0.21 of copy bandwidth on an AVX2 CPU, so a step with int4 weights ran at
+  0.74-0.84x bfloat16's speed; ours 2.1-2.6x (docs/checkpoints.md).
 
 aten's int8 and torchao's int4 kernels ran 9 to 15 times slower with float32 activations than with
 bfloat16 ones in a trial on Llama-3.2-1B's layers (one AVX2 thread), so a quantized model computes in
@@ -124,7 +123,9 @@ class Int4WeightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if _native.available and x.is_cpu and rows.shape[0] >= 1 and x.dtype in SUPPORTED_DTYPES:
+        if rows.shape[0] == 0:  # the op multiplies one row or more
+            y = rows.new_zeros(0, self.out_features)
+        elif _native.available and x.is_cpu and x.dtype in SUPPORTED_DTYPES:
             y = torch.ops.kvcache_ext.int4_weight_linear.default(rows, self.weight, self.scales)
         else:
             y = int4_weight_linear(rows, self.weight, self.scales)  # checked; the reference without the library

@@ -290,3 +290,8 @@ def test_fuzz_the_checked_and_the_raw_op_agree_and_guards_stay(
     if raw.numel():
         holds, errors = error_bound_holds(raw, x.contiguous(), weight.contiguous(), scales.contiguous())
         assert holds, errors
+
+
+def test_the_layer_takes_no_rows():
+    layer = Int4WeightLinear.from_linear(torch.nn.Linear(64, 24))
+    assert layer(torch.zeros(0, 3, 64, dtype=torch.bfloat16)).shape == (0, 3, 24)
