@@ -211,9 +211,11 @@ Tensor int4_weight_linear(Tensor x, Tensor weight, Tensor scales) {
   std::vector<float> lane_scales(static_cast<size_t>(M * pairs * kInt4PairLanes));
   std::vector<int32_t> lane_offsets(lane_scales.size());
   for (int64_t m = 0; m < M; ++m)
-    order_int4_activations(&a.codes[m * blocks * kActivationBlock], &a.scales[m * blocks], blocks,
-                           &pair_codes[m * pairs * kInt4PairCodes], &lane_scales[m * pairs * kInt4PairLanes],
-                           &lane_offsets[m * pairs * kInt4PairLanes]);
+    // data() + offset, not &v[i]: with no input features the vectors are empty, and v[0] is undefined.
+    order_int4_activations(a.codes.data() + m * blocks * kActivationBlock, a.scales.data() + m * blocks, blocks,
+                           pair_codes.data() + m * pairs * kInt4PairCodes,
+                           lane_scales.data() + m * pairs * kInt4PairLanes,
+                           lane_offsets.data() + m * pairs * kInt4PairLanes);
 
   Int4LinearProblem p{};
   p.x_codes = pair_codes.data();
