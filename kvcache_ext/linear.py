@@ -83,10 +83,16 @@ def _check_weight_layout(x: torch.Tensor, weight: torch.Tensor, columns: int | N
         raise ValueError(f"weight must be (out_features, {described}={columns}) to match x, got {tuple(weight.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
-    if weight.shape[0] >= 1 and weight.shape[1] > 1 and weight.stride(1) != 1:
-        raise ValueError(f"weight needs a contiguous last dimension, got strides {weight.stride()}")
-    if weight.shape[0] > 1 and weight.stride(0) < weight.shape[1]:
-        raise ValueError(f"weight's rows must not overlap, got strides {weight.stride()}")
+    _check_matrix_layout(weight, "weight", "weight's")
+
+
+def _check_matrix_layout(matrix: torch.Tensor, name: str, rows_of: str) -> None:
+    """A 2-D tensor the kernels read row by row (a weight, int4's block scales): its last dimension
+    contiguous and its rows apart; ``rows_of`` names it in the possessive."""
+    if matrix.shape[0] >= 1 and matrix.shape[1] > 1 and matrix.stride(1) != 1:
+        raise ValueError(f"{name} needs a contiguous last dimension, got strides {matrix.stride()}")
+    if matrix.shape[0] > 1 and matrix.stride(0) < matrix.shape[1]:
+        raise ValueError(f"{rows_of} rows must not overlap, got strides {matrix.stride()}")
 
 
 @op(
@@ -163,10 +169,7 @@ def int4_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
         )
     if scales.device != weight.device:
         raise ValueError(f"scales must be on the weight's device {weight.device}, got {scales.device}")
-    if scales.shape[0] >= 1 and blocks > 1 and scales.stride(1) != 1:
-        raise ValueError(f"scales needs a contiguous last dimension, got strides {scales.stride()}")
-    if scales.shape[0] > 1 and scales.stride(0) < blocks:
-        raise ValueError(f"scales' rows must not overlap, got strides {scales.stride()}")
+    _check_matrix_layout(scales, "scales", "scales'")
 
 
 def layer_max_rows(dtype: torch.dtype, kernel_copy: str | None) -> int:

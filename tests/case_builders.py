@@ -193,6 +193,23 @@ TENSOR_OPS = (
 WEIGHT_OPS = ("small_batch_linear", "int8_weight_linear", "int4_weight_linear")
 
 
+def guarded(shape, strides, dtype, fill, generator):
+    """A view of ``shape``/``strides`` into a buffer of guard values ``fill`` with 8 more on each side;
+    returns (buffer, view), the view's elements drawn at random (integers over the dtype's whole
+    range, floats from a normal distribution). For the weight ops' fuzz tests: a kernel that reads or
+    writes past the view's elements meets the guards."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides)) if all(shape) else 0
+    buffer = torch.full((extent + 16,), fill, dtype=dtype)
+    view = buffer[8 : 8 + extent].as_strided(shape, strides)
+    if view.numel():
+        if dtype.is_floating_point:
+            view.copy_(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
+        else:
+            info = torch.iinfo(dtype)
+            view.copy_(torch.randint(info.min, info.max + 1, shape, generator=generator, dtype=dtype))
+    return buffer, view
+
+
 def op_module(name: str):
     """The module of op ``name``'s ``check_``/``run_`` forms and its checked form: the per-channel-key
     (KIVI) ops' ``kvcache_ext.kivi_ops``, else ``kvcache_ext.ops``."""

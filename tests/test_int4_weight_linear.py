@@ -5,6 +5,7 @@ values; and the int4 layer of ``quantize_weights``."""
 
 import pytest
 import torch
+from case_builders import guarded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -218,20 +219,6 @@ def test_the_layer_quantizes_as_stated_and_takes_the_op(isa):
 
 
 # ---- fuzz: extreme sizes, dtypes and layouts, inside guard values -----------------------------------
-def guarded(shape, strides, dtype, fill, generator):
-    """A view of ``shape``/``strides`` into a buffer of guard values ``fill`` with 8 more on each side;
-    returns (buffer, view) with the view's elements drawn at random (uint8: 0..255)."""
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides)) if all(shape) else 0
-    buffer = torch.full((extent + 16,), fill, dtype=dtype)
-    view = buffer[8 : 8 + extent].as_strided(shape, strides)
-    if view.numel():
-        if dtype in (torch.int8, torch.uint8):
-            view.copy_(torch.randint(0, 256, shape, generator=generator).to(dtype))
-        else:
-            view.copy_(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
-    return buffer, view
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.sampled_from([0, 1, 2, 3, 17]),

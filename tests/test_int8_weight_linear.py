@@ -5,6 +5,7 @@ rule itself against its statement; refusals, opcheck, a fuzz with guard values; 
 
 import pytest
 import torch
+from case_builders import guarded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -208,20 +209,6 @@ def test_the_layer_takes_the_op_on_the_copies_that_measured_it_faster(isa):
 
 
 # ---- fuzz: extreme sizes, dtypes and layouts, inside guard values -----------------------------------
-def guarded(shape, strides, dtype, fill, generator):
-    """A view of ``shape``/``strides`` into a buffer of guard values ``fill`` with 8 more on each side;
-    returns (buffer, view) with the view's elements drawn at random (int8: -128..127)."""
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides)) if all(shape) else 0
-    buffer = torch.full((extent + 16,), fill, dtype=dtype)
-    view = buffer[8 : 8 + extent].as_strided(shape, strides)
-    if view.numel():
-        if dtype == torch.int8:
-            view.copy_(torch.randint(-128, 128, shape, generator=generator, dtype=torch.int8))
-        else:
-            view.copy_(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
-    return buffer, view
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.sampled_from([0, 1, 2, 3, 17]),

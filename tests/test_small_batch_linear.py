@@ -4,6 +4,7 @@ run it (use_small_batch_linear) giving the tokens they give without it."""
 
 import pytest
 import torch
+from case_builders import guarded
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -179,21 +180,6 @@ def test_compiles_without_graph_breaks():
 
 
 # ---- fuzz: extreme sizes, dtypes and layouts, inside guard values -----------------------------------
-def guarded_matrix(rows, columns, dtype, row_stride, transposed, generator):
-    """A (rows, columns) view into a buffer of guard values (1e4): row-major with ``row_stride``
-    elements between rows, or column-major when ``transposed``; returns (buffer, view)."""
-    extent = (columns if transposed else rows) * row_stride
-    buffer = torch.full((extent + 2 * 8,), 1e4, dtype=torch.float64).to(dtype)
-    inner = buffer[8 : 8 + extent]
-    if transposed:
-        view = inner.as_strided((rows, columns), (1, row_stride))
-    else:
-        view = inner.as_strided((rows, columns), (row_stride, 1))
-    if view.numel():
-        view.copy_(torch.randn(rows, columns, generator=generator, dtype=torch.float64).to(dtype))
-    return buffer, view
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.sampled_from([0, 1, 2, 3, 5, 8, 15, 16, 17]),
@@ -211,15 +197,14 @@ def test_fuzz_the_checked_and_the_raw_op_agree_and_guards_stay(
 ):
     g = torch.Generator().manual_seed(seed)
     x_dtype, weight_dtype = dtypes
-    x_buffer, x = guarded_matrix(
-        rows, in_features, x_dtype, (rows if x_transposed else in_features) + x_pad, x_transposed, g
-    )
-    weight_buffer, weight = guarded_matrix(
-        out_features,
-        in_features,
+    x_stride = (rows if x_transposed else in_features) + x_pad
+    x_buffer, x = guarded((rows, in_features), (1, x_stride) if x_transposed else (x_stride, 1), x_dtype, 1e4, g)
+    weight_stride = max((out_features if weight_transposed else in_features) + weight_pad, 1)
+    weight_buffer, weight = guarded(
+        (out_features, in_features),
+        (1, weight_stride) if weight_transposed else (weight_stride, 1),
         weight_dtype,
-        max((out_features if weight_transposed else in_features) + weight_pad, 1),
-        weight_transposed,
+        1e4,
         g,
     )
     before = (x_buffer.clone(), weight_buffer.clone())

@@ -55,17 +55,22 @@ void for_feature_ranges(int64_t N, const Fn& fn) {
   });
 }
 
+// A matrix the kernels read row by row (a weight, int4's block scales): its last dimension
+// contiguous and its rows apart. `rows_of` names it in the possessive ("weight's", "scales'").
+void check_matrix_layout(const Tensor& matrix, const char* name, const char* rows_of) {
+  const int64_t rows = matrix.size(0), columns = matrix.size(1);
+  STD_TORCH_CHECK(rows == 0 || columns <= 1 || matrix.stride(1) == 1, name,
+                  " needs a contiguous last dimension, got strides (", matrix.stride(0), ", ", matrix.stride(1), ")");
+  STD_TORCH_CHECK(rows <= 1 || matrix.stride(0) >= columns, rows_of, " rows must not overlap: row stride ",
+                  matrix.stride(0), " is below its ", columns, " columns");
+}
+
 // The checks every product makes of a weight: (out_features, columns) with `columns` what x's
-// in_features ask (`described` says how), its last dimension contiguous and its rows apart.
+// in_features ask (`described` says how), then its layout.
 void check_weight_layout(const Tensor& weight, int64_t columns, const char* described) {
   STD_TORCH_CHECK(weight.size(1) == columns, "weight must be (out_features, ", described, "=", columns,
                   ") to match x, got shape ", shape_of(weight));
-  const int64_t N = weight.size(0);
-  STD_TORCH_CHECK(N == 0 || columns <= 1 || weight.stride(1) == 1,
-                  "weight needs a contiguous last dimension, got strides (", weight.stride(0), ", ", weight.stride(1),
-                  ")");
-  STD_TORCH_CHECK(N <= 1 || weight.stride(0) >= columns, "weight's rows must not overlap: row stride ",
-                  weight.stride(0), " is below its ", columns, " columns");
+  check_matrix_layout(weight, "weight", "weight's");
 }
 
 // x's rows rounded to int8 codes in blocks of kActivationBlock (quantize_activation_block), each row
@@ -195,11 +200,7 @@ Tensor int4_weight_linear(Tensor x, Tensor weight, Tensor scales) {
   STD_TORCH_CHECK(scales.size(0) == N && scales.size(1) == blocks, "scales must be (out_features=", N,
                   ", in_features / ", kActivationBlock, "=", blocks, "), got shape ", shape_of(scales));
   const ElemType scale_elem = elem_type_of(scales, "scales");
-  STD_TORCH_CHECK(N == 0 || blocks <= 1 || scales.stride(1) == 1,
-                  "scales needs a contiguous last dimension, got strides (", scales.stride(0), ", ", scales.stride(1),
-                  ")");
-  STD_TORCH_CHECK(N <= 1 || scales.stride(0) >= blocks, "scales' rows must not overlap: row stride ", scales.stride(0),
-                  " is below its ", blocks, " columns");
+  check_matrix_layout(scales, "scales", "scales'");
 
   Tensor out_float = torch::stable::empty({M, N}, torch::headeronly::ScalarType::Float, std::nullopt, x.device());
   if (N == 0) return stored_in(out_float, x.scalar_type(), elem);
