@@ -21,11 +21,12 @@
 
 namespace kvcache_ext::cpu {
 
-#define KVCACHE_EXT_DECLARE_LINEAR_ISA(isa)               \
-  namespace isa {                                         \
-  LinearRangeFn small_batch_linear_kernel(ElemType elem); \
-  Int8LinearRangeFn int8_weight_linear_kernel();          \
-  Int4LinearRangeFn int4_weight_linear_kernel();          \
+#define KVCACHE_EXT_DECLARE_LINEAR_ISA(isa)                       \
+  namespace isa {                                                 \
+  LinearRangeFn small_batch_linear_kernel(ElemType elem);         \
+  ActivationRoundingFn activation_rounding_kernel(ElemType elem); \
+  Int8LinearRangeFn int8_weight_linear_kernel();                  \
+  Int4LinearRangeFn int4_weight_linear_kernel();                  \
   }
 KVCACHE_EXT_DECLARE_LINEAR_ISA(baseline)
 #if defined(__x86_64__)
@@ -43,6 +44,9 @@ using torch::stable::Tensor;
 constexpr int64_t kFeaturesPerItem = 64;
 
 LinearRangeFn linear_kernel(ElemType elem) { KVCACHE_EXT_RETURN_ACTIVE_COPY(small_batch_linear_kernel(elem)); }
+ActivationRoundingFn activation_rounding(ElemType elem) {
+  KVCACHE_EXT_RETURN_ACTIVE_COPY(activation_rounding_kernel(elem));
+}
 Int8LinearRangeFn int8_linear_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(int8_weight_linear_kernel()); }
 Int4LinearRangeFn int4_linear_kernel() { KVCACHE_EXT_RETURN_ACTIVE_COPY(int4_weight_linear_kernel()); }
 
@@ -79,14 +83,17 @@ struct ActivationCodes {
   std::vector<int8_t> codes;
   std::vector<float> scales;
 };
-ActivationCodes round_activations(const std::vector<float>& x_float, int64_t M, int64_t K, int64_t blocks) {
+ActivationCodes round_activations(const Tensor& x, ElemType elem, int64_t blocks) {
+  const int64_t M = x.size(0), K = x.size(1);
   ActivationCodes a{std::vector<int8_t>(static_cast<size_t>(M * blocks * kActivationBlock)),
                     std::vector<float>(static_cast<size_t>(M * blocks))};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b)
-      a.scales[m * blocks + b] = quantize_activation_block(&x_float[m * K + b * kActivationBlock],
-                                                           std::min(kActivationBlock, K - b * kActivationBlock),
-                                                           &a.codes[(m * blocks + b) * kActivationBlock]);
+  if (K <= 1 || x.stride(1) == 1) {
+    activation_rounding(elem)(x.const_data_ptr(), M, K, x.stride(0), a.codes.data(), a.scales.data());
+  } else {  // a view with strided features: widened into rows first
+    std::vector<float> x_float(static_cast<size_t>(M * K));
+    quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
+    activation_rounding(ElemType::kFloat32)(x_float.data(), M, K, K, a.codes.data(), a.scales.data());
+  }
   return a;
 }
 
@@ -158,18 +165,11 @@ Tensor int8_weight_linear(Tensor x, Tensor weight, Tensor scales) {
                             scales_float.data());
   // x's rows as int8 codes, a scale per block of kActivationBlock features: a few KB a row.
   const int64_t blocks = K == 0 ? 0 : (K - 1) / kActivationBlock + 1;
-  std::vector<float> x_float(static_cast<size_t>(M * K));
-  quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
-  const ActivationCodes a = round_activations(x_float, M, K, blocks);
-  // The same as floats, for the kernels that multiply several rows in float (in place of x).
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k)
-      x_float[m * K + k] = a.codes[m * blocks * kActivationBlock + k] * a.scales[m * blocks + k / kActivationBlock];
+  const ActivationCodes a = round_activations(x, elem, blocks);
 
   Int8LinearProblem p{};
   p.x_codes = a.codes.data();
   p.x_scales = a.scales.data();
-  p.x_dequantized = x_float.data();
   p.rows = M, p.in_features = K, p.blocks = blocks, p.out_features = N;
   p.weight = weight.const_data_ptr<int8_t>();
   p.weight_stride = N == 1 ? K : weight.stride(0);
@@ -204,9 +204,7 @@ Tensor int4_weight_linear(Tensor x, Tensor weight, Tensor scales) {
 
   Tensor out_float = torch::stable::empty({M, N}, torch::headeronly::ScalarType::Float, std::nullopt, x.device());
   if (N == 0) return stored_in(out_float, x.scalar_type(), elem);
-  std::vector<float> x_float(static_cast<size_t>(M * K));
-  quantizer::widen_to_float(x.const_data_ptr(), elem, {1, 1, M, K}, {0, 0, x.stride(0), x.stride(1)}, x_float.data());
-  const ActivationCodes a = round_activations(x_float, M, K, blocks);
+  const ActivationCodes a = round_activations(x, elem, blocks);
   const int64_t pairs = (blocks + 1) / 2;
   std::vector<int8_t> pair_codes(static_cast<size_t>(M * pairs * kInt4PairCodes));
   std::vector<float> lane_scales(static_cast<size_t>(M * pairs * kInt4PairLanes));
