@@ -1,9 +1,13 @@
 """Where a whole decode step's time goes: each kind of work's share of one step of a Llama-3.2-1B-shaped
-checkpoint, batch 1 and 8, at depth 0 and 4096, in bfloat16 and float32, on 1 and 2 threads.
+checkpoint, batch 1 and 8, at depth 0 and 4096, in bfloat16 and float32 (and with int8 or int4
+weights), on 1 and 2 threads.
 
     python bench/decode_profile.py [--dir DIR] [--layers 16] [--batches 1,8] [--depths 0,4096]
-                                   [--dtypes bfloat16,float32] [--threads 1,2] [--steps 6]
+                                   [--dtypes bfloat16,float32,int8,int4] [--threads 1,2] [--steps 6]
                                    [--torch-linear]
+
+``--dtypes int8`` / ``int4``: the bfloat16 model with its linear layers' weights in that format
+(``quantize_weights``, as ``kvcache-ext generate --weights``), the cache in bfloat16.
 
 The directory is bench/checkpoint_load.py's Llama-3.2-1B-shaped checkpoint (random weights; written
 there if missing): python_ref's Llama loaded by ``load_checkpoint``, its linear layers through
@@ -26,8 +30,9 @@ dispatcher between operators, and the profiler's own overhead of a few microseco
   the rest (embedding, activations, residual adds);
 * sampling -- the argmax of the last logits.
 
-The roofline column is the step's memory roofline over its measured time: every weight byte and every
-cached key/value byte read once at the copy bandwidth (``target.copy_(source)`` of 256 MiB, read plus
+*step ms* is the unprofiled median, *profiled ms* the profiled steps' mean (the shares are of it).
+The roofline column is the step's memory roofline over its unprofiled time: every byte the weights'
+products read (``product_weight_bytes``) and every cached key/value byte read once at the copy bandwidth (``target.copy_(source)`` of 256 MiB, read plus
 written) measured in the same run. Prints the CPU, the kernel copy and a Markdown table.
 """
 
@@ -47,11 +52,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import kvcache_ext
 from kvcache_ext.benchmarks.common import call_seconds, cpu_model
 from kvcache_ext.linear import use_small_batch_linear
+from kvcache_ext.weight_formats import quantize_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from checkpoint_load import write_llama_1b  # noqa: E402
 from decode_roofline import copy_gbps  # noqa: E402
 
+WEIGHT_ONLY_FORMATS = ("int8", "int4")  # --dtypes values that quantize a bfloat16 model's weights
 LABEL = "decode_profile:"  # prefix of this script's labelled regions
 KINDS = [
     "weights: attention",
@@ -79,6 +86,19 @@ def module_kind(name: str, module: torch.nn.Module) -> str | None:
     if type(module).__name__ == "GroupedQueryAttention" or leaf == "rope":
         return "rotary and reshapes"
     return None
+
+
+def product_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of what the weights' products read each step: their layers' parameters and buffers
+    (quantized weights and scales are buffers), each tensor once (a tied LM head is the embedding's
+    table, read by the head; an untied or quantized head leaves the table to the embedding, which reads
+    one row a token)."""
+    tensors = {}
+    for name, module in model.named_modules():
+        if (module_kind(name, module) or "").startswith("weights"):
+            for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                tensors[id(t)] = t
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def label_modules(model: torch.nn.Module) -> None:
@@ -186,7 +206,9 @@ def measure(model, batch: int, depth: int, steps: int) -> dict:
     kinds = kind_times_ms(prof, steps)
     kinds["Python and dispatch"] = max(profiled_ms - sum(kinds.values()), 0.0)
     shares = {kind: ms / profiled_ms for kind, ms in kinds.items()}
-    return dict(step_ms=statistics.median(seconds) * 1e3, shares=shares, kv_bytes=cache.bytes_used())
+    return dict(
+        step_ms=statistics.median(seconds) * 1e3, profiled_ms=profiled_ms, shares=shares, kv_bytes=cache.bytes_used()
+    )
 
 
 def main() -> None:
@@ -195,7 +217,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16, help="the checkpoint's layers (Llama-3.2-1B: 16)")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--depths", default="0,4096")
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="also int8, int4: weights in that format")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--torch-linear", action="store_true", help="the weights' products by F.linear")
@@ -213,17 +235,22 @@ def main() -> None:
         f"torch {torch.__version__}; Llama-3.2-1B shape, {args.layers} layers; weights' products: {products}; "
         f"median of {args.steps} steps\n"
     )
-    print("Share of the step (%) per kind of work; *roofline*: the step's memory roofline over its time.\n")
+    print(
+        "Share of the profiled step (%) per kind of work; *roofline*: the step's memory roofline over its "
+        "time (unprofiled).\n"
+    )
     columns = [*KINDS, "Python and dispatch"]
-    print("| dtype | threads | batch | depth | step ms | " + " | ".join(columns) + " | roofline |")
-    print("|---" * (len(columns) + 6) + "|")
+    print("| dtype | threads | batch | depth | step ms | profiled ms | " + " | ".join(columns) + " | roofline |")
+    print("|---" * (len(columns) + 7) + "|")
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        model = load_checkpoint(args.dir, dtype=dtype)
+        weights = dtype_name if dtype_name in WEIGHT_ONLY_FORMATS else None
+        model = load_checkpoint(args.dir, dtype=torch.bfloat16 if weights else getattr(torch, dtype_name))
+        if weights:
+            quantize_weights(model, weights)
         if not args.torch_linear:
             use_small_batch_linear(model)
         label_modules(model)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes = product_weight_bytes(model)
         for threads in map(int, args.threads.split(",")):
             torch.set_num_threads(threads)
             for batch in map(int, args.batches.split(",")):
@@ -233,7 +260,7 @@ def main() -> None:
                     roofline_ms = (weight_bytes + run["kv_bytes"]) / (bandwidth * 1e9) * 1e3
                     cells = " | ".join(f"{100 * run['shares'].get(kind, 0.0):.0f}" for kind in columns)
                     print(
-                        f"| {dtype_name} | {threads} | {batch} | {depth} | {step_ms:.1f} | {cells} | "
+                        f"| {dtype_name} | {threads} | {batch} | {depth} | {step_ms:.1f} | {run['profiled_ms']:.1f} | {cells} | "
                         f"{roofline_ms / step_ms:.2f} |"
                     )
                     sys.stdout.flush()
