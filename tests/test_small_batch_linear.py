@@ -29,7 +29,21 @@ pytestmark = pytest.mark.skipif(
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, in_features, out_features): one row and a full group of sixteen, widths that are and are
 # not whole vectors of 8 or 16 lanes, fewer output features than a tile and not a multiple of one.
-SHAPES = [(1, 64, 40), (2, 7, 5), (3, 33, 129), (4, 256, 67), (5, 9, 1), (8, 200, 300), (13, 17, 70), (16, 128, 96)]
+# One row's widths also end mid-way through the AVX2 copy's bfloat16 steps (64 and 16 weights) or
+# have none of them (7).
+SHAPES = [
+    (1, 64, 40),
+    (1, 7, 5),
+    (1, 83, 37),
+    (1, 200, 9),
+    (2, 7, 5),
+    (3, 33, 129),
+    (4, 256, 67),
+    (5, 9, 1),
+    (8, 200, 300),
+    (13, 17, 70),
+    (16, 128, 96),
+]
 
 
 def error_bound_holds(out, x, weight):
@@ -53,12 +67,13 @@ def test_matches_the_float64_product_on_every_copy(isa, dtype, rows, in_features
     assert holds, errors
 
 
+@pytest.mark.parametrize("rows", [6, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_views_read_only_their_elements(isa, dtype):
+def test_views_read_only_their_elements(isa, dtype, rows):
     """x transposed and sliced, the weight a strided slice of a larger buffer whose other rows and
     columns (guard values) must not enter the product."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(45, 6, generator=g).to(dtype).T[:, 2:41]  # (6, 39), strides (1, 6)
+    x = torch.randn(45, 6, generator=g).to(dtype).T[:rows, 2:41]  # (rows, 39), strides (1, 6)
     guard = torch.full((2 * 23 + 3, 39 + 5), 1e4).to(dtype)
     weight = guard[1::2, 3 : 3 + 39][:23]  # rows 2 apart, columns offset: guards all around
     weight.copy_(torch.randn(23, 39, generator=g).to(dtype))
