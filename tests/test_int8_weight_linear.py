@@ -94,6 +94,26 @@ def test_the_rounding_rule_as_stated():
     assert scales[4, 1].isnan() and (codes[4, 32:64] == 0).all() and not scales[4, [0, 2]].isnan().any()
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("x_dtype", DTYPES)
+def test_the_kernels_round_activations_exactly_as_the_rule(isa, x_dtype, rows):
+    """With an identity weight (scales 1) each output is one activation's code times its block's scale,
+    so the kernel copies' rounding (on AVX2 eight values an instruction) must give the rule's codes and
+    scales bit for bit: one row and several, blocks of small, zero, ordinary and large values, a last
+    block of 6."""
+    g = torch.Generator().manual_seed(11)
+    in_features = 134
+    x = torch.randn(rows, in_features, generator=g)
+    x[:, :32] *= 3e-3
+    x[:, 32:64] = 0
+    x[:, 96:128] *= 300
+    x = x.to(x_dtype)
+    out = int8_weight_linear(x, torch.eye(in_features, dtype=torch.int8), torch.ones(in_features))
+    codes, block_scales = quantize_activations(x)
+    each_scale = block_scales.repeat_interleave(ACTIVATION_BLOCK, dim=1)[:, :in_features]
+    assert torch.equal(out, (codes.float() * each_scale).to(x_dtype))
+
+
 def test_activation_rounding_stays_within_its_bound_of_the_float_product(isa):
     """Against x times the dequantized weight in float64: at most half an activation step per input,
     weighted by the weights' magnitudes, plus the float32 arithmetic."""
