@@ -258,3 +258,9 @@ def native_available(device: torch.device | str | None = "cpu") -> bool:
 def kernels_used(device: torch.device | str | None = "cpu") -> str:
     """What runs the ops on ``device``: ``"cpu library"``, ``"cuda library"`` or ``"python fallback"``."""
     return capabilities(device).kernels
+
+
+# The CPU's table is read at import, under the device names the caches use: a compiled pass that was
+# the first to ask for it would trace the filling of the memo above and compile again once it is full.
+for _cpu in ("cpu", torch.device("cpu")):
+    capabilities(_cpu)

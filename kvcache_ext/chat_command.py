@@ -12,7 +12,14 @@ import argparse
 import sys
 
 from .format_names import KV_FORMATS
-from .generate_command import add_model_arguments, add_sampling_arguments, load_for_sampling, positive_int, sampler
+from .generate_command import (
+    add_compile_argument,
+    add_model_arguments,
+    add_sampling_arguments,
+    load_for_sampling,
+    positive_int,
+    sampler,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens the paged KV pool holds (the conversation's and the reused prefixes')",
     )
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    add_compile_argument(parser)
     add_sampling_arguments(parser)
 
 
@@ -35,7 +43,9 @@ def run(args, lines=None) -> int:
         return 2
     tokenizer = pretrained.tokenizer
     num_blocks = -(-args.kv_cache_tokens // args.block_size)
-    engine = pretrained.engine(num_blocks=num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype)
+    engine = pretrained.engine(
+        num_blocks=num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype, compile_decode_passes=args.compile
+    )
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     interactive = lines is None and sys.stdin.isatty()
     print(f"[{pretrained.directory.name}: /exit or end of input to quit]", file=sys.stderr)

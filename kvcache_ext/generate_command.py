@@ -82,13 +82,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat", action="store_true", help="send the prompt as one user message through the chat template"
     )
+    add_compile_argument(parser)
+    add_sampling_arguments(parser)
+
+
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    """``--compile`` (generate, chat, serve): decode steps under torch.compile."""
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="run the decode steps under torch.compile (inductor): about a minute of compiling before the first "
-        "new token on a 2-core CPU, then shorter steps",
+        help="run the decode steps under torch.compile (inductor): about a minute of compiling at the first "
+        "decode step on a 2-core CPU (serve and chat: one for one running request, one for several), then "
+        "shorter steps",
     )
-    add_sampling_arguments(parser)
 
 
 def sampling_error(args) -> str | None:

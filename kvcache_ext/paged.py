@@ -264,6 +264,16 @@ class PagedKVCache(StorageAttributes):
         out, _ = self.storage.attention(layer, q, block_tables, self._lengths_after, self.window, scale)
         return out
 
+    def step_view(self, positions: torch.Tensor) -> PagedStep:
+        """The step begun by ``start_step`` (which returned ``positions``) as a cache for one forward
+        pass whose bookkeeping is done: see :class:`PagedStep`. The pass runs on it, then this cache's
+        ``finish_step`` records the step."""
+        if self._step is None:
+            raise RuntimeError("step_view() outside a step: call start_step(T) first")
+        if self._step[1] is None:
+            raise RuntimeError("step_view() needs scheduled rows: call schedule(seq_ids) before start_step")
+        return PagedStep(self, positions)
+
     def finish_step(self) -> None:
         if self._step is None:
             raise RuntimeError("finish_step() without start_step()")
@@ -325,10 +335,56 @@ class PagedKVCache(StorageAttributes):
         # tables cover that many. Entries past a row's last block are read only by its padding's
         # queries, whose outputs nobody uses: any valid id will do. RELEASED entries lie before the
         # window of every query of the step (padding's included), which the ops neither check nor read.
-        width = max(max(len(table) for table in tables), -(-(max(held) + num_new) // self.block_size))
+        # At least two columns: a compiled pass (PagedStep) would specialise on a width of one.
+        width = max(max(len(table) for table in tables), -(-(max(held) + num_new) // self.block_size), 2)
         block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
         lengths = torch.tensor(held, dtype=torch.long).to(self.device)
         step_counts = None if counts is None else torch.tensor(counts, dtype=torch.long).to(self.device)
         self._step, self._step_counts = (num_new, block_tables.to(self.device), lengths, step_counts), counts
         self._lengths_after = lengths + num_new
         self._step_shapes = None
+
+
+class PagedStep:
+    """A step of a :class:`PagedKVCache` whose bookkeeping is done (``start_step`` reserved its
+    blocks and made its block tables), as the cache a model's forward pass takes: ``start_step``
+    returns the step's positions, ``attend`` stores and attends through the step's tables, and
+    ``finish_step`` does nothing, the cache's own recording the step after the pass.
+
+    What ``torch.compile`` traces of a paged decode pass (``Engine(compile_decode_passes=True)``):
+    tensors, the storage's ops and a few constants, none of the pool's lists and dicts, which change
+    every step. A graph traced on one step's view runs on the next: its guards see tensors of the
+    same kinds and the same storage.
+    """
+
+    def __init__(self, cache: PagedKVCache, positions: torch.Tensor):
+        self.num_new, self.block_tables, self.lengths_before, self.counts = cache._step
+        self.lengths_after, self.positions = cache._lengths_after, positions
+        self.storage, self.window = cache.storage, cache.window
+        self.num_layers, self.kv_heads, self.head_dim = cache.num_layers, cache.kv_heads, cache.head_dim
+        self.batch_size = len(cache._rows)
+        self.seq_length = cache.seq_length  # the longest row before the step (what start_forward checks)
+
+    dtype = property(lambda self: self.storage.dtype)
+    v_head_dim = property(lambda self: self.storage.v_head_dim)
+
+    def start_step(self, num_new: int, counts=None) -> torch.Tensor:
+        if num_new != self.num_new or counts is not None:
+            raise ValueError(
+                f"this view is of a step of {self.num_new} new tokens in every row; got a step of {num_new}"
+                + ("" if counts is None else " with counts")
+            )
+        return self.positions
+
+    def attend(self, layer, q, k, v, scale=None):
+        # The checks of PagedKVCache.attend: under torch.compile they run while tracing, then as guards.
+        expected = (self.batch_size, self.kv_heads, self.num_new, self.head_dim)
+        check_step_tensors(layer, self.num_layers, q, k, v, expected, self.dtype, self.storage.device, self.v_head_dim)
+        self.storage.check_append(k, v, self.block_tables, self.lengths_before, self.counts)
+        self.storage.check_attention(q, self.block_tables, self.lengths_after, self.window, scale)
+        self.storage.append(layer, k, v, self.block_tables, self.lengths_before, self.counts)
+        out, _ = self.storage.attention(layer, q, self.block_tables, self.lengths_after, self.window, scale)
+        return out
+
+    def finish_step(self) -> None:
+        pass

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from .format_names import KV_FORMATS
-from .generate_command import add_model_arguments, describe_weights, load, positive_int
+from .generate_command import add_compile_argument, add_model_arguments, describe_weights, load, positive_int
 
 DEFAULT_KV_CACHE_MEMORY = 2**30
 
@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-queued", type=positive_int, default=64, help="requests waiting before new ones get 503")
     parser.add_argument("--chunk-size", type=positive_int, default=64, help="prompt tokens a request reads per step")
+    add_compile_argument(parser)
 
 
 def run(args) -> int:
@@ -81,11 +82,13 @@ def run(args) -> int:
         max_batch_size=args.max_running,
         chunk_size=args.chunk_size,
         prefix_caching=args.prefix_caching,
+        compile_decode_passes=args.compile,
     )
     print(
         f"[{pretrained.directory.name}: {describe_weights(pretrained)}, KV {args.kv_dtype or pretrained.dtype}, {num_blocks} blocks "
         f"of {args.block_size} tokens ({cache.bytes_allocated() / 2**20:.0f} MiB)"
-        f"{'' if args.prefix_caching else ', no prefix caching'}; load {pretrained.load_seconds:.1f} s] "
+        f"{'' if args.prefix_caching else ', no prefix caching'}{', decode passes compiled' if args.compile else ''}; "
+        f"load {pretrained.load_seconds:.1f} s] "
         f"serving on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )

@@ -4,14 +4,19 @@ breaks (fullgraph=True), no recompilation per step, same logits as eager.
 The cache's host-side length is an int attribute of an nn.Module; dynamo specialises those
 unless ``allow_unspec_int_on_nn_module`` is set, and would then recompile at every new length.
 With it, the length becomes symbolic after the first step: two graphs in total.
+
+The Engine's compiled decode passes (``compile_decode_passes``) run on a paged cache whose rows,
+tables and lengths change every pass: the same tokens as the eager engine, two graphs in all.
 """
+
+import io
 
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from kvcache_ext import KVCache
+from kvcache_ext import Engine, KVCache, PagedKVCache
 from python_ref import build_gpt2, build_llama
 
 PROMPT_LEN, STEPS, BATCH = 6, 8, 2
@@ -80,3 +85,57 @@ def test_generate_command_compiled_gives_the_eager_text(checkpoint, capsys, weig
         assert main(command + extra) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].strip()
+
+
+@pytest.mark.parametrize("arch, kv_dtype", [("gpt2", None), ("llama", "int8")])
+def test_engine_decode_passes_compiled_give_the_eager_tokens(arch, kv_dtype, one_thread):
+    """Requests arriving in waves (passes of one row and of several, tables of growing width), a
+    shared prefix and a pool small enough to preempt: every request gets the eager engine's tokens."""
+    model = MODELS[arch]()
+    generator = torch.Generator().manual_seed(1)
+    system = torch.randint(0, model.cfg.vocab_size, (9,), generator=generator).tolist()
+    waves = []
+    for size in (1, 3, 5, 2):
+        wave = []
+        for i in range(size):
+            own = torch.randint(0, model.cfg.vocab_size, (int(torch.randint(1, 12, (1,), generator=generator)),))
+            wave.append(
+                ((system if i % 2 else []) + own.tolist(), int(torch.randint(2, 14, (1,), generator=generator)))
+            )
+        waves.append(wave)
+
+    def run(compiled: bool):
+        kv = model.kv_shape
+        cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 10, block_size=4, kv_dtype=kv_dtype)
+        engine = Engine(model, cache, chunk_size=8, compile_decode_passes=compiled)
+        ids = []
+        for wave in waves:  # a wave joins while the last one decodes
+            ids += [engine.add_request(prompt, max_new) for prompt, max_new in wave]
+            for _ in range(3):
+                engine.step()
+        while engine.has_unfinished:
+            engine.step()
+        assert cache.pool.num_free_blocks == 10
+        return [engine.output(i) for i in ids], engine.preemptions
+
+    torch._dynamo.reset()
+    counters.clear()
+    (compiled, preempted), (eager, _) = run(True), run(False)
+    assert preempted > 0
+    assert compiled == eager
+    # One graph for the passes of one row, one for several (rows, widths and lengths symbolic).
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_chat_command_compiled_gives_the_eager_replies(checkpoint, capsys, monkeypatch):
+    """``kvcache-ext chat --compile``: the eager replies, turn by turn."""
+    pytest.importorskip("transformers")  # writes the checkpoint directory
+    from kvcache_ext.cli import main
+
+    command = ["chat", str(checkpoint("llama")), "--max-new-tokens", "10", "--block-size", "4"]
+    replies = []
+    for extra in ([], ["--compile"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("The cat sat on the mat.\nAnd then?\n"))
+        assert main(command + extra) == 0
+        replies.append(capsys.readouterr().out)
+    assert replies[0] == replies[1] and len(replies[0].strip().splitlines()) == 2

@@ -26,7 +26,7 @@ class Layout(nn.Module):
             self.register_buffer(name, huge_pages.zeros(shape, buffer_dtype, device), persistent=False)
         # v_head_dim: the values' width where plain and paged layouts give them one of their own.
         self.dtype, self.kv_dtype, self.head_dim, self.v_head_dim = dtype, kv_dtype, head_dim, v_head_dim or head_dim
-        self._layers = None
+        self._layers = self._layer_views()
 
     @property
     def num_layers(self) -> int:
@@ -41,15 +41,19 @@ class Layout(nn.Module):
         return {name: getattr(self, name) for name in self.op_order}
 
     def layer(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """Layer ``layer``'s buffers in op order (views made once, not per call)."""
-        if self._layers is None:
-            buffers = [getattr(self, name) for name in self.op_order]
-            self._layers = [tuple(t[i] for t in buffers) for i in range(self.num_layers)]
+        """Layer ``layer``'s buffers in op order (views made with the buffers, not per call)."""
         return self._layers[layer]
 
+    def _layer_views(self) -> list[tuple[torch.Tensor, ...]]:
+        # Made whenever the buffers are (not on first use): a compiled pass that is the first to
+        # read them would otherwise trace their making and compile again at the next.
+        buffers = [getattr(self, name) for name in self.op_order]
+        return [tuple(t[i] for t in buffers) for i in range(self.num_layers)]
+
     def _apply(self, fn, recurse=True):
-        self._layers = None  # .to() and friends replace the buffers: the views follow
-        return super()._apply(fn, recurse)
+        module = super()._apply(fn, recurse)
+        self._layers = self._layer_views()  # .to() and friends replace the buffers: the views follow
+        return module
 
     def copy_entries(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Entry ``targets[i]`` of dimension 1 (a row or a block) becomes a copy of entry ``sources[i]``
@@ -61,7 +65,7 @@ class Layout(nn.Module):
         """New buffers of ``len(src_entries)`` entries along dimension 1, entry ``i`` old ``src_entries[i]``."""
         for name, t in self.tensors().items():
             setattr(self, name, as_bytes(t).index_select(1, src_entries).view(t.dtype))
-        self._layers = None
+        self._layers = self._layer_views()
 
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
