@@ -83,6 +83,25 @@ def test_greedy_text_is_generates_and_many_clients_get_their_own(checkpoint, cap
         wait_until_idle(url)
 
 
+def test_compiled_decode_passes_give_generates_text(checkpoint, capsys):
+    """`serve --compile`: one client, then several at once (the compiled passes of one row and of
+    several), each gets `generate`'s greedy text."""
+    prompts = PROMPTS[:4]
+    expected = [generated_text(checkpoint, prompt, capsys) for prompt in prompts]
+    with serve(checkpoint, "--num-blocks", "256", "--compile") as url, client_of(url) as client:
+
+        def complete(prompt):
+            answer = client.completions.create(
+                model=checkpoint.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+            )
+            return answer.choices[0].text
+
+        assert complete(prompts[0]) == expected[0]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts, timeout=300)) == expected
+        wait_until_idle(url)
+
+
 def test_restart_on_a_disk_tier_reuses_a_long_prompt(checkpoint, tmp_path):
     prompt = " ".join(f"word{i}" for i in range(28))  # about 200 tokens: many full blocks
     tier = ["--disk-tier", str(tmp_path / "tier"), "--disk-tier-bytes", str(64 * 2**20), "--block-size", "8"]
