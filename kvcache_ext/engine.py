@@ -28,7 +28,7 @@ cancelled (:meth:`Engine.cancel`, ``"cancelled"``) or in a step that raised (``"
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +38,25 @@ from python_ref.generate import check_top_p, choose_next_token
 from .paged import PagedKVCache, PoolExhaustedError
 
 
-# What changes between decode passes, dynamic from the first compilation on (torch.compile's
-# sources): the rows, the tables' width and the longest row's length.
+# What changes between the Engine's decode passes, dynamic from the first compilation on: the rows,
+# the tables' width and the longest row's length, as torch.compile names them (sources: the
+# arguments of compile_decode's function, `tokens` and `cache`, here a PagedStep).
 DYNAMIC_IN_A_DECODE_PASS = ",".join(
-    ["L['tokens']:0", "L['step'].seq_length", "L['step'].block_tables:1"]
-    + [f"L['step'].{name}:0" for name in ("positions", "block_tables", "lengths_before", "lengths_after")]
+    ["L['tokens']:0", "L['cache'].seq_length", "L['cache'].block_tables:1"]
+    + [f"L['cache'].{name}:0" for name in ("positions", "block_tables", "lengths_before", "lengths_after")]
 )
+
+
+def compile_decode(model) -> Callable[[torch.Tensor, object], torch.Tensor]:
+    """``model(tokens, cache)`` under ``torch.compile`` as every compiled decode step runs it: inductor,
+    the whole model in one graph with the cache's ops in it (``fullgraph``), rounding to bfloat16 or
+    float16 where eager does (``emulate_precision_casts``: without it, intermediate values kept in
+    float32 moved a greedy token of an int4-weight model in the tests)."""
+
+    def decode(tokens: torch.Tensor, cache) -> torch.Tensor:
+        return model(tokens, cache)
+
+    return torch.compile(decode, fullgraph=True, options={"emulate_precision_casts": True})
 
 
 @dataclass(eq=False)  # requests are compared by identity
@@ -117,12 +130,12 @@ class Engine:
     prefix caching saves).
 
     ``compile_decode_passes``: the decode passes (one new token in every row) run under
-    ``torch.compile`` (inductor; prompt passes stay eager). The pool's bookkeeping stays out of the
-    graph: the cache begins each step eagerly (blocks reserved, block tables made) and the compiled
-    model runs on the step's :class:`~kvcache_ext.paged.PagedStep`. The rows, the tables' width and
-    the lengths are dynamic, so two compilations serve every pass: the first pass of one row and the
-    first of several compile (about a minute each for a 1B model on a 2-core CPU). Tokens are
-    eager's: inductor rounds to bfloat16 where eager does, as ``Pretrained.compile_decode_steps``.
+    ``torch.compile`` (:func:`compile_decode`; prompt passes stay eager). The pool's bookkeeping
+    stays out of the graph: the cache begins each step eagerly (blocks reserved, block tables made)
+    and the compiled model runs on the step's :class:`~kvcache_ext.paged.PagedStep`. The rows, the
+    tables' width and the lengths are dynamic, so two compilations serve every pass: the first pass
+    of one row and the first of several compile (10-17 s each for a 4-layer 1B model on a 2-core
+    CPU, bench/engine_decode.py). The tokens are the eager engine's.
 
     A cache with a ``window`` serves sliding-window models: each request's blocks that leave its
     window return to the pool, so a request holds at most ``ceil((window - 1 + chunk_size) /
@@ -175,14 +188,7 @@ class Engine:
         self.preemptions = 0  # how often a request was preempted so far
         self.reused_tokens = 0  # prompt tokens taken from the prefix cache (pool or tier) instead of computed
         self.prompt_tokens_computed = 0  # prompt positions fed to the model (again after a preemption)
-        self._compiled_pass = None
-        if compile_decode_passes:
-            model = self.model
-
-            def decode_pass(tokens: torch.Tensor, step) -> torch.Tensor:
-                return model(tokens, step)
-
-            self._compiled_pass = torch.compile(decode_pass, fullgraph=True, options={"emulate_precision_casts": True})
+        self._compiled_pass = compile_decode(self.model) if compile_decode_passes else None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(

@@ -23,7 +23,7 @@ from python_ref.checkpoint import FAMILIES, load_checkpoint, read_config
 from python_ref.generate import choose_next_token
 
 from .cache import KVCache
-from .engine import Engine
+from .engine import Engine, compile_decode
 from .linear import use_small_batch_linear
 from .paged import PagedKVCache
 from .weight_formats import FORMAT_REVISIONS, check_model_class, check_weight_format, quantize_weights
@@ -106,15 +106,9 @@ class Pretrained:
         """Makes :meth:`stream` run its decode steps (one new token) under ``torch.compile`` (inductor,
         the whole model in one graph with the cache's ops in it; the cache length symbolic from the
         second step on, so one compilation serves every length). The first step compiles (about a
-        minute on a 2-core CPU); the prompt stays eager. Inductor rounds to bfloat16 or float16 where
-        eager does (``emulate_precision_casts``): without it, intermediate values kept in float32 moved
-        a greedy token of an int4-weight model in the tests."""
-        model = self.model
-
-        def decode_step(token: torch.Tensor, cache) -> torch.Tensor:
-            return model(token, cache)
-
-        self.compiled_step = torch.compile(decode_step, fullgraph=True, options={"emulate_precision_casts": True})
+        minute on a 2-core CPU); the prompt stays eager. Compiled as :func:`~kvcache_ext.engine.compile_decode`
+        says (the tokens are eager's)."""
+        self.compiled_step = compile_decode(self.model)
 
     def stream(
         self,
