@@ -38,11 +38,11 @@ from python_ref.generate import check_top_p, choose_next_token
 from .paged import PagedKVCache, PoolExhaustedError
 
 
-# What changes between the Engine's decode passes, dynamic from the first compilation on: the rows,
-# the tables' width and the longest row's length, as torch.compile names them (sources: the
-# arguments of compile_decode's function, `tokens` and `cache`, here a PagedStep).
+# What changes between the Engine's decode passes, dynamic from the first compilation on: the rows
+# (the tensors' first dimension and PagedStep's count), the tables' width and the longest row's length,
+# as torch.compile names them (sources: compile_decode's arguments `tokens` and `cache`, a PagedStep).
 DYNAMIC_IN_A_DECODE_PASS = ",".join(
-    ["L['tokens']:0", "L['cache'].seq_length", "L['cache'].block_tables:1"]
+    ["L['tokens']:0", "L['cache'].batch_size", "L['cache'].seq_length", "L['cache'].block_tables:1"]
     + [f"L['cache'].{name}:0" for name in ("positions", "block_tables", "lengths_before", "lengths_after")]
 )
 

@@ -18,10 +18,13 @@ from torch._dynamo.utils import counters
 
 from kvcache_ext import Engine, KVCache, PagedKVCache
 from python_ref import build_gpt2, build_llama
+from python_ref.mla import build_mla
 
 PROMPT_LEN, STEPS, BATCH = 6, 8, 2
 
 MODELS = {"gpt2": lambda: build_gpt2("tiny"), "llama": lambda: build_llama("llama-tiny")}
+# The Engine serves an MLA model too, in its absorbed form on a latent pool.
+ENGINE_MODELS = dict(MODELS, mla=lambda: build_mla("deepseek-v3-tiny").set_form("absorbed"))
 
 
 def _decode_compiled_and_eager(model, compile_kwargs, device="cpu"):
@@ -87,15 +90,19 @@ def test_generate_command_compiled_gives_the_eager_text(checkpoint, capsys, weig
     assert texts[0] == texts[1] and texts[0].strip()
 
 
-@pytest.mark.parametrize("arch, kv_dtype", [("gpt2", None), ("llama", "int8")])
-def test_engine_decode_passes_compiled_give_the_eager_tokens(arch, kv_dtype, one_thread):
-    """Requests arriving in waves (passes of one row and of several, tables of growing width), a
-    shared prefix and a pool small enough to preempt: every request gets the eager engine's tokens."""
-    model = MODELS[arch]()
+@pytest.mark.parametrize(
+    "arch, kv_dtype, wave_sizes",
+    [("gpt2", None, (2, 1, 5, 2)), ("llama", "int8", (1, 3, 5, 2)), ("mla", None, (2, 3, 5, 2))],
+)
+def test_engine_decode_passes_compiled_give_the_eager_tokens(arch, kv_dtype, wave_sizes, one_thread):
+    """Requests arriving in waves (the first compiled pass of several rows or of one, tables of
+    growing width), a shared prefix and a pool small enough to preempt: every request gets the eager
+    engine's tokens; a latent (MLA) pool too."""
+    model = ENGINE_MODELS[arch]()
     generator = torch.Generator().manual_seed(1)
     system = torch.randint(0, model.cfg.vocab_size, (9,), generator=generator).tolist()
     waves = []
-    for size in (1, 3, 5, 2):
+    for size in wave_sizes:
         wave = []
         for i in range(size):
             own = torch.randint(0, model.cfg.vocab_size, (int(torch.randint(1, 12, (1,), generator=generator)),))
@@ -106,7 +113,11 @@ def test_engine_decode_passes_compiled_give_the_eager_tokens(arch, kv_dtype, one
 
     def run(compiled: bool):
         kv = model.kv_shape
-        cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 10, block_size=4, kv_dtype=kv_dtype)
+        # A latent pool keeps one row of kv_lora_rank + rope columns a token, its first kv_lora_rank the value.
+        latent = dict(value_dim=model.cfg.kv_lora_rank) if arch == "mla" else {}
+        cache = PagedKVCache(
+            kv["num_layers"], kv["kv_heads"], kv["head_dim"], 10, block_size=4, kv_dtype=kv_dtype, **latent
+        )
         engine = Engine(model, cache, chunk_size=8, compile_decode_passes=compiled)
         ids = []
         for wave in waves:  # a wave joins while the last one decodes
