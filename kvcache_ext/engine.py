@@ -286,6 +286,24 @@ class Engine:
             self._waiting.remove(request)
         request.finish_reason = "cancelled"
 
+    def warm_up(self) -> None:
+        """Runs now what the first decode passes would compile (with ``compile_decode_passes``; else
+        there is nothing to do): a request of two tokens alone, then two at once, each asking for two
+        new tokens, then forgotten (their blocks freed, the counters as they were). A server calls it
+        before it listens, so that no client waits for a compilation. Refused while requests run or wait.
+        A pool too small to run the two at once, or a stop token first, leaves that pass to compile later."""
+        if self._compiled_pass is None:
+            return
+        if self._running or self._waiting:
+            raise RuntimeError("warm_up() runs before the first request: requests are running or waiting")
+        counters = self.preemptions, self.reused_tokens, self.prompt_tokens_computed
+        for prompts in ([[0, 1]], [[0, 1], [1, 0]]):
+            ids = [self.add_request(prompt, 2) for prompt in prompts]
+            while not all(self.is_finished(request_id) for request_id in ids):
+                self.step()
+            self.pop_finished()
+        self.preemptions, self.reused_tokens, self.prompt_tokens_computed = counters
+
     def pop_finished(self) -> dict[int, list[int]]:
         """The generated tokens of every finished request not collected yet, by request id (in id
         order); the engine forgets them (``output``/``is_finished`` then raise KeyError for them).

@@ -87,7 +87,7 @@ def run(args) -> int:
     print(
         f"[{pretrained.directory.name}: {describe_weights(pretrained)}, KV {args.kv_dtype or pretrained.dtype}, {num_blocks} blocks "
         f"of {args.block_size} tokens ({cache.bytes_allocated() / 2**20:.0f} MiB)"
-        f"{'' if args.prefix_caching else ', no prefix caching'}{', decode passes compiled' if args.compile else ''}; "
+        f"{'' if args.prefix_caching else ', no prefix caching'}{', decode passes compiled before it listens' if args.compile else ''}; "
         f"load {pretrained.load_seconds:.1f} s] "
         f"serving on http://{args.host}:{args.port}/v1",
         file=sys.stderr,

@@ -150,3 +150,26 @@ def test_chat_command_compiled_gives_the_eager_replies(checkpoint, capsys, monke
         assert main(command + extra) == 0
         replies.append(capsys.readouterr().out)
     assert replies[0] == replies[1] and len(replies[0].strip().splitlines()) == 2
+
+
+def test_engine_warm_up_compiles_both_passes_and_leaves_the_engine_as_it_was(one_thread):
+    model = MODELS["gpt2"]()
+    kv = model.kv_shape
+    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 12, block_size=4)
+    engine = Engine(model, cache, compile_decode_passes=True)
+    torch._dynamo.reset()
+    counters.clear()
+    engine.warm_up()
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not engine.has_unfinished and cache.pool.num_free_blocks == 12
+    assert (engine.preemptions, engine.reused_tokens, engine.prompt_tokens_computed) == (0, 0, 0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    outputs = engine.generate(prompts, [4, 6, 5])
+    assert counters["stats"]["unique_graphs"] == 2  # nothing compiled while serving
+    assert engine.prompt_tokens_computed == sum(len(p) for p in prompts)
+    assert outputs == Engine(
+        model, PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 12, block_size=4)
+    ).generate(prompts, [4, 6, 5])
+    with pytest.raises(RuntimeError, match="before the first request"):
+        engine.add_request([1, 2], 3)
+        engine.warm_up()

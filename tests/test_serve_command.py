@@ -88,7 +88,8 @@ def test_compiled_decode_passes_give_generates_text(checkpoint, capsys):
     several), each gets `generate`'s greedy text."""
     prompts = PROMPTS[:4]
     expected = [generated_text(checkpoint, prompt, capsys) for prompt in prompts]
-    with serve(checkpoint, "--num-blocks", "256", "--compile") as url, client_of(url) as client:
+    # It compiles before it listens (two graphs): a longer wait for /health.
+    with serve(checkpoint, "--num-blocks", "256", "--compile", timeout=240) as url, client_of(url) as client:
 
         def complete(prompt):
             answer = client.completions.create(

@@ -246,6 +246,9 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Before the engine thread starts (it owns the engine from then on) and before the server
+        # listens: the compiled decode passes' compilations (compile_decode_passes), if any.
+        await asyncio.to_thread(engine.warm_up)
         engine_thread.start()
         try:
             yield
