@@ -170,6 +170,6 @@ def test_engine_warm_up_compiles_both_passes_and_leaves_the_engine_as_it_was(one
     assert outputs == Engine(
         model, PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 12, block_size=4)
     ).generate(prompts, [4, 6, 5])
+    engine.add_request([1, 2], 3)
     with pytest.raises(RuntimeError, match="before the first request"):
-        engine.add_request([1, 2], 3)
         engine.warm_up()
