@@ -289,9 +289,10 @@ class Engine:
     def warm_up(self) -> None:
         """Runs now what the first decode passes would compile (with ``compile_decode_passes``; else
         there is nothing to do): a request of two tokens alone, then two at once, each asking for two
-        new tokens, then forgotten (their blocks freed, the counters as they were). A server calls it
-        before it listens, so that no client waits for a compilation. Refused while requests run or wait.
-        A pool too small to run the two at once, or a stop token first, leaves that pass to compile later."""
+        new tokens, then forgotten (their blocks freed, the counters as they were; other finished
+        requests not collected yet stay). A server calls it before it listens, so that no client waits
+        for a compilation. Refused while requests run or wait. A pool too small to run the two at once,
+        or a stop token first, leaves that pass to compile later."""
         if self._compiled_pass is None:
             return
         if self._running or self._waiting:
@@ -301,7 +302,8 @@ class Engine:
             ids = [self.add_request(prompt, 2) for prompt in prompts]
             while not all(self.is_finished(request_id) for request_id in ids):
                 self.step()
-            self.pop_finished()
+            for request_id in ids:
+                del self._requests[request_id]
         self.preemptions, self.reused_tokens, self.prompt_tokens_computed = counters
 
     def pop_finished(self) -> dict[int, list[int]]:

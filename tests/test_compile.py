@@ -155,21 +155,26 @@ def test_chat_command_compiled_gives_the_eager_replies(checkpoint, capsys, monke
 def test_engine_warm_up_compiles_both_passes_and_leaves_the_engine_as_it_was(one_thread):
     model = MODELS["gpt2"]()
     kv = model.kv_shape
-    cache = PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 12, block_size=4)
-    engine = Engine(model, cache, compile_decode_passes=True)
+
+    def paged():
+        return PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 12, block_size=4)
+
+    engine, eager = Engine(model, paged(), compile_decode_passes=True), Engine(model, paged())
     torch._dynamo.reset()
     counters.clear()
+    first = engine.add_request([3, 4], 1)  # its prompt pass only: compiles nothing
+    while not engine.is_finished(first):
+        engine.step()
+    before = engine.preemptions, engine.reused_tokens, engine.prompt_tokens_computed
     engine.warm_up()
     assert counters["stats"]["unique_graphs"] == 2
-    assert not engine.has_unfinished and cache.pool.num_free_blocks == 12
-    assert (engine.preemptions, engine.reused_tokens, engine.prompt_tokens_computed) == (0, 0, 0)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    outputs = engine.generate(prompts, [4, 6, 5])
+    assert not engine.has_unfinished and engine.cache.pool.num_free_blocks == 12
+    assert (engine.preemptions, engine.reused_tokens, engine.prompt_tokens_computed) == before
+    assert engine.pop_finished() == {first: eager.generate([[3, 4]], 1)[0]}  # still there to collect
+    prompts, max_new = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [4, 6, 5]
+    assert engine.generate(prompts, max_new) == eager.generate(prompts, max_new)
     assert counters["stats"]["unique_graphs"] == 2  # nothing compiled while serving
-    assert engine.prompt_tokens_computed == sum(len(p) for p in prompts)
-    assert outputs == Engine(
-        model, PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 12, block_size=4)
-    ).generate(prompts, [4, 6, 5])
+    assert engine.prompt_tokens_computed == before[2] + sum(len(p) for p in prompts)
     engine.add_request([1, 2], 3)
     with pytest.raises(RuntimeError, match="before the first request"):
         engine.warm_up()
