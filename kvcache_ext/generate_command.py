@@ -91,9 +91,8 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="run the decode steps under torch.compile (inductor): about a minute of compiling at the first "
-        "decode step on a 2-core CPU (serve and chat: one for one running request, one for several), then "
-        "shorter steps",
+        help="run the decode steps under torch.compile (inductor): 10 s to a minute of compiling on a 2-core CPU "
+        "(generate and chat: at the first decode step; serve: at startup, before it listens), then shorter steps",
     )
 
 

@@ -229,9 +229,9 @@ def create_app(
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model`` (a python_ref model) on ``cache`` by an
     :class:`~kvcache_ext.Engine` (``engine_options``: ``chunk_size``, ``max_batch_size``,
-    ``prefix_caching``, ``compile_decode_passes``) under the name ``model_name``. ``tokenizer``: text to ids and back
-    (``encode``, ``decode``, ``apply_chat_template``, ``stop_ids``, ``detokenizer``; see
-    ``python_ref/text.py``). ``max_queued``: requests that may wait for the engine before new ones
+    ``prefix_caching``, ``compile_decode_passes``) under the name ``model_name``. ``tokenizer``:
+    text to ids and back (``encode``, ``decode``, ``apply_chat_template``, ``stop_ids``,
+    ``detokenizer``; see ``python_ref/text.py``). ``max_queued``: requests that may wait for the engine before new ones
     get 503. The engine thread starts and stops with the app (its lifespan); stopping fails what is
     still in flight and writes a disk tier back."""
     if not isinstance(model_name, str) or not model_name:
