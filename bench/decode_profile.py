@@ -33,7 +33,8 @@ dispatcher between operators, and the profiler's own overhead of a few microseco
 *step ms* is the unprofiled median, *profiled ms* the profiled steps' mean (the shares are of it).
 The roofline column is the step's memory roofline over its unprofiled time: every byte the weights'
 products read (``product_weight_bytes``) and every cached key/value byte read once at the copy
-bandwidth (``target.copy_(source)`` of 256 MiB, read plus written) measured in the same run. Prints the CPU, the kernel copy and a Markdown table.
+bandwidth (``target.copy_(source)`` of 256 MiB, read plus written) measured in the same run. Prints
+the CPU, the kernel copy and a Markdown table.
 """
 
 from __future__ import annotations

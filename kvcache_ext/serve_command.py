@@ -84,12 +84,13 @@ def run(args) -> int:
         prefix_caching=args.prefix_caching,
         compile_decode_passes=args.compile,
     )
+    options = ("" if args.prefix_caching else ", no prefix caching") + (
+        ", decode passes compiled before it listens" if args.compile else ""
+    )
     print(
         f"[{pretrained.directory.name}: {describe_weights(pretrained)}, KV {args.kv_dtype or pretrained.dtype}, {num_blocks} blocks "
-        f"of {args.block_size} tokens ({cache.bytes_allocated() / 2**20:.0f} MiB)"
-        f"{'' if args.prefix_caching else ', no prefix caching'}{', decode passes compiled before it listens' if args.compile else ''}; "
-        f"load {pretrained.load_seconds:.1f} s] "
-        f"serving on http://{args.host}:{args.port}/v1",
+        f"of {args.block_size} tokens ({cache.bytes_allocated() / 2**20:.0f} MiB){options}; "
+        f"load {pretrained.load_seconds:.1f} s] serving on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
     serve(app, host=args.host, port=args.port)

@@ -49,6 +49,16 @@ def generated_text(checkpoint, prompt, capsys, chat=False):
     return out[:-1]
 
 
+def greedy_completion(client, model):
+    """``prompt -> text``: one greedy completion of MAX_TOKENS tokens through ``client``."""
+
+    def complete(prompt):
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        return answer.choices[0].text
+
+    return complete
+
+
 PROMPTS = [f"Request {i}: the café near 東京 sold {i * 7} crêpes" for i in range(32)]
 
 
@@ -71,14 +81,8 @@ def test_greedy_text_is_generates_and_many_clients_get_their_own(checkpoint, cap
         )
         assert chat.choices[0].message.content == chat_expected
 
-        def complete(prompt):
-            answer = client.completions.create(
-                model=checkpoint.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-            )
-            return answer.choices[0].text
-
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
-            got = dict(zip(PROMPTS, pool.map(complete, PROMPTS, timeout=300)))
+            got = dict(zip(PROMPTS, pool.map(greedy_completion(client, checkpoint.name), PROMPTS, timeout=300)))
         assert got == expected
         wait_until_idle(url)
 
@@ -90,13 +94,7 @@ def test_compiled_decode_passes_give_generates_text(checkpoint, capsys):
     expected = [generated_text(checkpoint, prompt, capsys) for prompt in prompts]
     # It compiles before it listens (two graphs): a longer wait for /health.
     with serve(checkpoint, "--num-blocks", "256", "--compile", timeout=240) as url, client_of(url) as client:
-
-        def complete(prompt):
-            answer = client.completions.create(
-                model=checkpoint.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-            )
-            return answer.choices[0].text
-
+        complete = greedy_completion(client, checkpoint.name)
         assert complete(prompts[0]) == expected[0]
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(complete, prompts, timeout=300)) == expected

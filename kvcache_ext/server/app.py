@@ -231,9 +231,10 @@ def create_app(
     :class:`~kvcache_ext.Engine` (``engine_options``: ``chunk_size``, ``max_batch_size``,
     ``prefix_caching``, ``compile_decode_passes``) under the name ``model_name``. ``tokenizer``:
     text to ids and back (``encode``, ``decode``, ``apply_chat_template``, ``stop_ids``,
-    ``detokenizer``; see ``python_ref/text.py``). ``max_queued``: requests that may wait for the engine before new ones
-    get 503. The engine thread starts and stops with the app (its lifespan); stopping fails what is
-    still in flight and writes a disk tier back."""
+    ``detokenizer``; see ``python_ref/text.py``). ``max_queued``: requests that may wait for the
+    engine before new ones get 503. The engine thread starts and stops with the app (its lifespan);
+    stopping fails what is still in flight and writes a disk tier back; with compiled decode passes,
+    the engine compiles them (``Engine.warm_up``) before the app starts serving."""
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
     engine = Engine(model, cache, **engine_options)
