@@ -23,7 +23,7 @@ import time
 import torch
 
 import kvcache_ext
-from kvcache_ext.benchmarks.common import HEAD_SHAPES, alternating_medians, cpu_model
+from kvcache_ext.benchmarks.common import HEAD_SHAPES, alternating_medians, cpu_model, select_cpu_copy
 from python_ref.quantize import KIVI_FORMATS, kivi_shapes, quantize, quantize_keys, rotates_keys
 
 FORMATS = ("int8", "fp8_e4m3", "int4", "int8_rot", "fp8_e4m3_rot", "int4_rot", *KIVI_FORMATS)
@@ -86,10 +86,7 @@ def main():
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=FORMATS)
     args = parser.parse_args()
     L, B = args.L, args.B
-    if args.isa is not None:
-        index = kvcache_ext.CPU_ISAS.index(args.isa)
-        if torch.ops.kvcache_ext.select_cpu_isa(index) != index:
-            parser.error(f"this CPU has no {args.isa} copy")
+    select_cpu_copy(parser, args.isa)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"CPU: {cpu_model()}; kernel copy: {kvcache_ext.build_info()['cpu_isa_active']}; clock: {reported_clock()}")

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import kvcache_ext
-from kvcache_ext.benchmarks.common import cpu_model
+from kvcache_ext.benchmarks.common import cpu_model, select_cpu_copy
 from kvcache_ext.linear import in_calls_of_max_rows, int4_weight_linear, int8_weight_linear, small_batch_linear
 from kvcache_ext.weight_formats import Int4WeightLinear, Int8WeightLinear
 from python_ref.int4_weights import BLOCK, unpack_int4
@@ -113,7 +113,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--isa", choices=kvcache_ext.CPU_ISAS, help="the CPU kernel copy to run (default: the best)")
     args = parser.parse_args()
+    select_cpu_copy(parser, args.isa)
     bandwidth = copy_gbps()
     isa = kvcache_ext.build_info().get("cpu_isa_active", "no")
     print(

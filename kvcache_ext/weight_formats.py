@@ -43,9 +43,10 @@ from .format_names import WEIGHT_FORMATS
 from .linear import int4_weight_linear
 
 # The CPU kernel copies on which an int8 layer multiplies through int8_weight_linear: where it measured
-# faster than aten's _weight_int8pack_mm (docs/checkpoints.md). The AVX-512 copies run the same
-# 256-bit code, not measured yet against aten's kernel on such a CPU.
-INTEGER_ACTIVATION_COPIES = ("avx2",)
+# faster than aten's _weight_int8pack_mm (bench/small_batch_linear.py, docs/checkpoints.md): the avx2
+# copy on an AVX2 EPYC, the avx2, avx512 and avx512_bf16 copies on an AVX-512 Xeon (one row 1.4-1.8x,
+# 16 rows 1.5-1.8x). The baseline copy multiplies a code at a time.
+INTEGER_ACTIVATION_COPIES = ("avx2", "avx512", "avx512_bf16")
 # What a disk tier's fingerprint (Pretrained.fingerprint) records of a format besides its name: int4
 # was torchao's asymmetric groups until 2026-12-05, so blocks computed with those weights are not reused.
 FORMAT_REVISIONS = {"int4": ":q4_0-blocks"}

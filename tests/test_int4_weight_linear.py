@@ -24,7 +24,18 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, in_features, out_features): one row and a prompt's many; one block, an odd number of blocks
 # (a pair's second block missing) and an even one; fewer output features than a block of weight rows
 # and not a multiple of one.
-SHAPES = [(1, 64, 40), (2, 32, 5), (3, 96, 129), (1, 224, 9), (4, 256, 67), (5, 160, 1), (17, 128, 30), (40, 32, 11)]
+SHAPES = [
+    (1, 64, 40),
+    (2, 32, 5),
+    (3, 96, 129),
+    (1, 224, 9),
+    (1, 1120, 7),
+    (3, 4128, 5),
+    (4, 256, 67),
+    (5, 160, 1),
+    (17, 128, 30),
+    (40, 32, 11),
+]
 
 
 def random_int4_weight(out_features, in_features, generator, scale_dtype=torch.float32):

@@ -22,7 +22,18 @@ pytestmark = pytest.mark.skipif(
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, in_features, out_features): one row and a prompt's many, widths below, at and past one block
 # of 32 and not a multiple of it, fewer output features than a tile and not a multiple of one.
-SHAPES = [(1, 64, 40), (2, 7, 5), (3, 33, 129), (1, 32, 9), (4, 256, 67), (5, 9, 1), (17, 100, 30), (40, 65, 11)]
+SHAPES = [
+    (1, 64, 40),
+    (2, 7, 5),
+    (3, 33, 129),
+    (1, 32, 9),
+    (1, 1100, 7),
+    (1, 33, 3),
+    (4, 256, 67),
+    (5, 9, 1),
+    (17, 100, 30),
+    (40, 65, 11),
+]
 
 
 def int8_weight(out_features, in_features, generator):

@@ -128,6 +128,18 @@ def cpu_model() -> str:
     return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
 
 
+def select_cpu_copy(parser, isa: str | None) -> None:
+    """Runs the CPU kernels' copy ``isa`` (one of ``kvcache_ext.CPU_ISAS``; None: the best this CPU
+    has), for a script's ``--isa``; a copy this CPU lacks is the parser's error."""
+    import kvcache_ext
+
+    if isa is None:
+        return
+    index = kvcache_ext.CPU_ISAS.index(isa)
+    if torch.ops.kvcache_ext.select_cpu_isa(index) != index:
+        parser.error(f"this CPU has no {isa} copy")
+
+
 def call_seconds(call, calls: int, clock=time.perf_counter) -> list[float]:
     """``clock`` seconds of each of ``calls`` calls of ``call`` in a row (any warm-up is the caller's)."""
     seconds = []
