@@ -35,6 +35,7 @@ import torch
 
 from python_ref.generate import check_top_p, choose_next_token
 
+from .linear import path_row_bounds
 from .paged import PagedKVCache, PoolExhaustedError
 
 
@@ -288,17 +289,25 @@ class Engine:
 
     def warm_up(self) -> None:
         """Runs now what the first decode passes would compile (with ``compile_decode_passes``; else
-        there is nothing to do): a request of two tokens alone, then two at once, each asking for two
-        new tokens, then forgotten (their blocks freed, the counters as they were; other finished
-        requests not collected yet stay). A server calls it before it listens, so that no client waits
-        for a compilation. Refused while requests run or wait. A pool too small to run the two at once,
-        or a stop token first, leaves that pass to compile later."""
+        there is nothing to do): a request of two tokens alone, then two at once, then one more than
+        each row bound of the model's layers at once (:func:`~kvcache_ext.linear.path_row_bounds`:
+        past one, a layer takes another product, a graph of its own) where ``max_batch_size`` allows,
+        each asking for two new tokens, then forgotten (their blocks freed, the counters as they were;
+        other finished requests not collected yet stay). A server calls it before it listens, so that
+        no client waits for a compilation. Refused while requests run or wait. A pool too small to run
+        a pass's requests at once, or a stop token first, leaves that pass to compile later."""
         if self._compiled_pass is None:
             return
         if self._running or self._waiting:
             raise RuntimeError("warm_up() runs before the first request: requests are running or waiting")
         counters = self.preemptions, self.reused_tokens, self.prompt_tokens_computed
-        for prompts in ([[0, 1]], [[0, 1], [1, 0]]):
+        row_counts = [1, 2] + [
+            bound + 1
+            for bound in path_row_bounds(self.model)
+            if bound >= 2 and (self.max_batch_size is None or bound < self.max_batch_size)
+        ]
+        for rows in row_counts:
+            prompts = [[k % 2, (k + 1) % 2] for k in range(rows)]
             ids = [self.add_request(prompt, 2) for prompt in prompts]
             while not all(self.is_finished(request_id) for request_id in ids):
                 self.step()

@@ -182,6 +182,21 @@ def layer_max_rows(dtype: torch.dtype, kernel_copy: str | None) -> int:
     return _KERNEL_MAX_ROWS.get((kernel_copy, dtype), MAX_ROWS)
 
 
+def path_row_bounds(model: nn.Module) -> list[int]:
+    """The row counts, ascending, past which some :class:`SmallBatchLinear` layer of ``model`` takes
+    another path for one more row: :func:`layer_max_rows` (the kernel up to it, torch's product past
+    it), or ``MAX_ROWS`` where the kernel takes any number of rows (one call up to it, calls of
+    ``MAX_ROWS`` rows past it). A compiled step guards on each, so the row counts on either side of
+    one run different graphs."""
+    bounds = set()
+    for layer in model.modules():
+        if isinstance(layer, SmallBatchLinear):
+            bound = layer_max_rows(layer.weight.dtype, layer.kernel_copy)
+            if bound > 0:
+                bounds.add(min(bound, MAX_ROWS))
+    return sorted(bounds)
+
+
 def in_calls_of_max_rows(product, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``product(x, weight)`` (``small_batch_linear`` or its unchecked op) for any number of rows of
     ``x``, ``MAX_ROWS`` rows a call."""

@@ -17,6 +17,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from kvcache_ext import Engine, KVCache, PagedKVCache
+from kvcache_ext.linear import MAX_ROWS, path_row_bounds, use_small_batch_linear
 from python_ref import build_gpt2, build_llama
 from python_ref.mla import build_mla
 
@@ -136,6 +137,28 @@ def test_engine_decode_passes_compiled_give_the_eager_tokens(arch, kv_dtype, wav
     assert compiled == eager
     # One graph for the passes of one row, one for several (rows, widths and lengths symbolic).
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_engine_warm_up_compiles_the_pass_past_each_row_bound_of_the_layers(one_thread):
+    """With layers that hand more than MAX_ROWS rows to another product (float32 ones, on every CPU
+    copy), a pass of MAX_ROWS + 1 rows is a third graph: warm_up compiles it too, and serving that
+    many requests at once compiles nothing more."""
+    model = MODELS["gpt2"]()
+    if use_small_batch_linear(model) == 0 or path_row_bounds(model) != [MAX_ROWS]:
+        pytest.skip("the native CPU library's small_batch_linear is not loaded")
+    kv = model.kv_shape
+
+    def paged():
+        return PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 64, block_size=4)
+
+    engine, eager = Engine(model, paged(), compile_decode_passes=True), Engine(model, paged())
+    torch._dynamo.reset()
+    counters.clear()
+    engine.warm_up()
+    assert counters["stats"]["unique_graphs"] == 3
+    prompts = [[k % 7 + 1, k % 5 + 2] for k in range(MAX_ROWS + 2)]
+    assert engine.generate(prompts, 3) == eager.generate(prompts, 3)
+    assert counters["stats"]["unique_graphs"] == 3  # nothing compiled while serving
 
 
 def test_chat_command_compiled_gives_the_eager_replies(checkpoint, capsys, monkeypatch):
