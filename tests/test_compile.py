@@ -139,6 +139,23 @@ def test_engine_decode_passes_compiled_give_the_eager_tokens(arch, kv_dtype, wav
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def compiled_and_eager_engines(model, num_blocks: int) -> tuple[Engine, Engine]:
+    """An engine compiling its decode passes and an eager one on ``model``, each on a pool of its own
+    (``num_blocks`` blocks of 4), with dynamo's caches and counters cleared."""
+    kv = model.kv_shape
+    engines = tuple(
+        Engine(
+            model,
+            PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks, block_size=4),
+            compile_decode_passes=compiled,
+        )
+        for compiled in (True, False)
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    return engines
+
+
 def test_engine_warm_up_compiles_the_pass_past_each_row_bound_of_the_layers(one_thread):
     """With layers that hand more than MAX_ROWS rows to another product (float32 ones, on every CPU
     copy), a pass of MAX_ROWS + 1 rows is a third graph: warm_up compiles it too, and serving that
@@ -146,14 +163,7 @@ def test_engine_warm_up_compiles_the_pass_past_each_row_bound_of_the_layers(one_
     model = MODELS["gpt2"]()
     if use_small_batch_linear(model) == 0 or path_row_bounds(model) != [MAX_ROWS]:
         pytest.skip("the native CPU library's small_batch_linear is not loaded")
-    kv = model.kv_shape
-
-    def paged():
-        return PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 64, block_size=4)
-
-    engine, eager = Engine(model, paged(), compile_decode_passes=True), Engine(model, paged())
-    torch._dynamo.reset()
-    counters.clear()
+    engine, eager = compiled_and_eager_engines(model, 64)
     engine.warm_up()
     assert counters["stats"]["unique_graphs"] == 3
     prompts = [[k % 7 + 1, k % 5 + 2] for k in range(MAX_ROWS + 2)]
@@ -176,15 +186,7 @@ def test_chat_command_compiled_gives_the_eager_replies(checkpoint, capsys, monke
 
 
 def test_engine_warm_up_compiles_both_passes_and_leaves_the_engine_as_it_was(one_thread):
-    model = MODELS["gpt2"]()
-    kv = model.kv_shape
-
-    def paged():
-        return PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], 12, block_size=4)
-
-    engine, eager = Engine(model, paged(), compile_decode_passes=True), Engine(model, paged())
-    torch._dynamo.reset()
-    counters.clear()
+    engine, eager = compiled_and_eager_engines(MODELS["gpt2"](), 12)
     first = engine.add_request([3, 4], 1)  # its prompt pass only: compiles nothing
     while not engine.is_finished(first):
         engine.step()
