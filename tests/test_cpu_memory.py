@@ -70,17 +70,17 @@ def mallinfo_preamble() -> str:
     )
 
 
-# Frees a 16 MiB tensor (which raises glibc's moving threshold to 16 MiB), then holds a 1 MiB one:
+# Frees a 24 MiB tensor (which raises glibc's moving threshold to 24 MiB), then holds an 8 MiB one:
 # prints whether that one got a mapping of its own (a chunk more in mallinfo2's hblks).
 MAPPED = mallinfo_preamble() + textwrap.dedent(
     """
     from kvcache_ext.cpu_memory import fix_mmap_threshold
     if "--fix" in sys.argv:
-        assert fix_mmap_threshold() == 128 * 1024
-    big = torch.ones(4 * 2**20)  # 16 MiB of float32
+        assert fix_mmap_threshold() == 4 * 2**20
+    big = torch.ones(6 * 2**20)  # 24 MiB of float32
     del big
     before = libc.mallinfo2().hblks
-    held = torch.ones(2**18)  # 1 MiB
+    held = torch.ones(2**21)  # 8 MiB
     print(libc.mallinfo2().hblks - before)
     """
 )
