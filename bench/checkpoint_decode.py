@@ -90,6 +90,7 @@ def main():
     args = parser.parse_args()
     import transformers
 
+    from kvcache_ext.huge_pages import weights_to_huge_pages
     from kvcache_ext.linear import use_small_batch_linear
     from kvcache_ext.pretrained import Pretrained
     from python_ref.checkpoint import load_checkpoint
@@ -100,6 +101,7 @@ def main():
     model = load_checkpoint(args.dir, dtype=torch.bfloat16)
     if not args.torch_linear:  # as Pretrained.load and the commands do by default
         use_small_batch_linear(model)
+    weights_to_huge_pages(model)  # as Pretrained.load
     pretrained = Pretrained(args.dir, model, None, 0.0)
     pretrained.load_seconds = time.perf_counter() - start
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()

@@ -52,6 +52,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import kvcache_ext
 from kvcache_ext.benchmarks.common import call_seconds, cpu_model
+from kvcache_ext.huge_pages import weights_to_huge_pages
 from kvcache_ext.linear import use_small_batch_linear
 from kvcache_ext.weight_formats import quantize_weights
 
@@ -250,6 +251,7 @@ def main() -> None:
             quantize_weights(model, weights)
         if not args.torch_linear:
             use_small_batch_linear(model)
+        weights_to_huge_pages(model)  # as Pretrained.load
         label_modules(model)
         weight_bytes = product_weight_bytes(model)
         for threads in map(int, args.threads.split(",")):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import kvcache_ext
 from kvcache_ext.benchmarks.common import HEAD_SHAPES, cpu_model
-from kvcache_ext.storage import huge_pages
+from kvcache_ext import huge_pages
 
 GRID = [  # (shape, batch, context)
     ("gpt2", 1, 32768),

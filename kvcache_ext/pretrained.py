@@ -24,6 +24,7 @@ from python_ref.generate import choose_next_token
 
 from .cache import KVCache
 from .engine import Engine, compile_decode
+from .huge_pages import weights_to_huge_pages
 from .linear import use_small_batch_linear
 from .paged import PagedKVCache
 from .weight_formats import FORMAT_REVISIONS, check_model_class, check_weight_format, quantize_weights
@@ -55,7 +56,8 @@ class Pretrained:
         format and the model computing in bfloat16 (``dtype`` None or bfloat16); CPU only.
         ``small_batch_linear``: the unquantized linear layers multiply a decode step's few rows with
         ``kvcache_ext.linear.small_batch_linear`` on the CPU (one read of each weight per step); False
-        leaves every product to ``F.linear``."""
+        leaves every product to ``F.linear``. On the CPU the large weights are moved onto transparent
+        huge pages where the OS allows (``kvcache_ext.huge_pages.weights_to_huge_pages``)."""
         from python_ref.text import Tokenizer
 
         start = time.perf_counter()
@@ -70,6 +72,7 @@ class Pretrained:
             model = quantize_weights(load_checkpoint(directory, dtype=torch.bfloat16, device=device), weights)
         if small_batch_linear:
             use_small_batch_linear(model)
+        weights_to_huge_pages(model)  # a step reads every weight: fewer TLB misses (huge_pages.py)
         return cls(Path(directory), model, tokenizer, time.perf_counter() - start, weights)
 
     @property

@@ -1,4 +1,4 @@
-"""Cache buffers are marked for transparent huge pages where Linux offers them, and stay exact zeros."""
+"""Cache buffers and weights are marked for transparent huge pages where Linux offers them, values unchanged."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvcache_ext
-from kvcache_ext.storage import huge_pages
+from kvcache_ext import huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -61,3 +61,44 @@ def test_a_long_cache_asks_for_huge_pages(kv_dtype):
     assert cache.bytes_allocated() == sum(
         t.untyped_storage().nbytes() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None
     )
+
+
+class TiedModel(torch.nn.Module):
+    """Large and small parameters, a tied head, a large buffer and a pair of views of one storage."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.embedding = torch.nn.Embedding(3000, 256, dtype=torch.bfloat16)  # 1.5 MiB: stays
+        self.wide = torch.nn.Linear(1200, 1000, dtype=torch.float32)  # 4.6 MiB: moves, its 4 KiB bias stays
+        self.head = torch.nn.Linear(1200, 1000, bias=False, dtype=torch.float32)
+        self.head.weight = self.wide.weight  # tied: one tensor
+        self.register_buffer("codes", torch.randint(-128, 128, (3, 1000, 1001), dtype=torch.int8, generator=generator))
+        fused = torch.randn(2 * 1024, 1024, generator=generator)  # 8 MiB whose halves are two buffers
+        self.register_buffer("upper", fused[:1024])
+        self.register_buffer("lower", fused[1024:])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_weights_move_with_values_sharing_and_small_tensors_kept():
+    model = TiedModel()
+    before = {name: (t.clone(), t.data_ptr()) for name, t in model.state_dict(keep_vars=True).items()}
+    moved = huge_pages.weights_to_huge_pages(model)
+    state = model.state_dict(keep_vars=True)
+    for name, (values, address) in before.items():
+        assert torch.equal(state[name], values), name
+        stays = name in ("embedding.weight", "wide.bias", "upper", "lower")
+        assert (state[name].data_ptr() == address) == stays, name
+    assert model.head.weight is model.wide.weight and isinstance(model.wide.weight, torch.nn.Parameter)
+    assert moved == model.wide.weight.numel() * 4 + model.codes.numel()
+    assert huge_pages.weights_to_huge_pages(torch.nn.Linear(4, 4)) == 0
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
+def test_moved_weights_ask_for_huge_pages_from_a_2_mib_boundary():
+    model = TiedModel()
+    huge_pages.weights_to_huge_pages(model)
+    for t in (model.wide.weight, model.codes):
+        assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+        assert "hg" in vm_flags_at(t.data_ptr())
+    assert "hg" not in vm_flags_at(model.upper.data_ptr())

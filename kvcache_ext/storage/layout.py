@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import huge_pages
+from .. import huge_pages
 from .formats import as_bytes
 
 
