@@ -58,31 +58,36 @@ def zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def weights_to_huge_pages(model: torch.nn.Module) -> int:
-    """Moves every CPU parameter and buffer of ``model`` of at least 2 MiB that owns its storage
-    whole (contiguous, nothing else in it) into memory of its own on huge pages, values unchanged;
-    returns the bytes moved. A tensor shared by several modules (a tied head) is moved once and
-    stays shared; one that shares its storage with others (views of a fused weight) is left where
-    it is, so that nothing is duplicated."""
-    moved = 0
+    """Moves every CPU parameter and buffer of ``model`` that owns its storage whole (contiguous,
+    nothing else in it) into memory of its own, values unchanged: those of at least 2 MiB onto huge
+    pages, the others into plain copies, so that no weight keeps memory the loader mapped alive (a
+    checkpoint file mapped whole stays mapped, and the pages the copies read resident, while any
+    tensor of it lives). Returns the bytes moved onto huge pages. A tensor shared by several
+    modules (a tied head) is moved once and stays shared; one that shares its storage with others
+    (views of a fused weight) is left where it is, so that nothing is duplicated. While it runs on a
+    model read from a mapped file, the file's pages and the copies are both resident (a peak of
+    about twice the weights; the file's pages are clean, so the kernel can drop them)."""
+    on_huge_pages = 0
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         nbytes = tensor.numel() * tensor.element_size()
         if (
-            _madvise is None
-            or type(tensor.detach()) is not torch.Tensor  # a tensor subclass (torchao's) holds its data elsewhere
+            type(tensor.detach()) is not torch.Tensor  # a tensor subclass (torchao's) holds its data elsewhere
             or tensor.device.type != "cpu"
-            or nbytes < HUGE_PAGE_BYTES
             or not tensor.is_contiguous()
             or tensor.untyped_storage().nbytes() != nbytes
         ):
             continue
-        copy = _mapped_empty(tensor.shape, tensor.dtype).copy_(tensor)
+        if _madvise is not None and nbytes >= HUGE_PAGE_BYTES:
+            copy = _mapped_empty(tensor.shape, tensor.dtype).copy_(tensor)
+            on_huge_pages += nbytes
+        else:
+            copy = tensor.detach().clone()
         if isinstance(tensor, torch.nn.Parameter):
             tensor.data = copy  # every module holding this parameter sees the copy
         else:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, copy)
-        moved += nbytes
-    return moved
+    return on_huge_pages
 
 
 def _mapped_empty(shape, dtype: torch.dtype) -> torch.Tensor:

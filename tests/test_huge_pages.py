@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import kvcache_ext
+from checkpoint_dirs import write_checkpoint
 from kvcache_ext import huge_pages
+from kvcache_ext.pretrained import Pretrained
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -69,8 +71,8 @@ class TiedModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
-        self.embedding = torch.nn.Embedding(3000, 256, dtype=torch.bfloat16)  # 1.5 MiB: stays
-        self.wide = torch.nn.Linear(1200, 1000, dtype=torch.float32)  # 4.6 MiB: moves, its 4 KiB bias stays
+        self.embedding = torch.nn.Embedding(3000, 256, dtype=torch.bfloat16)  # 1.5 MiB: a plain copy
+        self.wide = torch.nn.Linear(1200, 1000, dtype=torch.float32)  # 4.6 MiB: huge pages; its bias a plain copy
         self.head = torch.nn.Linear(1200, 1000, bias=False, dtype=torch.float32)
         self.head.weight = self.wide.weight  # tied: one tensor
         self.register_buffer("codes", torch.randint(-128, 128, (3, 1000, 1001), dtype=torch.int8, generator=generator))
@@ -80,17 +82,16 @@ class TiedModel(torch.nn.Module):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
-def test_weights_move_with_values_sharing_and_small_tensors_kept():
+def test_weights_move_with_values_and_sharing_kept():
     model = TiedModel()
     before = {name: (t.clone(), t.data_ptr()) for name, t in model.state_dict(keep_vars=True).items()}
-    moved = huge_pages.weights_to_huge_pages(model)
+    on_huge_pages = huge_pages.weights_to_huge_pages(model)
     state = model.state_dict(keep_vars=True)
     for name, (values, address) in before.items():
-        assert torch.equal(state[name], values), name
-        stays = name in ("embedding.weight", "wide.bias", "upper", "lower")
-        assert (state[name].data_ptr() == address) == stays, name
+        assert torch.equal(state[name], values) and state[name].dtype == values.dtype, name
+        assert (state[name].data_ptr() == address) == (name in ("upper", "lower")), name
     assert model.head.weight is model.wide.weight and isinstance(model.wide.weight, torch.nn.Parameter)
-    assert moved == model.wide.weight.numel() * 4 + model.codes.numel()
+    assert on_huge_pages == model.wide.weight.numel() * 4 + model.codes.numel()
     assert huge_pages.weights_to_huge_pages(torch.nn.Linear(4, 4)) == 0
 
 
@@ -101,4 +102,16 @@ def test_moved_weights_ask_for_huge_pages_from_a_2_mib_boundary():
     for t in (model.wide.weight, model.codes):
         assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
         assert "hg" in vm_flags_at(t.data_ptr())
-    assert "hg" not in vm_flags_at(model.upper.data_ptr())
+    for t in (model.upper, model.embedding.weight):
+        assert "hg" not in vm_flags_at(t.data_ptr())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_loaded_checkpoint_keeps_no_mapping_of_its_file(tmp_path):
+    """safetensors maps a file whole and its tensors share the mapping: one small weight left in it
+    would keep every page the loader read resident. (qwen2 is stored in bfloat16 and loaded as
+    stored, so no conversion copies its tensors.)"""
+    weights_file = str(write_checkpoint(tmp_path, "qwen2") / "model.safetensors")
+    pretrained = Pretrained.load(tmp_path)
+    assert pretrained.dtype == torch.bfloat16
+    assert not [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(weights_file)]
