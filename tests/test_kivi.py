@@ -185,6 +185,20 @@ def test_native_attention_matches_the_oracle(isa, fmt, dtype, D, group, num_new,
 
 
 @native
+def test_every_fp8_code_widens_exactly(isa):
+    """Every finite e4m3fn code (both zeros, the subnormals, +-448) as one position's values: a row
+    holding that one position returns its values exactly (its softmax weight is 1, its scale 1)."""
+    fmt = "fp8_e4m3_kivi"
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN codes
+    D = 256
+    cache = empty_cache(fmt, 1, 1, G, D)
+    cache[3].view(torch.uint8)[0, 0, 0, : len(codes)] = codes
+    cache[4].fill_(1.0)
+    out, _ = kvcache_ext.decode_attention_kivi(torch.randn(1, 1, 1, D), *cache, torch.tensor([1]))
+    assert torch.equal(out[0, 0, 0, : len(codes)], codes.view(torch.float8_e4m3fn).float())
+
+
+@native
 @pytest.mark.parametrize("fmt", KIVI)
 def test_native_attention_softcap_sinks_and_short_rows(isa, fmt):
     B, H_kv, S, D = 3, 1, 50, 64
