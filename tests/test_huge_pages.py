@@ -115,3 +115,39 @@ def test_a_loaded_checkpoint_keeps_no_mapping_of_its_file(tmp_path):
     pretrained = Pretrained.load(tmp_path)
     assert pretrained.dtype == torch.bfloat16
     assert not [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(weights_file)]
+
+
+def mapping_rss_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of the file ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            inside = line.endswith(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_weights_copied_from_a_mapped_file_leave_its_pages(tmp_path):
+    """Copied onto huge pages, a weight read from a mapped checkpoint file gives its file pages back
+    (else the file's pages and the copies were both resident: twice the weights); whoever still holds
+    the old tensor reads the same bytes (the pages come from the file again)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "weights.safetensors")
+    weights = {f"w{i}": torch.randn(1024, 1536, generator=torch.Generator().manual_seed(i)) for i in range(3)}
+    save_file(weights, path)  # 6 MiB each
+    with safe_open(path, framework="pt") as file:
+        loaded = [file.get_tensor(f"w{i}") for i in range(3)]
+    model = torch.nn.Module()
+    for i, tensor in enumerate(loaded):
+        model.register_parameter(f"w{i}", torch.nn.Parameter(tensor, requires_grad=False))
+    assert all(torch.equal(tensor, weights[f"w{i}"]) for i, tensor in enumerate(loaded))  # reads every page
+    assert mapping_rss_kib(path) >= 3 * 6 * 1024
+    huge_pages.weights_to_huge_pages(model)
+    assert mapping_rss_kib(path) < 1024  # the old tensors keep the mapping, not its pages
+    for i, old in enumerate(loaded):
+        assert torch.equal(getattr(model, f"w{i}"), weights[f"w{i}"]) and torch.equal(old, weights[f"w{i}"])
