@@ -13,9 +13,11 @@ zeroes it: the allocation stays the tensor's own bytes (``bytes_allocated()`` ex
 each end keeps small pages. :func:`weights_to_huge_pages` copies a model's large weights into
 mappings of their own instead (a private anonymous mapping per tensor, its start 2 MiB-aligned):
 a loader frees and reallocates while it converts, so a ``torch.empty`` of a weight's size may be
-heap memory touched already, which a mark no longer turns into huge pages. Elsewhere (another OS,
-a device tensor, under 2 MiB) nothing changes. The mark is a hint: a kernel that refuses it leaves
-the memory on small pages, as before.
+heap memory touched already, which a mark no longer turns into huge pages. It also copies the
+small weights (into plain memory) and pages out the file pages a copied weight was read from, so
+that a checkpoint file mapped whole neither stays mapped nor keeps its pages resident beside the
+copies. Elsewhere (another OS, a device tensor) the large weights stay where they are. The mark is a
+hint: a kernel that refuses it leaves the memory on small pages, as before.
 """
 
 from __future__ import annotations
