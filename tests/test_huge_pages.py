@@ -21,16 +21,24 @@ def thp_mode() -> str | None:
     return THP.read_text().split("[")[1].split("]")[0]
 
 
-def vm_flags_at(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds ``address`` (from /proc/self/smaps)."""
-    inside = False
+def smaps_entries() -> list[tuple[str, list[str]]]:
+    """Each mapping of this process in /proc/self/smaps: its header line and the lines about it."""
+    entries = []
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= address < high
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
+            entries.append((line, []))
+        else:
+            entries[-1][1].append(line)
+    return entries
+
+
+def vm_flags_at(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address``."""
+    for header, lines in smaps_entries():
+        low, high = (int(x, 16) for x in header.split()[0].split("-"))
+        if low <= address < high:
+            return next(line.split()[1:] for line in lines if line.startswith("VmFlags:"))
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
@@ -118,15 +126,14 @@ def test_a_loaded_checkpoint_keeps_no_mapping_of_its_file(tmp_path):
 
 
 def mapping_rss_kib(path: str) -> int:
-    """Resident KiB of this process's mappings of the file ``path`` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            inside = line.endswith(path)
-        elif inside and line.startswith("Rss:"):
-            total += int(line.split()[1])
-    return total
+    """Resident KiB of this process's mappings of the file ``path``."""
+    return sum(
+        int(line.split()[1])
+        for header, lines in smaps_entries()
+        if header.endswith(path)
+        for line in lines
+        if line.startswith("Rss:")
+    )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
