@@ -90,18 +90,14 @@ def main():
     args = parser.parse_args()
     import transformers
 
-    from kvcache_ext.huge_pages import weights_to_huge_pages
-    from kvcache_ext.linear import use_small_batch_linear
-    from kvcache_ext.pretrained import Pretrained
+    from kvcache_ext.pretrained import Pretrained, prepare_for_decode
     from python_ref.checkpoint import load_checkpoint
 
     torch.set_num_threads(args.threads)
     write_llama_1b(args.dir, args.layers)
     start = time.perf_counter()
     model = load_checkpoint(args.dir, dtype=torch.bfloat16)
-    if not args.torch_linear:  # as Pretrained.load and the commands do by default
-        use_small_batch_linear(model)
-    weights_to_huge_pages(model)  # as Pretrained.load
+    prepare_for_decode(model, small_batch_linear=not args.torch_linear)  # as Pretrained.load and the commands
     pretrained = Pretrained(args.dir, model, None, 0.0)
     pretrained.load_seconds = time.perf_counter() - start
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()

@@ -52,8 +52,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import kvcache_ext
 from kvcache_ext.benchmarks.common import call_seconds, cpu_model
-from kvcache_ext.huge_pages import weights_to_huge_pages
-from kvcache_ext.linear import use_small_batch_linear
+from kvcache_ext.pretrained import prepare_for_decode
 from kvcache_ext.weight_formats import quantize_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -249,9 +248,7 @@ def main() -> None:
         model = load_checkpoint(args.dir, dtype=torch.bfloat16 if weights else getattr(torch, dtype_name))
         if weights:
             quantize_weights(model, weights)
-        if not args.torch_linear:
-            use_small_batch_linear(model)
-        weights_to_huge_pages(model)  # as Pretrained.load
+        prepare_for_decode(model, small_batch_linear=not args.torch_linear)
         label_modules(model)
         weight_bytes = product_weight_bytes(model)
         for threads in map(int, args.threads.split(",")):

@@ -93,9 +93,7 @@ from weight_formats_decode import step_weight_bytes  # noqa: E402
 
 import kvcache_ext  # noqa: E402
 from kvcache_ext.benchmarks.common import cpu_model  # noqa: E402
-from kvcache_ext.huge_pages import weights_to_huge_pages  # noqa: E402
-from kvcache_ext.linear import use_small_batch_linear  # noqa: E402
-from kvcache_ext.pretrained import Pretrained  # noqa: E402
+from kvcache_ext.pretrained import Pretrained, prepare_for_decode  # noqa: E402
 from kvcache_ext.weight_formats import quantize_weights  # noqa: E402
 from python_ref import build_llama  # noqa: E402
 from python_ref.llama import rope_inverse_frequencies  # noqa: E402
@@ -457,9 +455,7 @@ def our_model(model, weight_type: str):
     if weight_type == "f32":
         return model
     ours = quantize_weights(copy.deepcopy(model), WEIGHT_PAIRS[weight_type])
-    use_small_batch_linear(ours)
-    weights_to_huge_pages(ours)
-    return ours.eval()
+    return prepare_for_decode(ours).eval()
 
 
 def their_step_bytes(model, weight_type: str, kv_type: str, tokens: int) -> float:

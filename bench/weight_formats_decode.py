@@ -41,9 +41,7 @@ from decode_roofline import copy_gbps  # noqa: E402
 
 import kvcache_ext  # noqa: E402
 from kvcache_ext.benchmarks.common import cpu_model  # noqa: E402
-from kvcache_ext.huge_pages import weights_to_huge_pages  # noqa: E402
-from kvcache_ext.linear import use_small_batch_linear  # noqa: E402
-from kvcache_ext.pretrained import Pretrained  # noqa: E402
+from kvcache_ext.pretrained import Pretrained, prepare_for_decode  # noqa: E402
 from kvcache_ext.weight_formats import quantize_weights  # noqa: E402
 from python_ref.checkpoint import load_checkpoint  # noqa: E402
 
@@ -82,8 +80,7 @@ def load(directory: Path, weights: str) -> Pretrained:
             quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False))
     else:
         model = quantize_weights(model, weights)
-    use_small_batch_linear(model)  # as Pretrained.load: the bfloat16 layers (quantized ones stay)
-    weights_to_huge_pages(model)  # as Pretrained.load (torchao's tensors stay where they are)
+    prepare_for_decode(model)  # the bfloat16 layers (quantized ones stay; torchao's tensors stay where they are)
     return Pretrained(directory, model, None, 0.0, weights)
 
 

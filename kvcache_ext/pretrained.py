@@ -33,6 +33,18 @@ if TYPE_CHECKING:
     from python_ref.text import Tokenizer
 
 
+def prepare_for_decode(model: torch.nn.Module, small_batch_linear: bool = True) -> torch.nn.Module:
+    """What :meth:`Pretrained.load` does to a model once its weights are read (a benchmark that builds
+    its model itself calls this to run it as users get it): its unquantized linear layers through
+    ``kvcache_ext.linear.small_batch_linear`` (unless ``small_batch_linear`` is False), then its large
+    CPU weights onto huge pages (``kvcache_ext.huge_pages.weights_to_huge_pages``: a step reads every
+    weight, and fewer TLB misses read them faster). Returns ``model``."""
+    if small_batch_linear:
+        use_small_batch_linear(model)
+    weights_to_huge_pages(model)
+    return model
+
+
 @dataclass
 class Pretrained:
     directory: Path
@@ -70,9 +82,7 @@ class Pretrained:
             model = load_checkpoint(directory, dtype=dtype, device=device)
         else:
             model = quantize_weights(load_checkpoint(directory, dtype=torch.bfloat16, device=device), weights)
-        if small_batch_linear:
-            use_small_batch_linear(model)
-        weights_to_huge_pages(model)  # a step reads every weight: fewer TLB misses (huge_pages.py)
+        prepare_for_decode(model, small_batch_linear)
         return cls(Path(directory), model, tokenizer, time.perf_counter() - start, weights)
 
     @property
