@@ -1,14 +1,15 @@
 """Continuous batching over python_ref models with a :class:`~kvcache_ext.paged.PagedKVCache`.
 
-Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further:
-the decoding requests (one token each) in one forward pass, the requests still reading their prompts
-(a chunk of at most ``chunk_size`` tokens each, of any lengths) in another — a pass pads its rows to
-its longest piece, which a one-token row should not pay for — and more passes only where one would
-need more positions than the model has. The rows of a pass are right-padded to its longest piece and
-the cache protocol's ``counts`` say how many tokens of each row are real (the padding is neither
-stored nor attended); the cache gives each row its own positions, and the model computes logits only
-at each row's last new token. A request that finishes frees its blocks at once; a request added
-between steps joins at the next one.
+Each :meth:`Engine.step` admits waiting requests, then runs every running request one piece further
+in one forward pass: the decoding requests (one token each) and the requests still reading their
+prompts (a chunk of at most ``chunk_size`` tokens each, of any lengths) together, so that the step
+reads every weight once; more passes only where one would need more positions than the model has.
+The rows of a pass are right-padded to its longest piece and the cache protocol's ``counts`` say how
+many tokens of each row are real: the model runs its products on the real tokens alone
+(``python_ref/packed_rows.py``), the padding is neither stored nor attended, and the paged cache
+attends each decoding row with its one query (not a chunk's). The cache gives each row its own
+positions, and the model computes logits only at each row's last new token. A request that finishes
+frees its blocks at once; a request added between steps joins at the next one.
 
 A waiting request whose prompt starts with full blocks that a running request is still computing
 waits until they are stored: then it takes them from the prefix cache instead of computing them too.
@@ -131,7 +132,8 @@ class Engine:
     prefix caching saves).
 
     ``compile_decode_passes``: the decode passes (one new token in every row) run under
-    ``torch.compile`` (:func:`compile_decode`; prompt passes stay eager). The pool's bookkeeping
+    ``torch.compile`` (:func:`compile_decode`); the prompt chunks then go in a pass of their own,
+    eager. The pool's bookkeeping
     stays out of the graph: the cache begins each step eagerly (blocks reserved, block tables made)
     and the compiled model runs on the step's :class:`~kvcache_ext.paged.PagedStep`. The rows, the
     tables' width and the lengths are dynamic, so two compilations serve every pass: the first pass
@@ -407,16 +409,19 @@ class Engine:
         return min(len(request.tokens) - request.computed, self.chunk_size)
 
     def _passes(self, running: list[_Request]) -> list[list[_Request]]:
-        """The forward passes of a step. A pass runs every row as long as its longest piece (right
-        padding), so decoding requests (one token each) and prompt chunks (up to ``chunk_size``)
-        go in separate passes: padded to a chunk, a decode row would cost as much as the chunk
-        (measured: the engine took 1.8x the CPU time of static batches on GPT-2 124M that way).
-        Within each, a pass also needs its largest cached length plus its longest piece within
-        the model's positions: rows are taken by cached length, shortest first, and a pass closes
-        when the next row would not fit."""
+        """The forward passes of a step: one for every row (the model packs the padding out of its
+        products), or, with compiled decode passes, one of the decoding rows (one token each) and
+        one of the prompt chunks. A pass needs its largest cached length plus its longest piece
+        within the model's positions (attention runs every row as long as its longest piece):
+        rows are taken by cached length, shortest first, and a pass closes when the next row
+        would not fit."""
         context = self.model.cfg.context_length
         passes = []
-        for rows in ([r for r in running if self._pending(r) == 1], [r for r in running if self._pending(r) > 1]):
+        if self._compiled_pass is None:
+            groups = [running]
+        else:
+            groups = [[r for r in running if self._pending(r) == 1], [r for r in running if self._pending(r) > 1]]
+        for rows in groups:
             current, deepest, longest = [], 0, 0
             for request in sorted(rows, key=lambda r: r.computed):
                 pending = self._pending(request)

@@ -142,6 +142,7 @@ class PagedKVCache(StorageAttributes):
         self._step_counts: list[int] | None = None
         self._lengths_after = None  # during a step: each row's tokens with the step's included
         self._step_shapes = None  # during a step, once its first layer is checked: its arguments' shapes
+        self._row_groups = None  # during a step: the rows attended apart (_attention_row_groups)
 
     @property
     def device(self) -> torch.device:
@@ -261,7 +262,15 @@ class PagedKVCache(StorageAttributes):
             self.storage.check_attention(q, block_tables, self._lengths_after, self.window, scale)
             self._step_shapes = shapes
         self.storage.append(layer, k, v, block_tables, lengths_before, new_counts)
-        out, _ = self.storage.attention(layer, q, block_tables, self._lengths_after, self.window, scale)
+        if self._row_groups is None:
+            out, _ = self.storage.attention(layer, q, block_tables, self._lengths_after, self.window, scale)
+            return out
+        out = None
+        for rows, width, tables, lengths in self._row_groups:  # subsets of what the step's check covered
+            part, _ = self.storage.attention(layer, q[rows, :, :width], tables, lengths, self.window, scale)
+            if out is None:  # the padding's outputs, which the protocol leaves unspecified, are zeros
+                out = part.new_zeros(q.shape[0], q.shape[1], num_new, part.shape[-1])
+            out[rows, :, :width] = part
         return out
 
     def step_view(self, positions: torch.Tensor) -> PagedStep:
@@ -280,13 +289,13 @@ class PagedKVCache(StorageAttributes):
         counts = self._step_counts or [self._step[0]] * len(self._rows)
         for row, seq_id in enumerate(self._rows):
             self.pool.commit(seq_id, counts[row], None if self._new_tokens is None else self._new_tokens[row])
-        self._step, self._step_counts, self._new_tokens = None, None, None
+        self._step, self._step_counts, self._new_tokens, self._row_groups = None, None, None, None
 
     def abort_step(self) -> None:
         """Forget a step that raised part-way (before ``finish_step``): nothing of it is committed,
         the room it reserved stays with its rows (a later step reuses it, ``free`` returns it)."""
         self._step, self._step_counts, self._new_tokens, self._lengths_after = None, None, None, None
-        self._step_shapes = None
+        self._step_shapes = self._row_groups = None
 
     def write_back(self) -> None:
         """Write every block of the prefix cache to the disk tier (those it holds already are skipped),
@@ -343,6 +352,25 @@ class PagedKVCache(StorageAttributes):
         self._step, self._step_counts = (num_new, block_tables.to(self.device), lengths, step_counts), counts
         self._lengths_after = lengths + num_new
         self._step_shapes = None
+        self._row_groups = (
+            None if counts is None else self._attention_row_groups(num_new, counts, self._step[1], lengths)
+        )
+
+    def _attention_row_groups(self, num_new: int, counts: list[int], block_tables, lengths) -> list | None:
+        """Where a step's rows of one new token (decoding) share it with longer rows (prompt chunks):
+        ``(rows, width, block tables, lengths after)`` for the one-token rows, attended with one query
+        each instead of ``num_new`` (padded, a decoding row would cost a chunk's attention), and for
+        the longer rows; rows adding nothing are left out. None where no row would be spared."""
+        single = [row for row, count in enumerate(counts) if count == 1]
+        longer = [row for row, count in enumerate(counts) if count > 1]
+        if num_new == 1 or not single or len(longer) == len(counts):
+            return None
+        groups = []
+        for rows, width in ((single, 1), (longer, num_new)):
+            if rows:
+                index = torch.tensor(rows, device=self.device)
+                groups.append((index, width, block_tables[index], lengths[index] + width))
+        return groups
 
 
 class PagedStep:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .caches import NoCache, positions_for_logits, start_forward
+from .packed_rows import PackedRows
 from .tensor_parallel import (
     SINGLE_PROCESS,
     ColumnParallelLinear,
@@ -164,11 +165,15 @@ class GPTModel(nn.Module):
         """
         cache = NoCache() if cache is None else cache
         positions = start_forward(cache, idx, self.cfg.context_length, counts, logits_at)
+        packed = PackedRows.for_pass(cache, counts, idx)  # padding skips all but attention
+        if packed is not None:
+            idx, positions = packed.pack(idx), packed.pack(positions)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.trf_blocks:
-            x = block(x, cache)
+            x = block(x, cache if packed is None else packed)
         cache.finish_step()
-        return self.out_head(self.final_norm(positions_for_logits(x, logits_at)))
+        hidden = positions_for_logits(x, logits_at) if packed is None else packed.hidden_for_logits(x, logits_at)
+        return self.out_head(self.final_norm(hidden))
 
 
 def build_gpt2(

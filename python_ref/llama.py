@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .caches import NoCache, positions_for_logits, start_forward
+from .packed_rows import PackedRows
 from .tensor_parallel import (
     SINGLE_PROCESS,
     ColumnParallelLinear,
@@ -323,12 +324,16 @@ def decoder_forward(model: nn.Module, idx: torch.Tensor, cache, counts, logits_a
     ``MLAModel``'s): embedding, the blocks with their rotary tables and the cache, final norm and
     output head at ``logits_at``."""
     positions = start_forward(cache, idx, model.cfg.context_length, counts, logits_at)
+    packed = PackedRows.for_pass(cache, counts, idx)  # padding skips all but attention
+    if packed is not None:
+        idx, positions = packed.pack(idx), packed.pack(positions)
     x = model.tok_emb(idx)
     cos, sin = model.rope(positions, x.dtype)
     for block in model.trf_blocks:
-        x = block(x, cos, sin, cache)
+        x = block(x, cos, sin, cache if packed is None else packed)
     cache.finish_step()
-    return model.out_head(model.final_norm(positions_for_logits(x, logits_at)))
+    hidden = positions_for_logits(x, logits_at) if packed is None else packed.hidden_for_logits(x, logits_at)
+    return model.out_head(model.final_norm(hidden))
 
 
 def load_decoder_state(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:

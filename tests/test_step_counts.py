@@ -288,6 +288,32 @@ def test_generate_right_padded_prompts_gives_each_prompt_its_own_tokens(model, c
         assert out[row, n + new :].tolist() == idx[row, n:].tolist()  # the padding, moved to the end
 
 
+@pytest.mark.parametrize("cache_kind", ["KVCache", "paged"])
+def test_a_padded_pass_runs_its_products_on_the_real_tokens_alone(model, cache_kind):
+    """Rows of 1, 5, 0 and 3 real tokens padded to 5: the products take the 9 real tokens (not 20),
+    and every real token's logits are those of its row computed alone."""
+    prompts = [[3], [9, 4, 1, 7, 2], [], [5, 6, 8]]
+    idx, counts = right_padded([p or [0] for p in prompts])
+    counts[2] = 0
+    kv = model.kv_shape
+    cache = (
+        KVCache(**kv, batch_size=4, max_cache_len=8)
+        if cache_kind == "KVCache"
+        else PagedKVCache(kv["num_layers"], kv["kv_heads"], kv["head_dim"], num_blocks=16, block_size=4)
+    )
+    seen = []
+    hook = model.trf_blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[:-1]))
+    try:
+        logits = model(idx, cache, counts=counts)
+    finally:
+        hook.remove()
+    assert seen == [(1, 9)]
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            own = model(torch.tensor([prompt]))[0]
+            torch.testing.assert_close(logits[row, : len(prompt)], own, atol=1e-5, rtol=1e-5)
+
+
 def test_generate_refuses_bad_prompt_lengths(model):
     idx = torch.zeros(2, 4, dtype=torch.long)
     for lengths, error in (([4], ValueError), ([0, 4], ValueError), ([5, 1], ValueError), ([1.5, 2], TypeError)):
@@ -371,7 +397,7 @@ class CountingModel(torch.nn.Module):
         return self.inner(*args, **kwargs)
 
 
-def test_engine_runs_decode_rows_and_prompt_chunks_in_two_passes_and_every_request_gets_its_tokens_alone(model):
+def test_engine_runs_decode_rows_and_prompt_chunks_in_one_pass_and_every_request_gets_its_tokens_alone(model):
     rng = random.Random(4)
     prompts = prompts_of_mixed_lengths(36, seed=4, longest=40)
     max_new = [rng.randrange(1, 9) for _ in prompts]
@@ -383,12 +409,9 @@ def test_engine_runs_decode_rows_and_prompt_chunks_in_two_passes_and_every_reque
     while engine.has_unfinished:
         before = counting.passes
         engine.step()
-        step = counting.pieces[before:]
-        assert 1 <= len(step) <= 2
-        # one pass of one-token rows (decoding, or a prompt's last token), one of prompt chunks
-        assert all(set(counts) == {1} or min(counts) > 1 for counts in step)
-    # prompt chunks of different lengths shared a pass (counts, not one pass per length)
-    assert any(min(counts) > 1 and len(set(counts)) > 1 for counts in counting.pieces)
+        assert counting.passes == before + 1  # the model packs the padding out: one pass for all rows
+    # decoding rows (one token) and prompt chunks of different lengths shared passes
+    assert any(1 in counts and len(set(counts) - {1}) > 1 for counts in counting.pieces)
     outputs = engine.pop_finished()
     assert [outputs[i] for i in ids] == [alone(model, p, n) for p, n in zip(prompts, max_new)]
 
