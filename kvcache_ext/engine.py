@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,22 @@ def compile_decode(model) -> Callable[[torch.Tensor, object], torch.Tensor]:
         return model(tokens, cache)
 
     return torch.compile(decode, fullgraph=True, options={"emulate_precision_casts": True})
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run torch's CPU ops on this thread alone, then restore the thread count. The Engine chooses
+    its tokens so: sampling a row is a dozen vocabulary-wide elementwise ops (128,256 values each for
+    Llama 3), too short to gain from a second thread (16 rows: 7.7-9.7 ms on two threads, 8.5-9.4 on
+    one; Intel Xeon), and in a server, where the event loop and the clients share the cores, each
+    op's parallel region waited for a descheduled thread (`kvcache-ext serve`, 16 clients: 145-146
+    output tokens/s sampling on two threads, 152-158 on one; docs/server.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(eq=False)  # requests are compared by identity
@@ -521,31 +538,32 @@ class Engine:
             return []
         events = []
         last_logits = logits[:, 0]  # (rows, vocab): each row's last new token
-        for row, (request, count) in enumerate(zip(group, counts)):
-            self.prompt_tokens_computed += max(
-                0, min(request.computed + count, request.prompt_length) - request.computed
-            )
-            request.computed += count
-            if request.computed < len(request.tokens):
-                continue  # more of the prompt to read
-            token = int(
-                choose_next_token(
-                    last_logits[row : row + 1].float(),
-                    request.temperature,
-                    request.top_k,
-                    request.generator,
-                    request.top_p,
+        with _one_thread():
+            for row, (request, count) in enumerate(zip(group, counts)):
+                self.prompt_tokens_computed += max(
+                    0, min(request.computed + count, request.prompt_length) - request.computed
                 )
-            )
-            request.tokens.append(token)
-            events.append((request.request_id, token))
-            if token in request.stop_ids:
-                request.finish_reason = "stop"
-            elif len(request.generated) >= request.max_new_tokens:
-                request.finish_reason = "length"
-            if request.done:
-                self.cache.free(request.request_id)
-                self._running.remove(request)
+                request.computed += count
+                if request.computed < len(request.tokens):
+                    continue  # more of the prompt to read
+                token = int(
+                    choose_next_token(
+                        last_logits[row : row + 1].float(),
+                        request.temperature,
+                        request.top_k,
+                        request.generator,
+                        request.top_p,
+                    )
+                )
+                request.tokens.append(token)
+                events.append((request.request_id, token))
+                if token in request.stop_ids:
+                    request.finish_reason = "stop"
+                elif len(request.generated) >= request.max_new_tokens:
+                    request.finish_reason = "length"
+                if request.done:
+                    self.cache.free(request.request_id)
+                    self._running.remove(request)
         return events
 
     def _compiled_decode(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ from tiny_models import TINY_MODELS, TINY_VOCAB
 
 import kvcache_ext
 from kvcache_ext import Engine, PagedKVCache
+from kvcache_ext.engine import StepFailedError
 from python_ref import generate
+from python_ref.generate import choose_next_token
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_MODELS))
@@ -82,6 +84,32 @@ def test_sampled_requests_draw_from_their_own_generators():
     ]
     assert outputs == expected
     assert outputs != engine.generate(prompts, max_new)  # greedy differs: the sampling was used
+
+
+def test_a_step_leaves_the_thread_count_as_it_found_it(monkeypatch):
+    """The engine chooses its tokens on one thread; the caller's thread count comes back after a
+    step, and after a step whose token choice raised."""
+    model = TINY_MODELS["llama"]()
+    engine = Engine(model, paged_cache(model, num_blocks=16), chunk_size=8)
+    threads_seen = []
+
+    def choose_and_record(*args):
+        threads_seen.append(torch.get_num_threads())
+        return choose_next_token(*args)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(kvcache_ext.engine, "choose_next_token", choose_and_record)
+        engine.generate([[1, 2, 3], [4, 5]], 3, temperature=0.7)
+        assert threads_seen == [1] * 6 and torch.get_num_threads() == 2
+        monkeypatch.setattr(kvcache_ext.engine, "choose_next_token", lambda *args: 1 / 0)
+        engine.add_request([6, 7], 3)
+        with pytest.raises(StepFailedError, match="ZeroDivisionError"):
+            engine.step()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_request_stops_at_eos():
