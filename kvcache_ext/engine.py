@@ -150,12 +150,12 @@ class Engine:
 
     ``compile_decode_passes``: the decode passes (one new token in every row) run under
     ``torch.compile`` (:func:`compile_decode`); the prompt chunks then go in a pass of their own,
-    eager. The pool's bookkeeping
-    stays out of the graph: the cache begins each step eagerly (blocks reserved, block tables made)
-    and the compiled model runs on the step's :class:`~kvcache_ext.paged.PagedStep`. The rows, the
-    tables' width and the lengths are dynamic, so two compilations serve every pass: the first pass
-    of one row and the first of several compile (10-17 s each for a 4-layer 1B model on a 2-core
-    CPU, bench/engine_decode.py). The tokens are the eager engine's.
+    eager. The pool's bookkeeping stays out of the graph: the cache begins each step eagerly (blocks
+    reserved, block tables made) and the compiled model runs on the step's
+    :class:`~kvcache_ext.paged.PagedStep`. The rows, the tables' width and the lengths are dynamic,
+    so two compilations serve every pass: the first pass of one row and the first of several compile
+    (10-17 s each for a 4-layer 1B model on a 2-core CPU, bench/engine_decode.py). The tokens are the
+    eager engine's.
 
     A cache with a ``window`` serves sliding-window models: each request's blocks that leave its
     window return to the pool, so a request holds at most ``ceil((window - 1 + chunk_size) /
