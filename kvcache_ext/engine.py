@@ -149,8 +149,9 @@ class Engine:
     prefix caching saves).
 
     ``compile_decode_passes``: the decode passes (one new token in every row) run under
-    ``torch.compile`` (:func:`compile_decode`); the prompt chunks then go in a pass of their own,
-    eager. The pool's bookkeeping stays out of the graph: the cache begins each step eagerly (blocks
+    ``torch.compile`` (:func:`compile_decode`); a step that reads prompt chunks too runs eagerly,
+    its decoding rows in the same pass (one read of the weights beats a compiled pass and an eager
+    one). The pool's bookkeeping stays out of the graph: the cache begins each step eagerly (blocks
     reserved, block tables made) and the compiled model runs on the step's
     :class:`~kvcache_ext.paged.PagedStep`. The rows, the tables' width and the lengths are dynamic,
     so two compilations serve every pass: the first pass of one row and the first of several compile
@@ -427,28 +428,22 @@ class Engine:
 
     def _passes(self, running: list[_Request]) -> list[list[_Request]]:
         """The forward passes of a step: one for every row (the model packs the padding out of its
-        products), or, with compiled decode passes, one of the decoding rows (one token each) and
-        one of the prompt chunks. A pass needs its largest cached length plus its longest piece
-        within the model's positions (attention runs every row as long as its longest piece):
-        rows are taken by cached length, shortest first, and a pass closes when the next row
-        would not fit."""
+        products), unless it would need more positions than the model has: a pass needs its largest
+        cached length plus its longest piece within them (attention runs every row as long as its
+        longest piece), so rows are taken by cached length, shortest first, and a pass closes when
+        the next row would not fit."""
         context = self.model.cfg.context_length
         passes = []
-        if self._compiled_pass is None:
-            groups = [running]
-        else:
-            groups = [[r for r in running if self._pending(r) == 1], [r for r in running if self._pending(r) > 1]]
-        for rows in groups:
-            current, deepest, longest = [], 0, 0
-            for request in sorted(rows, key=lambda r: r.computed):
-                pending = self._pending(request)
-                if current and max(deepest, request.computed) + max(longest, pending) > context:
-                    passes.append(current)
-                    current, deepest, longest = [], 0, 0
-                current.append(request)
-                deepest, longest = max(deepest, request.computed), max(longest, pending)
-            if current:
+        current, deepest, longest = [], 0, 0
+        for request in sorted(running, key=lambda r: r.computed):
+            pending = self._pending(request)
+            if current and max(deepest, request.computed) + max(longest, pending) > context:
                 passes.append(current)
+                current, deepest, longest = [], 0, 0
+            current.append(request)
+            deepest, longest = max(deepest, request.computed), max(longest, pending)
+        if current:
+            passes.append(current)
         return passes
 
     def _add_all(
