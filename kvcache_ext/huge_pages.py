@@ -8,17 +8,16 @@ Zen 4; bfloat16 products of one row over 230 MB of weights 14.0 -> 14.8 GB/s wit
 ``madvise(MADV_HUGEPAGE)`` when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
 ``madvise``; the mark has to come before the pages are first touched.
 
-:func:`zeros` (the caches) and :func:`weights_to_huge_pages` put each buffer of at least 2 MiB in a
-mapping of its own (a private anonymous mapping per tensor, its start 2 MiB-aligned), marked before
-it is touched, and let it go with the tensor. Not ``torch.empty`` memory: that may be heap memory
-touched already, which a mark no longer turns into huge pages (a loader frees and reallocates while
-it converts), and a mark on heap memory outlives the buffer, so that later small allocations there
-get huge pages too (seen: a plain copy of a small weight landed in a heap range a freed cache buffer
-had marked). :func:`weights_to_huge_pages` also copies the small weights (into plain memory) and
-pages out the file pages a copied weight was read from, so that a checkpoint file mapped whole
-neither stays mapped nor keeps its pages resident beside the copies. Elsewhere (another OS, a device
-tensor) the large weights stay where they are. The mark is a hint: a kernel that refuses it leaves
-the memory on small pages, as before.
+:func:`zeros` (the caches) marks the 2 MiB-aligned interior of a fresh ``torch.empty`` buffer, then
+zeroes it: the allocation stays the tensor's own bytes (``bytes_allocated()`` exact), at most 2 MiB at
+each end keeps small pages. :func:`weights_to_huge_pages` copies a model's large weights into
+mappings of their own instead (a private anonymous mapping per tensor, its start 2 MiB-aligned):
+a loader frees and reallocates while it converts, so a ``torch.empty`` of a weight's size may be
+heap memory touched already, which a mark no longer turns into huge pages. It also copies the
+small weights (into plain memory) and pages out the file pages a copied weight was read from, so
+that a checkpoint file mapped whole neither stays mapped nor keeps its pages resident beside the
+copies. Elsewhere (another OS, a device tensor) the large weights stay where they are. The mark is a
+hint: a kernel that refuses it leaves the memory on small pages, as before.
 """
 
 from __future__ import annotations
@@ -41,13 +40,24 @@ if sys.platform.startswith("linux") and _MADV_HUGEPAGE is not None:
     _madvise.restype = ctypes.c_int
 
 
+def huge_page_span(t: torch.Tensor) -> tuple[int, int]:
+    """The address range ``[start, end)`` of ``t``'s bytes that whole 2 MiB pages cover (empty: start == end)."""
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
+    start = -(-begin // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    stop = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    return (start, stop) if stop > start else (start, start)
+
+
 def zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype, device=device)``, its CPU pages huge where the OS allows:
-    a buffer of at least 2 MiB in a mapping of its own (:func:`_mapped_empty`), zeroed."""
-    on_cpu = torch.device(device if device is not None else "cpu").type == "cpu"
-    if _madvise is None or not on_cpu or torch.Size(shape).numel() * dtype.itemsize < HUGE_PAGE_BYTES:
+    """``torch.zeros(shape, dtype=dtype, device=device)``, its CPU pages huge where the OS allows."""
+    if _madvise is None or torch.device(device if device is not None else "cpu").type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return _mapped_empty(shape, dtype).zero_()
+    t = torch.empty(shape, dtype=dtype, device=device)
+    start, stop = huge_page_span(t)
+    if stop > start:
+        _madvise(start, stop - start, _MADV_HUGEPAGE)  # a refusal (old kernel, THP off) keeps small pages
+    return t.zero_()
 
 
 def weights_to_huge_pages(model: torch.nn.Module) -> int:

@@ -51,34 +51,27 @@ def test_zeros_are_zeros_of_the_asked_shape(shape, dtype):
     assert torch.equal(t, torch.zeros(shape, dtype=dtype))
 
 
-def mapping_at(address: int) -> tuple[int, int, str]:
-    """The range and the name (``[heap]``, a path, or empty) of the mapping that holds ``address``."""
-    for header, _ in smaps_entries():
-        fields = header.split()
-        low, high = (int(x, 16) for x in fields[0].split("-"))
-        if low <= address < high:
-            return low, high, fields[5] if len(fields) > 5 else ""
-    raise AssertionError(f"no mapping holds {address:#x}")
+def test_the_span_is_the_aligned_interior():
+    t = torch.empty(5 * huge_pages.HUGE_PAGE_BYTES + 12345, dtype=torch.uint8)
+    start, stop = huge_pages.huge_page_span(t)
+    assert start % huge_pages.HUGE_PAGE_BYTES == 0 and stop % huge_pages.HUGE_PAGE_BYTES == 0
+    assert t.data_ptr() <= start < t.data_ptr() + huge_pages.HUGE_PAGE_BYTES
+    assert t.data_ptr() + t.numel() - huge_pages.HUGE_PAGE_BYTES < stop <= t.data_ptr() + t.numel()
+    small = torch.empty(1000, dtype=torch.uint8)
+    assert huge_pages.huge_page_span(small)[0] == huge_pages.huge_page_span(small)[1]
 
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_a_long_cache_asks_for_huge_pages_in_mappings_of_its_own(kv_dtype):
-    """Every buffer of 2 MiB or more starts on a 2 MiB boundary, in a marked mapping that is not the
-    heap (a mark there would outlive the buffer); the smaller ones are plain memory."""
+def test_a_long_cache_asks_for_huge_pages(kv_dtype):
     # 2 layers x 2 rows x 4 heads x 4096 slots x 64 x 4 bytes: 16 MiB per buffer (int8: a quarter).
     cache = kvcache_ext.KVCache(2, 2, 4, 64, max_cache_len=4096, dtype=torch.float32, kv_dtype=kv_dtype)
-    buffers = [t for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
-    for t in buffers:
-        nbytes = t.numel() * t.element_size()
-        if nbytes < huge_pages.HUGE_PAGE_BYTES:
-            assert "hg" not in vm_flags_at(t.data_ptr())
-            continue
-        assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
-        assert "hg" in vm_flags_at(t.data_ptr())  # madvise(MADV_HUGEPAGE) marks the mapping "hg"
-        low, high, name = mapping_at(t.data_ptr())
-        assert name != "[heap]" and low <= t.data_ptr() and t.data_ptr() + nbytes <= high
-    assert cache.bytes_allocated() == sum(t.untyped_storage().nbytes() for t in buffers)
+    start, stop = huge_pages.huge_page_span(cache.k)
+    assert stop > start
+    assert "hg" in vm_flags_at(start)  # madvise(MADV_HUGEPAGE) marks the mapping "hg"
+    assert cache.bytes_allocated() == sum(
+        t.untyped_storage().nbytes() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None
+    )
 
 
 class TiedModel(torch.nn.Module):
