@@ -13,29 +13,29 @@ from __future__ import annotations
 
 import torch
 
-from .row_state import checked_step_counts
-
 
 class PackedRows:
     """The real tokens of a pass of ``batch`` rows of ``num_new`` tokens, row ``b`` holding
     ``counts[b]`` (already checked by ``start_step``), packed in row order; a cache for the pass's
     layers that takes and returns the packed layout around ``cache``'s padded one."""
 
-    def __init__(self, cache, counts, batch: int, num_new: int, device: torch.device):
-        counts = checked_step_counts(counts, num_new)[0].to(device)
-        real = torch.arange(num_new, device=device) < counts.unsqueeze(1)  # (batch, num_new)
+    def __init__(self, cache, counts: torch.Tensor, batch: int, num_new: int):
+        real = torch.arange(num_new, device=counts.device) < counts.unsqueeze(1)  # (batch, num_new)
         self.cache, self.batch, self.num_new = cache, batch, num_new
         self.index = real.flatten().nonzero().squeeze(1)  # padded flat position of each real token
         self.starts = torch.cumsum(counts, 0) - counts  # packed position of each row's first token
 
     @staticmethod
     def for_pass(cache, counts, idx: torch.Tensor) -> PackedRows | None:
-        """The packing of a pass of token ids ``idx`` ``(B, T)`` with ``counts``, or None where there
-        is nothing to take out (no counts, no padding) or nothing left (no real token)."""
+        """The packing of a pass of token ids ``idx`` ``(B, T)`` with ``counts`` (checked by the cache's
+        ``start_step`` already), or None where there is nothing to take out (no counts, no padding:
+        every decode pass) or nothing left (no real token)."""
         if counts is None:
             return None
-        rows = PackedRows(cache, counts, idx.shape[0], idx.shape[1], idx.device)
-        return rows if 0 < len(rows.index) < idx.numel() else None
+        counts = torch.as_tensor(counts, dtype=torch.long).to(idx.device)
+        if not 0 < int(counts.sum()) < idx.numel():
+            return None
+        return PackedRows(cache, counts, idx.shape[0], idx.shape[1])
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """``(B or 1, T, ...)`` -> ``(1, N, ...)``: the real tokens' entries (a row of 1 is shared)."""
