@@ -26,6 +26,17 @@ inline __m256i round_to_int16(f32x8 low, f32x8 high, float to_int) {
                                                      _mm256_cvtps_epi32(bit_cast<__m256>(high * to_int))),
                                   0xd8);
 }
+
+// A row of 16 * vectors floats as int16 (dims in order, 16 per vector) against its largest
+// magnitude, and the float value of its unit (the int16 queries: a query that is not an integer
+// query, a KIVI group's scaled query).
+inline void query_to_int16_avx2(const f32x8* q, int64_t vectors, __m256i* q16, float* unit) {
+  f32x8 magnitude = splat<f32x8>(0.0f);
+  for (int64_t c = 0; c < 2 * vectors; ++c) magnitude = max(magnitude, max(q[c], -q[c]));
+  const auto [to_int, step] = int16_rounding(max_lane(magnitude));
+  *unit = step;
+  for (int64_t c = 0; c < vectors; ++c) q16[c] = round_to_int16(q[2 * c], q[2 * c + 1], to_int);
+}
 #endif
 
 }  // namespace
